@@ -1,0 +1,10 @@
+"""keras_selfattn: a serializable Keras 3 self-attention layer.
+
+Importing the package registers `keras_selfattn>SelfAttention` with Keras, so
+`keras.models.load_model` finds it without `custom_objects`.
+"""
+
+from keras_selfattn.self_attention import SelfAttention
+
+__all__ = ["SelfAttention"]
+__version__ = "0.1.0"

@@ -1,0 +1,136 @@
+"""Backend-agnostic attention math used by `SelfAttention` (keras.ops only).
+
+Shapes use B = batch, T = time, H = heads, K = key_dim, V = value_dim.
+Every reshape takes the batch size as -1: tf2onnx miscompiles reshapes whose
+batch size is read from the tensor's dynamic shape.
+"""
+
+from __future__ import annotations
+
+from keras import ops
+
+# Softmax always runs in float32; this is float32's lowest finite value, so
+# masked scores never overflow and a fully masked row never becomes NaN.
+MASK_VALUE = -3.4028234663852886e38
+
+_HALF_PRECISION = ("float16", "bfloat16")
+
+
+def split_heads(x, num_heads: int, head_dim: int):
+    """(B, T, H*D) -> (B, H, T, D)."""
+    if num_heads == 1:
+        return ops.expand_dims(x, 1)
+    x = ops.reshape(x, (-1, ops.shape(x)[1], num_heads, head_dim))
+    return ops.transpose(x, (0, 2, 1, 3))
+
+
+def merge_heads(x, num_heads: int, head_dim: int):
+    """(B, H, T, D) -> (B, T, H*D)."""
+    if num_heads == 1:
+        return ops.squeeze(x, 1)
+    x = ops.transpose(x, (0, 2, 1, 3))
+    return ops.reshape(x, (-1, ops.shape(x)[1], num_heads * head_dim))
+
+
+def causal_mask(length):
+    """(1, 1, T, T) bool, True where key position <= query position."""
+    index = ops.arange(length, dtype="int32")
+    return ops.expand_dims(
+        ops.greater_equal(ops.expand_dims(index, 1), ops.expand_dims(index, 0)),
+        (0, 1),
+    )
+
+
+def sliding_window_mask(length, window: int):
+    """(1, 1, T, T) bool, True where |query - key| < window."""
+    index = ops.arange(length, dtype="int32")
+    distance = ops.abs(ops.expand_dims(index, 1) - ops.expand_dims(index, 0))
+    return ops.expand_dims(ops.less(distance, window), (0, 1))
+
+
+def combine_masks(
+    length,
+    padding_mask=None,
+    attention_mask=None,
+    causal: bool = False,
+    sliding_window: int | None = None,
+):
+    """The (broadcastable to) (B, 1, T, T) boolean mask, or None if unmasked.
+
+    Args:
+        length: T, a Python int or scalar tensor.
+        padding_mask: (B, T) bool, True for real tokens. Masks keys only:
+            padded query rows are zeroed by the caller.
+        attention_mask: (B, T, T) bool, True where a query may attend a key.
+        causal: whether to add the causal mask.
+        sliding_window: if set, the band |query - key| < sliding_window.
+
+    Returns:
+        A bool tensor broadcastable to (B, 1, T, T), or None when nothing is
+        masked (so the caller skips all masking work).
+    """
+    masks = []
+    if padding_mask is not None:
+        masks.append(ops.expand_dims(ops.cast(padding_mask, "bool"), (1, 2)))
+    if attention_mask is not None:
+        masks.append(ops.expand_dims(ops.cast(attention_mask, "bool"), 1))
+    if causal:
+        masks.append(causal_mask(length))
+    if sliding_window is not None:
+        masks.append(sliding_window_mask(length, sliding_window))
+    if not masks:
+        return None
+    combined = masks[0]
+    for mask in masks[1:]:
+        combined = ops.logical_and(combined, mask)
+    return combined
+
+
+def masked_softmax(scores, mask=None):
+    """Softmax over the last axis in float32; masked entries get exactly 0.
+
+    A row whose entries are all masked returns zeros (never NaN), and the
+    gradient stays finite because no infinity enters the graph.
+    """
+    scores = ops.cast(scores, "float32")
+    if mask is None:
+        return ops.softmax(scores, axis=-1)
+    scores = ops.where(mask, scores, MASK_VALUE)
+    weights = ops.softmax(scores, axis=-1)
+    return ops.where(mask, weights, 0.0)
+
+
+def attention_scores(query, key, scale: float):
+    """Raw scaled scores (B, H, T, T), in float32 for half-precision inputs.
+
+    The scores of a float16 model can exceed float16's range (65504), so
+    half-precision query and key are promoted before the product.
+    """
+    if query.dtype in _HALF_PRECISION:
+        query = ops.cast(query, "float32")
+        key = ops.cast(key, "float32")
+    scores = ops.matmul(query, ops.transpose(key, (0, 1, 3, 2)))
+    return ops.multiply(scores, ops.cast(scale, scores.dtype))
+
+
+def scaled_dot_product_attention(
+    query, key, value, scale: float, mask=None, dropout=None
+):
+    """softmax(Q K^T * scale) V over heads.
+
+    Args:
+        query: (B, H, T, K).
+        key: (B, H, T, K).
+        value: (B, H, T, V).
+        scale: multiplier of the raw scores.
+        mask: None or bool broadcastable to (B, H, T, T).
+        dropout: None or a callable applied to the weights before use.
+
+    Returns:
+        Tuple (output (B, H, T, V) in value's dtype, weights (B, H, T, T) in
+        value's dtype, before dropout).
+    """
+    weights = masked_softmax(attention_scores(query, key, scale), mask)
+    weights = ops.cast(weights, value.dtype)
+    used = dropout(weights) if dropout is not None else weights
+    return ops.matmul(used, value), weights

@@ -1,0 +1,332 @@
+"""The `SelfAttention` layer."""
+
+from __future__ import annotations
+
+import math
+
+import keras
+from keras import constraints, initializers, ops, regularizers
+
+from keras_selfattn import _checks
+from keras_selfattn import attention_ops as aops
+
+
+@keras.saving.register_keras_serializable(package="keras_selfattn")
+class SelfAttention(keras.layers.Layer):
+    """Multi-head scaled dot-product self-attention over a sequence.
+
+    For each head h, with X the input of shape `(batch, time, features)`:
+    `Q = X Wq_h (+ bq_h)`, `K = X Wk_h (+ bk_h)`, `V = X Wv_h (+ bv_h)` and
+    `head_h = softmax(Q K^T * scale) V`, with `scale = 1 / sqrt(key_dim)`
+    unless given. The heads are concatenated, then optionally projected to
+    `output_dim`. With `num_heads=1` and no output projection this is exactly
+    `softmax(Q K^T / sqrt(d_k)) V`.
+
+    Unlike `keras.layers.MultiHeadAttention` it takes a single input, so it
+    fits in a `keras.Sequential` model, and it honours Keras masks: padded
+    keys get exactly zero weight, padded query positions output exactly zero,
+    and a query whose keys are all masked outputs zeros (never NaN). Softmax
+    always runs in float32, so `mixed_float16` cannot overflow.
+
+    Args:
+        num_heads: Number of attention heads. Defaults to 1.
+        key_dim: Size of each head for query and key. Defaults to
+            `features // num_heads`, which must divide exactly.
+        value_dim: Size of each head for value. Defaults to `key_dim`.
+        output_dim: If None (default), the output is the concatenated heads
+            (width `num_heads * value_dim`); an int adds a learned output
+            projection to that width.
+        use_bias: Whether the projections have biases. Defaults to False.
+        scale: Multiplier of the raw scores `Q K^T`. None (default) means
+            `1 / sqrt(key_dim)`; 1.0 gives unscaled attention.
+        causal: If True, a position attends only to itself and earlier ones.
+        sliding_window: If set, a position attends only to positions within
+            `sliding_window - 1` of itself (combines with `causal`).
+        dropout: Dropout rate on the attention weights, in training only.
+        seed: Seed of the dropout.
+        kernel_initializer, bias_initializer: Initializers of the kernels and
+            biases.
+        kernel_regularizer, bias_regularizer, activity_regularizer:
+            Regularizers.
+        kernel_constraint, bias_constraint: Constraints.
+        **kwargs: Base layer arguments (`name`, `dtype`, ...).
+
+    Call arguments:
+        inputs: Float tensor of shape `(batch, time, features)`.
+        mask: Optional bool tensor `(batch, time)`, True for real tokens.
+            Passed automatically by `Embedding(mask_zero=True)` or `Masking`.
+        attention_mask: Optional bool tensor `(batch, time, time)`; True
+            where a query position may attend a key position.
+        training: Whether dropout is active.
+        return_attention_scores: If True, also return the attention weights.
+
+    Returns:
+        The output `(batch, time, output_dim or num_heads * value_dim)`, and
+        with `return_attention_scores=True` a tuple `(output, weights)`,
+        weights of shape `(batch, num_heads, time, time)`.
+
+    Example:
+
+    >>> import numpy as np, keras
+    >>> from keras_selfattn import SelfAttention
+    >>> model = keras.Sequential([
+    ...     keras.Input((None, 8)),
+    ...     SelfAttention(num_heads=2),
+    ...     keras.layers.GlobalAveragePooling1D(),
+    ...     keras.layers.Dense(1),
+    ... ])
+    >>> model(np.ones((2, 5, 8), "float32")).shape
+    TensorShape([2, 1])
+    """
+
+    def __init__(
+        self,
+        num_heads: int = 1,
+        key_dim: int | None = None,
+        value_dim: int | None = None,
+        output_dim: int | None = None,
+        use_bias: bool = False,
+        scale: float | None = None,
+        causal: bool = False,
+        sliding_window: int | None = None,
+        dropout: float = 0.0,
+        seed: int | None = None,
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        kernel_regularizer=None,
+        bias_regularizer=None,
+        activity_regularizer=None,
+        kernel_constraint=None,
+        bias_constraint=None,
+        **kwargs,
+    ):
+        super().__init__(activity_regularizer=activity_regularizer, **kwargs)
+        self.num_heads = _checks.positive_int("num_heads", num_heads)
+        self.key_dim = _checks.positive_int("key_dim", key_dim, allow_none=True)
+        self.value_dim = _checks.positive_int("value_dim", value_dim, allow_none=True)
+        self.output_dim = _checks.positive_int(
+            "output_dim", output_dim, allow_none=True
+        )
+        self.use_bias = _checks.boolean("use_bias", use_bias)
+        self.scale = _checks.positive_float("scale", scale, allow_none=True)
+        self.causal = _checks.boolean("causal", causal)
+        self.sliding_window = _checks.positive_int(
+            "sliding_window", sliding_window, allow_none=True
+        )
+        self.dropout = _checks.rate("dropout", dropout)
+        self.seed = _checks.optional_int("seed", seed)
+        self.kernel_initializer = initializers.get(kernel_initializer)
+        self.bias_initializer = initializers.get(bias_initializer)
+        self.kernel_regularizer = regularizers.get(kernel_regularizer)
+        self.bias_regularizer = regularizers.get(bias_regularizer)
+        self.kernel_constraint = constraints.get(kernel_constraint)
+        self.bias_constraint = constraints.get(bias_constraint)
+        self.supports_masking = True
+        self._dropout_layer = (
+            keras.layers.Dropout(self.dropout, seed=self.seed) if self.dropout else None
+        )
+        self._input_dim = None
+
+    # ------------------------------------------------------------------ build
+    def _resolve_dims(self, input_dim: int) -> tuple[int, int]:
+        key_dim = self.key_dim
+        if key_dim is None:
+            if input_dim % self.num_heads:
+                raise ValueError(
+                    "`key_dim` is None, so it defaults to features // num_heads, "
+                    f"but features={input_dim} is not divisible by "
+                    f"num_heads={self.num_heads}. Pass key_dim explicitly. "
+                    f"Received: key_dim=None, num_heads={self.num_heads}"
+                )
+            key_dim = input_dim // self.num_heads
+        value_dim = self.value_dim if self.value_dim is not None else key_dim
+        return key_dim, value_dim
+
+    def _check_input_shape(self, input_shape) -> int:
+        input_shape = tuple(input_shape)
+        if len(input_shape) != 3:
+            raise ValueError(
+                f"SelfAttention '{self.name}' expects `inputs` of rank 3 "
+                f"(batch, time, features). Received: inputs.shape={input_shape}"
+            )
+        if input_shape[-1] is None:
+            raise ValueError(
+                f"SelfAttention '{self.name}' needs a known last dimension "
+                f"(features). Received: inputs.shape={input_shape}"
+            )
+        if self._input_dim is not None and input_shape[-1] != self._input_dim:
+            raise ValueError(
+                f"SelfAttention '{self.name}' was built for features="
+                f"{self._input_dim}. Received: inputs.shape={input_shape}"
+            )
+        return int(input_shape[-1])
+
+    def build(self, input_shape):
+        input_dim = self._check_input_shape(input_shape)
+        self._key_dim, self._value_dim = self._resolve_dims(input_dim)
+        heads = self.num_heads
+        self._add_projection("query", (input_dim, heads * self._key_dim))
+        self._add_projection("key", (input_dim, heads * self._key_dim))
+        self._add_projection("value", (input_dim, heads * self._value_dim))
+        if self.output_dim is not None:
+            self._add_projection("output", (heads * self._value_dim, self.output_dim))
+        self._scale = (
+            self.scale if self.scale is not None else 1.0 / math.sqrt(self._key_dim)
+        )
+        self._input_dim = input_dim
+
+    def _add_projection(self, prefix: str, kernel_shape: tuple[int, int]) -> None:
+        kernel = self.add_weight(
+            name=f"{prefix}_kernel",
+            shape=kernel_shape,
+            initializer=self.kernel_initializer,
+            regularizer=self.kernel_regularizer,
+            constraint=self.kernel_constraint,
+        )
+        setattr(self, f"{prefix}_kernel", kernel)
+        bias = None
+        if self.use_bias:
+            bias = self.add_weight(
+                name=f"{prefix}_bias",
+                shape=(kernel_shape[1],),
+                initializer=self.bias_initializer,
+                regularizer=self.bias_regularizer,
+                constraint=self.bias_constraint,
+            )
+        setattr(self, f"{prefix}_bias", bias)
+
+    # ------------------------------------------------------------------- call
+    def _project(self, x, prefix: str):
+        y = ops.matmul(x, getattr(self, f"{prefix}_kernel"))
+        bias = getattr(self, f"{prefix}_bias")
+        return y if bias is None else ops.add(y, bias)
+
+    def _check_masks(self, inputs_shape, mask, attention_mask) -> None:
+        batch, time = tuple(inputs_shape)[:2]
+        for name, value, rank in (
+            ("mask", mask, 2),
+            ("attention_mask", attention_mask, 3),
+        ):
+            if value is None:
+                continue
+            shape = tuple(value.shape)
+            expected = (batch,) + (time,) * (rank - 1)
+            compatible = len(shape) == rank and all(
+                a is None or b is None or a == b for a, b in zip(shape, expected)
+            )
+            if not compatible:
+                wanted = "(batch, time)" if rank == 2 else "(batch, time, time)"
+                raise ValueError(
+                    f"SelfAttention '{self.name}': `{name}` must have shape "
+                    f"{wanted} = {expected} to match inputs.shape="
+                    f"{tuple(inputs_shape)}. Received: {name}.shape={shape}"
+                )
+
+    def call(
+        self,
+        inputs,
+        mask=None,
+        attention_mask=None,
+        training=None,
+        return_attention_scores: bool = False,
+    ):
+        self._check_input_shape(inputs.shape)
+        self._check_masks(inputs.shape, mask, attention_mask)
+        heads = self.num_heads
+        query = aops.split_heads(self._project(inputs, "query"), heads, self._key_dim)
+        key = aops.split_heads(self._project(inputs, "key"), heads, self._key_dim)
+        value = aops.split_heads(self._project(inputs, "value"), heads, self._value_dim)
+        combined = aops.combine_masks(
+            ops.shape(inputs)[1],
+            padding_mask=mask,
+            attention_mask=attention_mask,
+            causal=self.causal,
+            sliding_window=self.sliding_window,
+        )
+        dropout = None
+        if self._dropout_layer is not None:
+
+            def dropout(w):
+                return self._dropout_layer(w, training=training)
+
+        heads_out, weights = aops.scaled_dot_product_attention(
+            query, key, value, self._scale, combined, dropout
+        )
+        output = aops.merge_heads(heads_out, heads, self._value_dim)
+        if self.output_dim is not None:
+            output = self._project(output, "output")
+        if mask is not None:
+            query_mask = ops.cast(mask, output.dtype)
+            output = ops.multiply(output, ops.expand_dims(query_mask, -1))
+            if return_attention_scores:
+                weights = ops.multiply(
+                    weights, ops.cast(ops.expand_dims(mask, (1, 3)), weights.dtype)
+                )
+        if return_attention_scores:
+            return output, weights
+        return output
+
+    def compute_mask(self, inputs, mask=None):
+        return mask
+
+    def _output_width(self) -> int:
+        if self.output_dim is not None:
+            return self.output_dim
+        return self.num_heads * self._value_dim
+
+    def compute_output_shape(self, input_shape):
+        self._check_input_shape(input_shape)
+        if self._input_dim is None:
+            _, value_dim = self._resolve_dims(int(input_shape[-1]))
+            width = self.output_dim or self.num_heads * value_dim
+        else:
+            width = self._output_width()
+        return tuple(input_shape[:-1]) + (width,)
+
+    def compute_output_spec(
+        self,
+        inputs,
+        mask=None,
+        attention_mask=None,
+        training=None,
+        return_attention_scores: bool = False,
+    ):
+        self._check_masks(inputs.shape, mask, attention_mask)
+        output = keras.KerasTensor(
+            self.compute_output_shape(inputs.shape), dtype=self.compute_dtype
+        )
+        if not return_attention_scores:
+            return output
+        batch, time = inputs.shape[0], inputs.shape[1]
+        weights = keras.KerasTensor(
+            (batch, self.num_heads, time, time), dtype=self.compute_dtype
+        )
+        return output, weights
+
+    # ----------------------------------------------------------------- config
+    def get_config(self) -> dict:
+        config = super().get_config()
+        config.update(
+            {
+                "num_heads": self.num_heads,
+                "key_dim": self.key_dim,
+                "value_dim": self.value_dim,
+                "output_dim": self.output_dim,
+                "use_bias": self.use_bias,
+                "scale": self.scale,
+                "causal": self.causal,
+                "sliding_window": self.sliding_window,
+                "dropout": self.dropout,
+                "seed": self.seed,
+                "kernel_initializer": initializers.serialize(self.kernel_initializer),
+                "bias_initializer": initializers.serialize(self.bias_initializer),
+                "kernel_regularizer": regularizers.serialize(self.kernel_regularizer),
+                "bias_regularizer": regularizers.serialize(self.bias_regularizer),
+                "activity_regularizer": regularizers.serialize(
+                    self.activity_regularizer
+                ),
+                "kernel_constraint": constraints.serialize(self.kernel_constraint),
+                "bias_constraint": constraints.serialize(self.bias_constraint),
+            }
+        )
+        return config

@@ -1,0 +1,106 @@
+"""An independent numpy reference of self-attention, written from the equations.
+
+It loops over batch, heads and query rows and shares no code with the
+package, so tests can compare the layer with it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _softmax(row: np.ndarray) -> np.ndarray:
+    row = row - row.max()
+    e = np.exp(row)
+    return e / e.sum()
+
+
+def allowed(
+    time: int,
+    padding_mask: np.ndarray | None = None,
+    attention_mask: np.ndarray | None = None,
+    causal: bool = False,
+    sliding_window: int | None = None,
+    batch_index: int = 0,
+) -> np.ndarray:
+    """(T, T) bool: may query i attend key j, for one batch element."""
+    ok = np.ones((time, time), dtype=bool)
+    for i in range(time):
+        for j in range(time):
+            if padding_mask is not None and not padding_mask[batch_index, j]:
+                ok[i, j] = False
+            if attention_mask is not None and not attention_mask[batch_index, i, j]:
+                ok[i, j] = False
+            if causal and j > i:
+                ok[i, j] = False
+            if sliding_window is not None and abs(i - j) >= sliding_window:
+                ok[i, j] = False
+    return ok
+
+
+def self_attention(
+    x: np.ndarray,
+    weights: dict[str, np.ndarray],
+    num_heads: int,
+    key_dim: int,
+    value_dim: int,
+    scale: float | None = None,
+    padding_mask: np.ndarray | None = None,
+    attention_mask: np.ndarray | None = None,
+    causal: bool = False,
+    sliding_window: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Returns (output (B, T, W), attention weights (B, H, T, T)) in float64.
+
+    `weights` has keys wq, wk, wv and optionally bq, bk, bv, wo, bo, with the
+    layer's layout: head h uses columns [h*key_dim:(h+1)*key_dim].
+    """
+    x = x.astype(np.float64)
+    batch, time, _ = x.shape
+    scale = 1.0 / np.sqrt(key_dim) if scale is None else scale
+
+    def proj(name: str) -> np.ndarray:
+        y = x @ weights["w" + name].astype(np.float64)
+        if "b" + name in weights:
+            y = y + weights["b" + name]
+        return y
+
+    q, k, v = proj("q"), proj("k"), proj("v")
+    heads_out = np.zeros((batch, time, num_heads * value_dim))
+    attn = np.zeros((batch, num_heads, time, time))
+    for b in range(batch):
+        ok = allowed(time, padding_mask, attention_mask, causal, sliding_window, b)
+        for h in range(num_heads):
+            qh = q[b, :, h * key_dim : (h + 1) * key_dim]
+            kh = k[b, :, h * key_dim : (h + 1) * key_dim]
+            vh = v[b, :, h * value_dim : (h + 1) * value_dim]
+            for i in range(time):
+                if padding_mask is not None and not padding_mask[b, i]:
+                    continue  # padded query: zero weights, zero output
+                if not ok[i].any():
+                    continue  # nothing to attend: zero weights, zero output
+                scores = np.array([qh[i] @ kh[j] for j in range(time)]) * scale
+                w = np.zeros(time)
+                w[ok[i]] = _softmax(scores[ok[i]])
+                attn[b, h, i] = w
+                heads_out[b, i, h * value_dim : (h + 1) * value_dim] = w @ vh
+    out = heads_out
+    if "wo" in weights:
+        out = out @ weights["wo"].astype(np.float64)
+        if "bo" in weights:
+            out = out + weights["bo"]
+    if padding_mask is not None:
+        out = out * padding_mask[:, :, None]
+    return out, attn
+
+
+def layer_weights(layer) -> dict[str, np.ndarray]:
+    """The layer's weights by reference name, read through get_weights()."""
+    names = ["wq"] + (["bq"] if layer.use_bias else [])
+    names += ["wk"] + (["bk"] if layer.use_bias else [])
+    names += ["wv"] + (["bv"] if layer.use_bias else [])
+    if layer.output_dim is not None:
+        names += ["wo"] + (["bo"] if layer.use_bias else [])
+    values = layer.get_weights()
+    assert len(values) == len(names), (len(values), names)
+    return dict(zip(names, values))
