@@ -212,7 +212,8 @@ class SelfAttention(keras.layers.Layer):
             shape = tuple(value.shape)
             expected = (batch,) + (time,) * (rank - 1)
             compatible = len(shape) == rank and all(
-                a is None or b is None or a == b for a, b in zip(shape, expected)
+                a is None or b is None or a == b
+                for a, b in zip(shape, expected, strict=False)
             )
             if not compatible:
                 wanted = "(batch, time)" if rank == 2 else "(batch, time, time)"

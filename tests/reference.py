@@ -103,4 +103,4 @@ def layer_weights(layer) -> dict[str, np.ndarray]:
         names += ["wo"] + (["bo"] if layer.use_bias else [])
     values = layer.get_weights()
     assert len(values) == len(names), (len(values), names)
-    return dict(zip(names, values))
+    return dict(zip(names, values, strict=True))
