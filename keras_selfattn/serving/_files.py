@@ -1,0 +1,51 @@
+"""Atomic file writes: a reader sees the old file or the new one, never half."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+
+
+def atomic_write(path: str, write: Callable[[str], None]) -> str:
+    """Runs `write(tmp_path)` on a temporary file, then renames it to `path`.
+
+    The temporary file sits beside `path` (same filesystem, so the rename is
+    atomic) and is removed if `write` fails.
+
+    Args:
+        path: Destination file. Its folder must exist.
+        write: Callable writing the complete content to the path it gets.
+
+    Returns:
+        `path`.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(
+            f"The folder of `path` does not exist. Received: path={path!r}"
+        )
+    fd, tmp = tempfile.mkstemp(
+        prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder
+    )
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return path
+
+
+def atomic_write_text(path: str, text: str) -> str:
+    """Writes `text` (UTF-8) to `path` atomically; returns `path`."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    return atomic_write(path, write)
