@@ -93,6 +93,10 @@ def masked_softmax(scores, mask=None):
     gradient stays finite because no infinity enters the graph.
     """
     scores = ops.cast(scores, "float32")
+    if scores.shape[-1] == 1:
+        # One key: the weight is 1 (Keras warns on a softmax over one entry).
+        weights = ops.ones_like(scores)
+        return weights if mask is None else ops.where(mask, weights, 0.0)
     if mask is None:
         return ops.softmax(scores, axis=-1)
     scores = ops.where(mask, scores, MASK_VALUE)

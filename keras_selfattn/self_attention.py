@@ -123,7 +123,9 @@ class SelfAttention(keras.layers.Layer):
         self.bias_constraint = constraints.get(bias_constraint)
         self.supports_masking = True
         self._dropout_layer = (
-            keras.layers.Dropout(self.dropout, seed=self.seed) if self.dropout else None
+            keras.layers.Dropout(self.dropout, seed=self.seed, dtype=self.dtype_policy)
+            if self.dropout
+            else None
         )
         self._input_dim = None
 
