@@ -15,19 +15,12 @@ import tensorflow as tf
 from tensorflow_serving.apis import predict_pb2, prediction_log_pb2
 
 from keras_selfattn.serving._files import atomic_write
+from keras_selfattn.serving.grpc_client import build_predict_request
 
 WARMUP_FILE_NAME = "tf_serving_warmup_requests"
 WARMUP_DIR_NAME = "assets.extra"
 # TF Serving refuses a warmup file with more records (WarmupConsts).
 MAX_WARMUP_RECORDS = 1000
-
-
-def _check_name(arg: str, value) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError(
-            f"`{arg}` must be a non-empty string. Received: {arg}={value!r}"
-        )
-    return value
 
 
 def _check_examples(examples) -> list[dict[str, np.ndarray]]:
@@ -41,17 +34,13 @@ def _check_examples(examples) -> list[dict[str, np.ndarray]]:
             f"`examples` has {len(examples)} requests; TF Serving reads at most "
             f"{MAX_WARMUP_RECORDS} warmup records."
         )
-    checked = []
     for i, example in enumerate(examples):
         if not isinstance(example, dict) or not example:
             raise ValueError(
                 f"`examples[{i}]` must be a non-empty dict mapping input names to "
                 f"arrays. Received: examples[{i}]={example!r}"
             )
-        for key in example:
-            _check_name(f"examples[{i}] key", key)
-        checked.append({key: np.asarray(value) for key, value in example.items()})
-    return checked
+    return list(examples)
 
 
 def build_warmup_log(
@@ -69,11 +58,7 @@ def build_warmup_log(
     Returns:
         A `PredictionLog` whose `predict_log.request` carries the inputs.
     """
-    request = predict_pb2.PredictRequest()
-    request.model_spec.name = _check_name("model_name", model_name)
-    request.model_spec.signature_name = _check_name("signature_name", signature_name)
-    for key, value in inputs.items():
-        request.inputs[key].CopyFrom(tf.make_tensor_proto(np.asarray(value)))
+    request = build_predict_request(model_name, inputs, signature_name)
     return prediction_log_pb2.PredictionLog(
         predict_log=prediction_log_pb2.PredictLog(request=request)
     )
