@@ -83,8 +83,11 @@ def _to_array(name: str, value, dtype) -> np.ndarray:
         array = np.asarray(value)
     except ValueError as e:
         raise ValueError(f"Output {name!r} is not a rectangular array: {e}") from None
-    if array.dtype == object:
-        raise ValueError(f"Output {name!r} is not a rectangular numeric array.")
+    if array.dtype.kind not in "biuf":
+        raise ValueError(
+            f"Output {name!r} is not a rectangular numeric or bool array "
+            f"(numpy dtype {array.dtype})."
+        )
     if dtype is not None:
         return array.astype(dtype)
     if array.dtype.kind == "f":
@@ -105,7 +108,7 @@ def parse_rest_response(
             its name.
         dtypes: Optional output name to dtype. By default JSON numbers with a
             fraction become float32 (TF Serving's float outputs), integers
-            int64 and booleans bool.
+            int64 and booleans bool. String outputs are not supported.
 
     Returns:
         Output name to array, batch axis first.
