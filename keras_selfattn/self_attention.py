@@ -9,6 +9,7 @@ from keras import constraints, initializers, ops, regularizers
 
 from keras_selfattn import _checks
 from keras_selfattn import attention_ops as aops
+from keras_selfattn.chunked_attention import chunked_attention
 
 
 @keras.saving.register_keras_serializable(package="keras_selfattn")
@@ -42,6 +43,15 @@ class SelfAttention(keras.layers.Layer):
         causal: If True, a position attends only to itself and earlier ones.
         sliding_window: If set, a position attends only to positions within
             `sliding_window - 1` of itself (combines with `causal`).
+        chunk_size: If None (default), the full `(batch, heads, time, time)`
+            attention weights are built at once. An int computes the same
+            attention exactly, `chunk_size` queries at a time, each block
+            taking its softmax over all the keys it may see: peak memory is
+            `O(batch * heads * chunk_size * time)` instead of `O(time^2)`,
+            and with `causal` or `sliding_window` the key blocks those masks
+            rule out are skipped (with `sliding_window=w` the work is
+            `O(time * (chunk_size + 2 * w))`). It cannot return the weights:
+            `return_attention_scores=True` raises a ValueError.
         dropout: Dropout rate on the attention weights, in training only.
         seed: Seed of the dropout.
         kernel_initializer, bias_initializer: Initializers of the kernels and
@@ -89,6 +99,7 @@ class SelfAttention(keras.layers.Layer):
         scale: float | None = None,
         causal: bool = False,
         sliding_window: int | None = None,
+        chunk_size: int | None = None,
         dropout: float = 0.0,
         seed: int | None = None,
         kernel_initializer="glorot_uniform",
@@ -112,6 +123,9 @@ class SelfAttention(keras.layers.Layer):
         self.causal = _checks.boolean("causal", causal)
         self.sliding_window = _checks.positive_int(
             "sliding_window", sliding_window, allow_none=True
+        )
+        self.chunk_size = _checks.positive_int(
+            "chunk_size", chunk_size, allow_none=True
         )
         self.dropout = _checks.rate("dropout", dropout)
         self.seed = _checks.optional_int("seed", seed)
@@ -225,6 +239,16 @@ class SelfAttention(keras.layers.Layer):
                     f"{tuple(inputs_shape)}. Received: {name}.shape={shape}"
                 )
 
+    def _check_scores_request(self, return_attention_scores: bool) -> None:
+        if return_attention_scores and self.chunk_size is not None:
+            raise ValueError(
+                f"SelfAttention '{self.name}' has chunk_size={self.chunk_size}, "
+                "so it never builds the (batch, heads, time, time) attention "
+                "weights and cannot return them. Use a layer with "
+                "chunk_size=None (same weights, same outputs) to inspect them. "
+                "Received: return_attention_scores=True"
+            )
+
     def call(
         self,
         inputs,
@@ -235,26 +259,41 @@ class SelfAttention(keras.layers.Layer):
     ):
         self._check_input_shape(inputs.shape)
         self._check_masks(inputs.shape, mask, attention_mask)
+        self._check_scores_request(return_attention_scores)
         heads = self.num_heads
         query = aops.split_heads(self._project(inputs, "query"), heads, self._key_dim)
         key = aops.split_heads(self._project(inputs, "key"), heads, self._key_dim)
         value = aops.split_heads(self._project(inputs, "value"), heads, self._value_dim)
-        combined = aops.combine_masks(
-            ops.shape(inputs)[1],
-            padding_mask=mask,
-            attention_mask=attention_mask,
-            causal=self.causal,
-            sliding_window=self.sliding_window,
-        )
         dropout = None
         if self._dropout_layer is not None:
 
             def dropout(w):
                 return self._dropout_layer(w, training=training)
 
-        heads_out, weights = aops.scaled_dot_product_attention(
-            query, key, value, self._scale, combined, dropout
-        )
+        if self.chunk_size is None:
+            combined = aops.combine_masks(
+                ops.shape(inputs)[1],
+                padding_mask=mask,
+                attention_mask=attention_mask,
+                causal=self.causal,
+                sliding_window=self.sliding_window,
+            )
+            heads_out, weights = aops.scaled_dot_product_attention(
+                query, key, value, self._scale, combined, dropout
+            )
+        else:
+            heads_out = chunked_attention(
+                query,
+                key,
+                value,
+                self._scale,
+                self.chunk_size,
+                padding_mask=mask,
+                attention_mask=attention_mask,
+                causal=self.causal,
+                sliding_window=self.sliding_window,
+                dropout=dropout,
+            )
         output = aops.merge_heads(heads_out, heads, self._value_dim)
         if self.output_dim is not None:
             output = self._project(output, "output")
@@ -295,6 +334,7 @@ class SelfAttention(keras.layers.Layer):
         return_attention_scores: bool = False,
     ):
         self._check_masks(inputs.shape, mask, attention_mask)
+        self._check_scores_request(return_attention_scores)
         output = keras.KerasTensor(
             self.compute_output_shape(inputs.shape), dtype=self.compute_dtype
         )
@@ -319,6 +359,7 @@ class SelfAttention(keras.layers.Layer):
                 "scale": self.scale,
                 "causal": self.causal,
                 "sliding_window": self.sliding_window,
+                "chunk_size": self.chunk_size,
                 "dropout": self.dropout,
                 "seed": self.seed,
                 "kernel_initializer": initializers.serialize(self.kernel_initializer),

@@ -1,0 +1,184 @@
+"""Exact attention computed one block of queries at a time (keras.ops only).
+
+`SelfAttention(chunk_size=C)` calls `chunked_attention` instead of building
+the full (B, H, T, T) weights. Each block of C consecutive queries takes its
+softmax over every key it may see, so the result is the same attention up to
+float rounding, while the largest intermediate is (B, H, C, span) with span
+the number of keys a block can see:
+
+- no causal, no sliding_window: span = T (memory linear in T);
+- causal only: block [s, s+C) sees keys [0, s+C), about half the work;
+- sliding_window w: block [s, s+C) sees keys [s-w+1, s+C+w-1) only
+  ([s-w+1, s+C) with causal), a fixed span of at most C + 2(w-1) keys, so
+  the work is linear in T too.
+
+Blocks run in a sequential `ops.scan` (`unroll=1`, which is a `tf.while_loop`
+with `parallel_iterations=1` on TensorFlow), so only one block's scores are
+alive at a time, T may be dynamic, and gradients flow through the loop.
+
+Shapes use B = batch, H = heads, T = time, K = key_dim, V = value_dim.
+"""
+
+from __future__ import annotations
+
+from keras import ops
+
+from keras_selfattn import attention_ops as aops
+
+
+def _minimum(a, b):
+    """min(a, b), a Python int when both are static."""
+    if isinstance(a, int) and isinstance(b, int):
+        return min(a, b)
+    return ops.minimum(a, b)
+
+
+def _key_span(block, time, causal: bool, sliding_window: int | None):
+    """Keys a block of `block` queries can see, or None if it varies by block.
+
+    Only causal attention without a window has a span that grows with the
+    block's position (block [s, s+C) sees keys [0, s+C)).
+    """
+    if sliding_window is None:
+        return None if causal else time
+    reach = sliding_window - 1
+    span = block + reach if causal else block + 2 * reach
+    return _minimum(span, time)
+
+
+def _block_mask(
+    start,
+    key_start,
+    block,
+    span,
+    padding_mask,
+    attention_mask,
+    causal: bool,
+    sliding_window: int | None,
+):
+    """Bool mask broadcastable to (B, H, block, span), or None if unmasked."""
+    masks = []
+    if causal or sliding_window is not None:
+        query_pos = ops.expand_dims(start + ops.arange(block, dtype="int32"), 1)
+        key_pos = ops.expand_dims(key_start + ops.arange(span, dtype="int32"), 0)
+        if causal:
+            masks.append(ops.less_equal(key_pos, query_pos))
+        if sliding_window is not None:
+            distance = ops.abs(ops.subtract(query_pos, key_pos))
+            masks.append(ops.less(distance, sliding_window))
+    if padding_mask is not None:
+        batch = ops.shape(padding_mask)[0]
+        keys = ops.slice(padding_mask, (0, key_start), (batch, span))
+        masks.append(ops.expand_dims(ops.cast(keys, "bool"), (1, 2)))
+    if attention_mask is not None:
+        batch = ops.shape(attention_mask)[0]
+        rows = ops.slice(attention_mask, (0, start, key_start), (batch, block, span))
+        masks.append(ops.expand_dims(ops.cast(rows, "bool"), 1))
+    if not masks:
+        return None
+    combined = masks[0]
+    for mask in masks[1:]:
+        combined = ops.logical_and(combined, mask)
+    return combined
+
+
+def _assemble(blocks, time, block, num_blocks):
+    """(n, B, H, C, V) blocks -> (B, H, T, V).
+
+    Every block but the last starts at i * C; the last one starts at T - C
+    (so no slice runs past the end) and supplies rows [(n-1) * C, T).
+    """
+    heads, value_dim = ops.shape(blocks)[2], ops.shape(blocks)[4]
+    rows = ops.reshape(
+        ops.transpose(blocks, (1, 2, 0, 3, 4)),
+        (-1, heads, num_blocks * block, value_dim),
+    )
+    head = rows[:, :, : (num_blocks - 1) * block]
+    tail = rows[:, :, (2 * num_blocks - 1) * block - time :]
+    return ops.concatenate([head, tail], axis=2)
+
+
+def chunked_attention(
+    query,
+    key,
+    value,
+    scale: float,
+    chunk_size: int,
+    padding_mask=None,
+    attention_mask=None,
+    causal: bool = False,
+    sliding_window: int | None = None,
+    dropout=None,
+):
+    """softmax(Q K^T * scale) V, computed `chunk_size` queries at a time.
+
+    Args:
+        query: (B, H, T, K).
+        key: (B, H, T, K).
+        value: (B, H, T, V).
+        scale: Multiplier of the raw scores.
+        chunk_size: Queries per block (C). Blocks are min(C, T) long.
+        padding_mask: None or bool (B, T), True for real keys. Padded query
+            rows are computed as usual; the caller zeroes them.
+        attention_mask: None or bool (B, T, T), True where a query may
+            attend a key.
+        causal: Whether a query sees only itself and earlier keys.
+        sliding_window: If set, a query sees keys closer than this.
+        dropout: None or a callable applied to each block's weights.
+
+    Returns:
+        The attention output (B, H, T, V) in value's dtype, equal to
+        `attention_ops.scaled_dot_product_attention` with the combined mask.
+
+    Example:
+
+    >>> import numpy as np
+    >>> q = np.random.rand(2, 1, 10, 4).astype("float32")
+    >>> chunked_attention(q, q, q, 0.5, chunk_size=4, causal=True).shape
+    TensorShape([2, 1, 10, 4])
+    """
+    query_shape = ops.shape(query)
+    batch, heads, time, key_dim = query_shape
+    value_dim = ops.shape(value)[3]
+    block = _minimum(chunk_size, time)
+    num_blocks = (time + block - 1) // block
+    span = _key_span(block, time, causal, sliding_window)
+    reach = 0 if sliding_window is None else sliding_window - 1
+
+    def attend(start):
+        rows = ops.slice(query, (0, 0, start, 0), (batch, heads, block, key_dim))
+        if span is None:  # causal only: keys [0, start + block)
+            key_start, key_span = 0, start + block
+        else:
+            key_start = ops.clip(start - reach, 0, time - span)
+            key_span = span
+        keys = ops.slice(key, (0, 0, key_start, 0), (batch, heads, key_span, key_dim))
+        values = ops.slice(
+            value, (0, 0, key_start, 0), (batch, heads, key_span, value_dim)
+        )
+        mask = _block_mask(
+            start,
+            key_start,
+            block,
+            key_span,
+            padding_mask,
+            attention_mask,
+            causal,
+            sliding_window,
+        )
+        output, _ = aops.scaled_dot_product_attention(
+            rows, keys, values, scale, mask, dropout
+        )
+        return output
+
+    def step(_, start):
+        output = attend(start)
+        # On TensorFlow, ops.scan needs each output shaped like the carry.
+        return output, output
+
+    starts = ops.minimum(ops.arange(num_blocks, dtype="int32") * block, time - block)
+    first = ops.zeros_like(
+        ops.slice(value, (0, 0, 0, 0), (batch, heads, block, value_dim))
+    )
+    _, blocks = ops.scan(step, first, xs=starts, unroll=1)
+    return _assemble(blocks, time, block, num_blocks)
