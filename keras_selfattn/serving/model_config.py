@@ -3,6 +3,11 @@
 `tensorflow_model_server --model_config_file=models.config` serves every
 model listed; each `base_path` holds numbered version folders (`1/`, `2/`,
 ...) and, with the default policy, the highest version is served.
+
+A `base_path` must be the path the server sees. By default it is
+`/models/NAME`, for the `tensorflow/serving` Docker image with the base dir
+mounted at `/models`; `container_base=None` writes absolute local paths for
+a `tensorflow_model_server` running on this machine.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from tensorflow_serving.config import model_server_config_pb2
 from keras_selfattn.serving._files import atomic_write_text
 
 CONFIG_FILE_NAME = "models.config"
+LOCAL_CONFIG_FILE_NAME = "models.local.config"
+DOCKER_MODELS_DIR = "/models"
 
 
 def check_model_name(value) -> str:
@@ -67,17 +74,19 @@ def _base_path(base_dir: str, name: str, container_base: str | None) -> str:
 
 
 def build_models_config(
-    base_dir: str, model_names: list[str], container_base: str | None = None
+    base_dir: str,
+    model_names: list[str],
+    container_base: str | None = DOCKER_MODELS_DIR,
 ) -> model_server_config_pb2.ModelServerConfig:
     """Builds the ModelServerConfig proto serving `model_names`.
 
     Args:
         base_dir: The export base dir holding one folder per model.
         model_names: Names of the model folders to serve.
-        container_base: None (default) writes absolute local paths, for a
-            `tensorflow_model_server` on this machine; a POSIX absolute path
-            such as `"/models"` writes `container_base/NAME`, the path the
-            server sees when `base_dir` is mounted there (Docker).
+        container_base: Where the server sees `base_dir`: `"/models"`
+            (default) writes `/models/NAME`, for Docker with `base_dir`
+            mounted at `/models`; None writes absolute local paths, for a
+            `tensorflow_model_server` on this machine.
 
     Returns:
         A `ModelServerConfig` with one `tensorflow` model per name.
@@ -103,21 +112,24 @@ def build_models_config(
 
 
 def models_config_text(
-    base_dir: str, model_names: list[str], container_base: str | None = None
+    base_dir: str,
+    model_names: list[str],
+    container_base: str | None = DOCKER_MODELS_DIR,
 ) -> str:
     """Returns the `models.config` text (protobuf text format) for the models.
 
     Args:
         base_dir: The export base dir holding one folder per model.
         model_names: Names of the model folders to serve.
-        container_base: See `build_models_config`; `"/models"` for Docker.
+        container_base: See `build_models_config`: `"/models"` (default)
+            for Docker, None for absolute local paths.
 
     Returns:
         The ModelServerConfig in text format.
 
     Example:
 
-    >>> print(models_config_text("artifacts/serving", ["clf"], "/models"))
+    >>> print(models_config_text("artifacts/serving", ["clf"]))
     model_config_list {
       config {
         name: "clf"
@@ -132,7 +144,10 @@ def models_config_text(
 
 
 def write_models_config(
-    base_dir: str, model_names: list[str], container_base: str | None = None
+    base_dir: str,
+    model_names: list[str],
+    container_base: str | None = DOCKER_MODELS_DIR,
+    file_name: str = CONFIG_FILE_NAME,
 ) -> str:
     """Writes `base_dir/models.config` atomically, replacing an older one.
 
@@ -140,10 +155,23 @@ def write_models_config(
         base_dir: The export base dir (must exist) holding one folder per
             model.
         model_names: Names of the model folders to serve.
-        container_base: See `build_models_config`; `"/models"` for Docker.
+        container_base: See `build_models_config`: `"/models"` (default)
+            for Docker, None for absolute local paths.
+        file_name: Name of the file in `base_dir`; e.g.
+            `"models.local.config"` beside the Docker one.
 
     Returns:
         The path of the written file.
+
+    Example:
+
+    >>> import os, tempfile
+    >>> base = tempfile.mkdtemp()
+    >>> os.path.basename(write_models_config(base, ["clf"]))
+    'models.config'
+    >>> path = write_models_config(base, ["clf"], None, "models.local.config")
+    >>> os.path.join(base, "clf") in open(path).read()
+    True
     """
     text = models_config_text(base_dir, model_names, container_base)
     base_dir = os.fspath(base_dir)
@@ -151,4 +179,14 @@ def write_models_config(
         raise FileNotFoundError(
             f"`base_dir` is not an existing folder. Received: base_dir={base_dir!r}"
         )
-    return atomic_write_text(os.path.join(base_dir, CONFIG_FILE_NAME), text)
+    if (
+        not isinstance(file_name, str)
+        or not file_name
+        or os.path.basename(file_name) != file_name
+        or file_name in (".", "..")
+    ):
+        raise ValueError(
+            "`file_name` must be a plain file name without path separators. "
+            f"Received: file_name={file_name!r}"
+        )
+    return atomic_write_text(os.path.join(base_dir, file_name), text)
