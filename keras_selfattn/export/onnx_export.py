@@ -1,0 +1,170 @@
+"""Export to ONNX through tf2onnx, checked by onnx.checker and onnxruntime.
+
+The steps are separate functions so passes can be added between conversion
+and checking (e.g. fusing attention into ONNX's Attention operator):
+`convert_to_onnx` -> `name_dynamic_axes` -> [further passes] -> `onnx.checker`
+-> write beside the target -> numeric check in onnxruntime -> link into place.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import keras
+import onnx
+import tensorflow as tf
+
+from keras_selfattn.export import _files
+from keras_selfattn.export._endpoint import Endpoint, build_endpoint
+from keras_selfattn.export.verify import (
+    DEFAULT_ATOL,
+    DEFAULT_RTOL,
+    DEFAULT_SHAPES,
+    compare_runtimes,
+    onnx_runner,
+)
+
+DEFAULT_OPSET = 17
+# tf2onnx 1.17 converts up to opset 18; below 13 it lacks ops these models use.
+MIN_OPSET = 13
+MAX_OPSET = 18
+BATCH_AXIS = "batch"
+TIME_AXIS = "time"
+
+
+def check_opset(opset: object) -> int:
+    """Returns the opset to use (`DEFAULT_OPSET` for None).
+
+    Raises:
+        ValueError: if `opset` is not an int in [MIN_OPSET, MAX_OPSET].
+    """
+    if opset is None:
+        return DEFAULT_OPSET
+    if (
+        isinstance(opset, bool)
+        or not isinstance(opset, int)
+        or not MIN_OPSET <= opset <= MAX_OPSET
+    ):
+        raise ValueError(
+            f"Unsupported ONNX opset {opset!r}: supported opsets are "
+            f"{MIN_OPSET} to {MAX_OPSET} (tf2onnx's maximum). Received: opset={opset!r}"
+        )
+    return opset
+
+
+def convert_to_onnx(endpoint: Endpoint, opset: int) -> onnx.ModelProto:
+    """Converts the endpoint's graph with tf2onnx.
+
+    Inputs keep the model's input names (through named TensorSpecs) and
+    outputs get the endpoint's output names (the keys of the returned dict).
+    """
+    import tf2onnx
+
+    specs = [
+        tf.TensorSpec(spec.shape, tf.as_dtype(spec.dtype), name=spec.name)
+        for spec in endpoint.inputs
+    ]
+    names = endpoint.output_names
+
+    @tf.function(input_signature=specs)
+    def forward(*tensors):
+        outputs = endpoint.model(list(tensors), training=False)
+        return dict(zip(names, keras.tree.flatten(outputs), strict=True))
+
+    proto, _ = tf2onnx.convert.from_function(
+        forward, input_signature=specs, opset=opset
+    )
+    return proto
+
+
+def _name_dims(value_info: onnx.ValueInfoProto, names: list[str | None]) -> None:
+    dims = value_info.type.tensor_type.shape.dim
+    for dim, name in zip(dims, names, strict=False):
+        if name is not None and not dim.HasField("dim_value"):
+            dim.dim_param = name
+
+
+def name_dynamic_axes(proto: onnx.ModelProto, endpoint: Endpoint) -> onnx.ModelProto:
+    """Names dynamic axes "batch" and "time" on the graph inputs and outputs.
+
+    Axis 0 is "batch". With one dynamic time axis among the inputs every
+    other dynamic axis (inputs and outputs) is "time"; with several, input
+    axes are named "<input>_time" and output axes other than batch keep
+    tf2onnx's names, since they cannot be told apart.
+    """
+    time_inputs = [
+        spec.name for spec in endpoint.inputs if any(d is None for d in spec.shape[1:])
+    ]
+    shared_time = TIME_AXIS if len(time_inputs) == 1 else None
+    for value_info in proto.graph.input:
+        time = shared_time or f"{value_info.name}_{TIME_AXIS}"
+        rank = len(value_info.type.tensor_type.shape.dim)
+        _name_dims(value_info, [BATCH_AXIS] + [time] * (rank - 1))
+    for value_info in proto.graph.output:
+        rank = len(value_info.type.tensor_type.shape.dim)
+        _name_dims(value_info, [BATCH_AXIS] + [shared_time] * (rank - 1))
+    return proto
+
+
+def export_onnx(
+    model: keras.Model,
+    path: str | os.PathLike,
+    opset: int | None = None,
+    *,
+    attention_outputs: str | Mapping[str, str] | None = None,
+    check: bool = True,
+    atol: float = DEFAULT_ATOL,
+    rtol: float = DEFAULT_RTOL,
+) -> str:
+    """Exports `model` to an ONNX file through tf2onnx.
+
+    Inputs and outputs are named like the model's, with dynamic axes named
+    "batch" and "time"; integer and boolean inputs keep their dtypes. Before
+    the file appears at `path`, the model passes `onnx.checker` and (with
+    `check`) runs in onnxruntime on several shapes, compared with Keras. The
+    file is written beside `path` and linked into place, so a failure leaves
+    nothing at `path`; an existing file is never replaced.
+
+    Args:
+        model: A Functional or Sequential model with named `keras.Input`s.
+        path: The ONNX file to create; missing parent folders are created.
+        opset: ONNX opset, 13 to 18. Defaults to 17.
+        attention_outputs: As in `export_saved_model`: a SelfAttention layer
+            name (output "attention_weights") or {layer name: output name}.
+        check: Whether to run the onnxruntime comparison (see `verify`).
+        atol, rtol: Tolerances of that check.
+
+    Returns:
+        `path`, as a string.
+
+    Raises:
+        ValueError: for an unsupported opset or an invalid model input name.
+        FileExistsError: if `path` exists (left untouched).
+        ParityError: if onnxruntime's results differ from Keras.
+
+    Example:
+
+    >>> from keras_selfattn.export import export_onnx  # doctest: +SKIP
+    >>> export_onnx(model, "artifacts/model.onnx", opset=17)  # doctest: +SKIP
+    'artifacts/model.onnx'
+    """
+    opset = check_opset(opset)
+    path = os.fspath(path)
+    _files.refuse_existing(path, "Output file")
+    endpoint = build_endpoint(model, attention_outputs)
+    proto = convert_to_onnx(endpoint, opset)
+    proto = name_dynamic_axes(proto, endpoint)
+    onnx.checker.check_model(proto, full_check=True)
+    with _files.atomic_file(path) as tmp:
+        onnx.save(proto, tmp)
+        if check:
+            compare_runtimes(
+                endpoint,
+                {"onnx": onnx_runner(tmp, endpoint)},
+                DEFAULT_SHAPES,
+                atol,
+                rtol,
+                seed=0,
+            )
+    return path

@@ -1,0 +1,315 @@
+"""Numeric parity of exported models with Keras: `verify` and its report."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping, Sequence
+
+import keras
+import numpy as np
+
+from keras_selfattn.export._endpoint import Endpoint, build_endpoint, keras_reference
+from keras_selfattn.export._inputs import example_inputs, is_padded
+
+# (batch, time): a single step, an odd length, and two long ones. Rows after
+# the first are padded when the model has integer or boolean inputs.
+DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((1, 1), (2, 33), (3, 128), (2, 512))
+DEFAULT_ATOL = 1e-5
+DEFAULT_RTOL = 1e-4
+
+Runner = Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParityRow:
+    """One runtime on one input shape, compared with Keras.
+
+    Attributes:
+        runtime: "saved_model" or "onnx".
+        shape: Input shape label, "BATCHxTIME", with " padded" when rows
+            carry padding.
+        max_abs_err: Largest |runtime - keras| over all outputs.
+        max_rel_err: Largest |runtime - keras| / |keras| over elements where
+            Keras is non-zero.
+        ok: Whether every element satisfies
+            |runtime - keras| <= atol + rtol * |keras| (and shapes match).
+    """
+
+    runtime: str
+    shape: str
+    max_abs_err: float
+    max_rel_err: float
+    ok: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ParityReport:
+    """All `ParityRow`s of a `verify` call and the tolerances used.
+
+    `str(report)` (or `report.table()`) renders a text table.
+    """
+
+    rows: tuple[ParityRow, ...]
+    atol: float
+    rtol: float
+
+    @property
+    def ok(self) -> bool:
+        """True when every row is within tolerance."""
+        return all(row.ok for row in self.rows)
+
+    @property
+    def failures(self) -> tuple[ParityRow, ...]:
+        """The rows beyond tolerance."""
+        return tuple(row for row in self.rows if not row.ok)
+
+    def table(self) -> str:
+        """The report as an aligned text table."""
+        header = ("runtime", "shape", "max abs err", "max rel err", "ok")
+        lines = [header] + [
+            (
+                row.runtime,
+                row.shape,
+                f"{row.max_abs_err:.2e}",
+                f"{row.max_rel_err:.2e}",
+                "yes" if row.ok else "NO",
+            )
+            for row in self.rows
+        ]
+        widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+        text = [
+            "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+            for line in lines
+        ]
+        text.insert(1, "  ".join("-" * width for width in widths))
+        text.append(f"tolerance: |err| <= {self.atol:g} + {self.rtol:g} * |keras|")
+        return "\n".join(text)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+class ParityError(RuntimeError):
+    """An export computes something other than its Keras model.
+
+    Attributes:
+        report: The `ParityReport` (rows so far; may be empty when the
+            export's inputs or outputs do not match the model's).
+    """
+
+    def __init__(self, message: str, report: ParityReport):
+        super().__init__(message)
+        self.report = report
+
+
+def _compare(expected: np.ndarray, actual: np.ndarray, atol: float, rtol: float):
+    expected = np.asarray(expected, dtype=np.float64)
+    actual = np.asarray(actual, dtype=np.float64)
+    if expected.shape != actual.shape:
+        return np.inf, np.inf, False
+    diff = np.abs(actual - expected)
+    same_nan = np.isnan(actual) & np.isnan(expected)
+    diff = np.where(same_nan, 0.0, np.nan_to_num(diff, nan=np.inf))
+    if diff.size == 0:
+        return 0.0, 0.0, True
+    nonzero = expected != 0
+    rel = diff[nonzero] / np.abs(expected[nonzero])
+    ok = bool(np.all(diff <= atol + rtol * np.nan_to_num(np.abs(expected))))
+    return float(diff.max()), float(rel.max()) if rel.size else 0.0, ok
+
+
+def _check_names(what: str, kind: str, found: Sequence[str], wanted: Sequence[str]):
+    missing = [name for name in wanted if name not in found]
+    if missing:
+        raise ParityError(
+            f"{what} lacks the model's {kind} {missing}; it has {sorted(found)}",
+            ParityReport((), 0.0, 0.0),
+        )
+
+
+def saved_model_runner(directory: str, endpoint: Endpoint) -> Runner:
+    import tensorflow as tf
+
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"SavedModel directory not found: {directory}")
+    loaded = tf.saved_model.load(directory)
+    what = f"SavedModel {directory}"
+    if "serving_default" not in loaded.signatures:
+        raise ParityError(
+            f"{what} has no 'serving_default' signature; it has "
+            f"{sorted(loaded.signatures)}",
+            ParityReport((), 0.0, 0.0),
+        )
+    signature = loaded.signatures["serving_default"]
+    _, input_specs = signature.structured_input_signature
+    _check_names(what, "inputs", list(input_specs), [s.name for s in endpoint.inputs])
+    _check_names(
+        what, "outputs", list(signature.structured_outputs), endpoint.output_names
+    )
+
+    def run(arrays):
+        outputs = signature(**{k: tf.constant(v) for k, v in arrays.items()})
+        return {name: value.numpy() for name, value in outputs.items()}
+
+    return run
+
+
+def onnx_runner(path: str, endpoint: Endpoint) -> Runner:
+    import onnxruntime
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"ONNX file not found: {path}")
+    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    what = f"ONNX model {path}"
+    _check_names(
+        what,
+        "inputs",
+        [node.name for node in session.get_inputs()],
+        [s.name for s in endpoint.inputs],
+    )
+    output_names = [node.name for node in session.get_outputs()]
+    _check_names(what, "outputs", output_names, endpoint.output_names)
+
+    def run(arrays):
+        return dict(zip(output_names, session.run(None, dict(arrays)), strict=True))
+
+    return run
+
+
+def compare_runtimes(
+    endpoint: Endpoint,
+    runners: Mapping[str, Runner],
+    shapes: Sequence[tuple[int, int]],
+    atol: float,
+    rtol: float,
+    seed: int,
+) -> ParityReport:
+    """Runs each runtime and Keras on every shape; raises beyond tolerance."""
+    rows = []
+    for index, (batch, time) in enumerate(shapes):
+        arrays = example_inputs(endpoint, batch, time, seed=seed + index)
+        expected = keras_reference(endpoint, arrays)
+        label = f"{batch}x{time}" + (
+            " padded" if is_padded(endpoint, batch, time) else ""
+        )
+        for runtime, run in runners.items():
+            actual = run(arrays)
+            results = [
+                _compare(expected[name], actual[name], atol, rtol)
+                for name in endpoint.output_names
+            ]
+            rows.append(
+                ParityRow(
+                    runtime,
+                    label,
+                    max(r[0] for r in results),
+                    max(r[1] for r in results),
+                    all(r[2] for r in results),
+                )
+            )
+    report = ParityReport(tuple(rows), atol, rtol)
+    if not report.ok:
+        worst = max(report.failures, key=lambda row: row.max_abs_err)
+        raise ParityError(
+            f"{len(report.failures)} of {len(rows)} checks differ from Keras beyond "
+            f"atol={atol:g}, rtol={rtol:g}; worst: {worst.runtime} on "
+            f"{worst.shape}, max abs err {worst.max_abs_err:.3g}",
+            report,
+        )
+    return report
+
+
+def _check_shapes(shapes) -> tuple[tuple[int, int], ...]:
+    checked = []
+    for shape in shapes:
+        if (
+            not isinstance(shape, Sequence)
+            or len(shape) != 2
+            or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape
+            )
+        ):
+            raise ValueError(
+                "`shapes` must be a sequence of (batch, time) pairs of positive "
+                f"ints. Received: shapes={shapes!r}"
+            )
+        checked.append((shape[0], shape[1]))
+    if not checked:
+        raise ValueError(f"`shapes` must not be empty. Received: shapes={shapes!r}")
+    return tuple(checked)
+
+
+def _check_tolerance(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ValueError(
+            f"`{name}` must be a non-negative number. Received: {name}={value!r}"
+        )
+    return float(value)
+
+
+def verify(
+    model: keras.Model,
+    saved_model_dir: str | os.PathLike | None = None,
+    onnx_path: str | os.PathLike | None = None,
+    *,
+    shapes: Sequence[tuple[int, int]] | None = None,
+    attention_outputs: str | Mapping[str, str] | None = None,
+    atol: float = DEFAULT_ATOL,
+    rtol: float = DEFAULT_RTOL,
+    seed: int = 0,
+) -> ParityReport:
+    """Checks that exported models compute what the Keras model computes.
+
+    Each runtime (the SavedModel's `serving_default` signature through
+    `tf.saved_model.load`, the ONNX file through `onnxruntime`) and Keras get
+    the same random inputs for every (batch, time) in `shapes`. Float inputs
+    are standard normal; integer token and boolean mask inputs have rows
+    padded at the end (see the report's "padded" shapes).
+
+    Args:
+        model: The Keras model that was exported.
+        saved_model_dir: A SavedModel version directory, or None.
+        onnx_path: An ONNX file, or None.
+        shapes: (batch, time) pairs. Defaults to
+            ((1, 1), (2, 33), (3, 128), (2, 512)).
+        attention_outputs: As given to the export, when it added attention
+            weights as outputs; they are then compared too.
+        atol: Absolute tolerance.
+        rtol: Relative tolerance: an element passes when
+            |runtime - keras| <= atol + rtol * |keras|.
+        seed: Seed of the random inputs.
+
+    Returns:
+        A `ParityReport` (every row within tolerance).
+
+    Raises:
+        ParityError: if a runtime differs from Keras beyond tolerance, or its
+            input or output names differ from the model's; the error's
+            `report` holds the rows.
+        ValueError: if neither artifact is given or an argument is invalid.
+        FileNotFoundError: if an artifact does not exist.
+
+    Example:
+
+    >>> from keras_selfattn.export import export_onnx, verify  # doctest: +SKIP
+    >>> path = export_onnx(model, "model.onnx")  # doctest: +SKIP
+    >>> print(verify(model, onnx_path=path))  # doctest: +SKIP
+    """
+    if saved_model_dir is None and onnx_path is None:
+        raise ValueError(
+            "Pass `saved_model_dir`, `onnx_path` or both. "
+            "Received: saved_model_dir=None, onnx_path=None"
+        )
+    shapes = _check_shapes(DEFAULT_SHAPES if shapes is None else shapes)
+    atol = _check_tolerance("atol", atol)
+    rtol = _check_tolerance("rtol", rtol)
+    endpoint = build_endpoint(model, attention_outputs)
+    runners: dict[str, Runner] = {}
+    if saved_model_dir is not None:
+        runners["saved_model"] = saved_model_runner(
+            os.fspath(saved_model_dir), endpoint
+        )
+    if onnx_path is not None:
+        runners["onnx"] = onnx_runner(os.fspath(onnx_path), endpoint)
+    return compare_runtimes(endpoint, runners, shapes, atol, rtol, seed)
