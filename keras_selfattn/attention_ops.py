@@ -17,11 +17,16 @@ _HALF_PRECISION = ("float16", "bfloat16")
 
 
 def split_heads(x, num_heads: int, head_dim: int):
-    """(B, T, H*D) -> (B, H, T, D)."""
+    """(B, T, H*D) -> (B, H, T, D).
+
+    Split and stack, not reshape: x usually comes from a projection whose
+    TensorFlow kernel ends in a reshape, and Grappler folds two reshapes into
+    one, so with time 0 the -1 batch was resolved from an empty 2-D tensor
+    and came out as 1 instead of B.
+    """
     if num_heads == 1:
         return ops.expand_dims(x, 1)
-    x = ops.reshape(x, (-1, ops.shape(x)[1], num_heads, head_dim))
-    return ops.transpose(x, (0, 2, 1, 3))
+    return ops.stack(ops.split(x, num_heads, axis=-1), axis=1)
 
 
 def merge_heads(x, num_heads: int, head_dim: int):
