@@ -1,0 +1,390 @@
+"""SelfAttention(chunk_size=...) against the numpy reference and the unchunked layer.
+
+Parity runs the chunked layer and an unchunked twin holding the same weights
+on the same inputs, and both against tests/reference.py (float64).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_selfattn import SelfAttention
+from keras_selfattn.chunked_attention import chunked_attention
+from tests import layer_harness
+from tests.reference import layer_weights, self_attention
+
+# name: (layer kwargs, batch, time, features, chunk_size, masks)
+# masks: "padding", "attention" (random, with some fully masked rows), "both".
+PARITY_CASES = {
+    "plain_multiple": ({}, 2, 12, 4, 4, None),
+    "plain_ragged": ({"num_heads": 2}, 2, 13, 4, 5, None),
+    "time_below_chunk": ({"num_heads": 2}, 2, 6, 4, 16, None),
+    "time_one": ({"causal": True, "sliding_window": 3}, 3, 1, 4, 4, "both"),
+    "chunk_one": ({"num_heads": 2, "causal": True}, 2, 7, 4, 1, None),
+    "causal": ({"num_heads": 2, "causal": True}, 2, 17, 6, 4, None),
+    "window": ({"sliding_window": 3}, 2, 19, 4, 4, None),
+    "window_wider_than_time": ({"sliding_window": 40}, 2, 11, 4, 3, None),
+    "causal_window": ({"causal": True, "sliding_window": 4}, 2, 21, 4, 5, None),
+    "padding": ({"num_heads": 2}, 3, 14, 4, 4, "padding"),
+    "attention_mask": ({"num_heads": 2}, 2, 15, 4, 4, "attention"),
+    "everything": (
+        {
+            "num_heads": 3,
+            "key_dim": 2,
+            "value_dim": 5,
+            "output_dim": 7,
+            "use_bias": True,
+            "scale": 0.3,
+            "causal": True,
+            "sliding_window": 5,
+        },
+        3,
+        23,
+        6,
+        4,
+        "both",
+    ),
+    "bias_window_masks": (
+        {"num_heads": 2, "use_bias": True, "sliding_window": 2},
+        2,
+        9,
+        4,
+        2,
+        "both",
+    ),
+}
+
+
+def _inputs(batch: int, time: int, features: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(batch, time, features)).astype("float32")
+
+
+def _masks(kind: str | None, batch: int, time: int, seed: int = 1):
+    """(padding mask, attention mask); either may be None.
+
+    The padding mask pads the tail of every sequence but the first and masks
+    the whole last sequence; the attention mask is random with its first
+    query row fully masked.
+    """
+    rng = np.random.default_rng(seed)
+    padding = attention = None
+    if kind in ("padding", "both"):
+        lengths = [time] + [int(n) for n in rng.integers(0, time + 1, batch - 1)]
+        lengths[-1] = 0 if batch > 1 else lengths[-1]
+        padding = np.arange(time)[None, :] < np.array(lengths)[:, None]
+    if kind in ("attention", "both"):
+        attention = rng.random((batch, time, time)) < 0.7
+        attention[:, 0, :] = False
+    return padding, attention
+
+
+def _twin_layers(kwargs: dict, features: int, chunk_size: int, dtype=None):
+    """(chunked layer, unchunked layer) with identical weights."""
+    extra = {} if dtype is None else {"dtype": dtype}
+    chunked = SelfAttention(**kwargs, chunk_size=chunk_size, **extra)
+    chunked.build((None, None, features))
+    plain = SelfAttention(**kwargs, **extra)
+    plain.build((None, None, features))
+    plain.set_weights(chunked.get_weights())
+    return chunked, plain
+
+
+def _reference(layer, x, padding, attention):
+    return self_attention(
+        x,
+        layer_weights(layer),
+        layer.num_heads,
+        layer._key_dim,
+        layer._value_dim,
+        scale=layer.scale,
+        padding_mask=padding,
+        attention_mask=attention,
+        causal=layer.causal,
+        sliding_window=layer.sliding_window,
+    )[0]
+
+
+def _in_graph(layer, features: int, padding, attention):
+    """The layer in a tf.function with unknown batch and time (masks optional)."""
+    specs = {"x": tf.TensorSpec((None, None, features))}
+    if padding is not None:
+        specs["mask"] = tf.TensorSpec((None, None), tf.bool)
+    if attention is not None:
+        specs["attention_mask"] = tf.TensorSpec((None, None, None), tf.bool)
+
+    @tf.function(input_signature=[specs])
+    def run(tensors):
+        return layer(
+            tensors["x"],
+            mask=tensors.get("mask"),
+            attention_mask=tensors.get("attention_mask"),
+        )
+
+    def call(x, mask, attention_mask):
+        given = {"x": x, "mask": mask, "attention_mask": attention_mask}
+        return run({k: v for k, v in given.items() if k in specs})
+
+    return call
+
+
+@pytest.mark.parametrize("name", sorted(PARITY_CASES))
+def test_parity_with_reference_and_unchunked(name):
+    kwargs, batch, time, features, chunk_size, mask_kind = PARITY_CASES[name]
+    chunked, plain = _twin_layers(kwargs, features, chunk_size)
+    x = _inputs(batch, time, features)
+    padding, attention = _masks(mask_kind, batch, time)
+    expected = _reference(chunked, x, padding, attention)
+    unchunked = keras.ops.convert_to_numpy(
+        plain(x, mask=padding, attention_mask=attention)
+    )
+    # Eager, then in a graph with unknown batch and time.
+    eager = keras.ops.convert_to_numpy(
+        chunked(x, mask=padding, attention_mask=attention)
+    )
+    graph = _in_graph(chunked, features, padding, attention)(
+        x, padding, attention
+    ).numpy()
+    for out in (eager, graph):
+        assert np.all(np.isfinite(out))
+        np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(out, unchunked, atol=1e-5, rtol=1e-5)
+    if padding is not None:  # padded queries and a fully padded sequence: zeros
+        assert np.all(eager[~padding] == 0)
+    if attention is not None and "output_dim" not in kwargs:
+        assert np.all(eager[:, 0] == 0)  # query 0 has nothing to attend
+
+
+@pytest.mark.parametrize(
+    "kwargs,chunk_size",
+    [
+        ({"num_heads": 2}, 5),
+        ({"num_heads": 2, "causal": True}, 4),
+        ({"sliding_window": 3}, 4),
+        ({"causal": True, "sliding_window": 2}, 3),
+    ],
+)
+def test_functional_model_with_dynamic_batch_and_time(kwargs, chunk_size):
+    chunked, plain = _twin_layers(kwargs, 4, chunk_size)
+    inputs = keras.Input((None, 4), name="tokens")
+    model = keras.Model(inputs, chunked(inputs))
+    twin = keras.Model(inputs, plain(inputs))
+    for batch, time in ((1, 1), (3, 7), (2, 33)):
+        x = _inputs(batch, time, 4, seed=time)
+        np.testing.assert_allclose(
+            model.predict(x, verbose=0),
+            twin.predict(x, verbose=0),
+            atol=1e-5,
+            rtol=1e-5,
+            err_msg=f"batch={batch}, time={time}",
+        )
+
+
+def test_layer_harness_chunked(tmp_path):
+    """Config round trip, symbolic/eager calls, gradients, mixed precision, .keras."""
+    layer_harness.run_layer_test(
+        SelfAttention,
+        {"num_heads": 2, "causal": True, "sliding_window": 3, "chunk_size": 2},
+        (2, 7, 4),
+        (2, 7, 4),
+        [(4, 4), (4, 4), (4, 4)],
+        tmp_path,
+    )
+
+
+def test_mixed_precision_matches_unchunked_and_reference():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    kwargs = {"num_heads": 2, "causal": True, "sliding_window": 6, "output_dim": 3}
+    chunked, plain = _twin_layers(kwargs, 4, 4)
+    # Large inputs: float16 scores would overflow if softmax ran in float16.
+    x = 40.0 * _inputs(2, 19, 4)
+    padding, _ = _masks("padding", 2, 19)
+    out = chunked(x, mask=padding)
+    assert keras.backend.standardize_dtype(out.dtype) == "float16"
+    out = keras.ops.convert_to_numpy(keras.ops.cast(out, "float32"))
+    assert np.all(np.isfinite(out))
+    unchunked = keras.ops.convert_to_numpy(
+        keras.ops.cast(plain(x, mask=padding), "float32")
+    )
+    np.testing.assert_allclose(out, unchunked, atol=1e-2, rtol=1e-2)
+    expected = _reference(chunked, x, padding, None)
+    np.testing.assert_allclose(out, expected, atol=0.5, rtol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"num_heads": 2, "use_bias": True, "output_dim": 3},
+        {"num_heads": 2, "use_bias": True, "causal": True, "sliding_window": 3},
+    ],
+)
+def test_gradients_equal_unchunked(kwargs):
+    chunked, plain = _twin_layers(kwargs, 4, 3)
+    x = _inputs(2, 11, 4)
+    padding, attention = _masks("both", 2, 11)
+
+    def gradients(layer):
+        @tf.function(
+            input_signature=[
+                tf.TensorSpec((None, None, 4)),
+                tf.TensorSpec((None, None), tf.bool),
+                tf.TensorSpec((None, None, None), tf.bool),
+            ]
+        )
+        def step(x, p, a):
+            with tf.GradientTape() as tape:
+                y = layer(x, mask=p, attention_mask=a, training=True)
+                loss = tf.reduce_sum(tf.sin(y))
+            return tape.gradient(loss, layer.trainable_variables)
+
+        return step(x, padding, attention)
+
+    expected = gradients(plain)
+    got = gradients(chunked)
+    assert len(got) == len(chunked.trainable_variables) == len(expected)
+    for variable, g, e in zip(chunked.trainable_variables, got, expected, strict=True):
+        assert g is not None, variable.path
+        assert np.any(np.asarray(g) != 0), variable.path
+        np.testing.assert_allclose(g, e, atol=1e-5, rtol=1e-4, err_msg=variable.path)
+
+
+def test_model_fit_trains_every_weight():
+    keras.utils.set_random_seed(0)
+    features = 4
+    x = _inputs(32, 20, features)
+    y = (x[:, :, :1].sum(axis=1) > 0).astype("float32")
+    model = keras.Sequential(
+        [
+            keras.Input((None, features), name="x"),
+            SelfAttention(
+                num_heads=2, use_bias=True, output_dim=4, causal=True, chunk_size=6
+            ),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(1, activation="sigmoid"),
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.Adam(0.02), loss="binary_crossentropy")
+    attention = model.layers[0]
+    before = [w.copy() for w in attention.get_weights()]
+    history = model.fit(x, y, epochs=8, batch_size=8, verbose=0)
+    losses = history.history["loss"]
+    assert losses[-1] < losses[0]
+    after = attention.get_weights()
+    for weight, old, new in zip(attention.weights, before, after, strict=True):
+        assert np.any(old != new), f"{weight.path} did not change in training"
+
+
+def test_dropout_applies_in_training_only():
+    chunked, plain = _twin_layers({"num_heads": 2, "dropout": 0.5, "seed": 1}, 4, 3)
+    x = _inputs(2, 10, 4)
+    inference = keras.ops.convert_to_numpy(chunked(x, training=False))
+    np.testing.assert_allclose(
+        inference, keras.ops.convert_to_numpy(plain(x)), atol=1e-5, rtol=1e-5
+    )
+    trained = keras.ops.convert_to_numpy(chunked(x, training=True))
+    assert np.all(np.isfinite(trained))
+    assert not np.allclose(trained, inference, atol=1e-3)
+
+
+def test_blocks_never_read_keys_outside_their_range():
+    """Skipped key blocks are really skipped, not only masked.
+
+    A NaN value at one position poisons every output of the unchunked path
+    (0 * NaN = NaN in weights @ values); the chunked path must keep finite
+    every block whose key range excludes that position.
+    """
+    rng = np.random.default_rng(0)
+    time, chunk, window, poisoned = 64, 8, 3, 40
+    query = rng.normal(size=(1, 1, time, 4)).astype("float32")
+    value = rng.normal(size=(1, 1, time, 4)).astype("float32")
+    value[0, 0, poisoned] = np.nan
+    cases = {
+        # Blocks of 8 with reach 2 read keys [s-2, s+10): block 32 reads 30..41.
+        "window": ({"sliding_window": window}, range(32, 48)),
+        # Causal blocks read keys [0, s+8): blocks before 40 never read 40.
+        "causal": ({"causal": True}, range(40, time)),
+    }
+    for name, (kwargs, poisoned_rows) in cases.items():
+        out = keras.ops.convert_to_numpy(
+            chunked_attention(query, query, value, 0.5, chunk, **kwargs)
+        )[0, 0]
+        nan_rows = np.flatnonzero(np.isnan(out).any(axis=-1))
+        assert list(nan_rows) == list(poisoned_rows), name
+
+
+def test_return_attention_scores_is_refused():
+    layer = SelfAttention(chunk_size=4)
+    x = _inputs(1, 5, 4)
+    with pytest.raises(ValueError, match="chunk_size=4.*return_attention_scores"):
+        layer(x, return_attention_scores=True)
+    with pytest.raises(ValueError, match="return_attention_scores=True"):
+        layer(keras.Input((None, 4), name="x"), return_attention_scores=True)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
+def test_invalid_chunk_size(bad):
+    with pytest.raises(ValueError, match=f"chunk_size={bad!r}"):
+        SelfAttention(chunk_size=bad)
+
+
+def test_saved_model_signature_matches_keras(tmp_path):
+    layer = SelfAttention(
+        num_heads=2, use_bias=True, causal=True, sliding_window=16, chunk_size=32
+    )
+    inputs = keras.Input((None, 8), name="tokens")
+    model = keras.Model(inputs, layer(inputs))
+    path = str(tmp_path / "saved")
+    model.export(path, format="tf_saved_model", verbose=False)
+    serve = tf.saved_model.load(path).signatures["serving_default"]
+    for batch, time in ((1, 1), (2, 33), (1, 300)):
+        x = _inputs(batch, time, 8, seed=time)
+        served = serve(tokens=tf.constant(x))["output_0"].numpy()
+        np.testing.assert_allclose(
+            served, model.predict(x, verbose=0), atol=1e-5, rtol=1e-5
+        )
+
+
+_PEAK_RSS_SCRIPT = """
+import json, os, resource, sys
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+import numpy as np, tensorflow as tf
+from keras_selfattn import SelfAttention
+time, chunk = int(sys.argv[1]), (None if sys.argv[2] == "none" else int(sys.argv[2]))
+layer = SelfAttention(key_dim=64, chunk_size=chunk)
+layer.build((None, None, 64))
+fn = tf.function(lambda x: layer(x), input_signature=[tf.TensorSpec((None, None, 64))])
+x = np.ones((1, time, 64), "float32")
+fn(x[:, :8]).numpy()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+fn(x).numpy()
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"growth_kib": after - before}))
+"""
+
+
+def _peak_rss_growth_mib(time: int, chunk: int | None) -> float:
+    """Growth of peak RSS over one forward pass, in a fresh process."""
+    done = subprocess.run(
+        [sys.executable, "-c", _PEAK_RSS_SCRIPT, str(time), str(chunk).lower()],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])["growth_kib"] / 1024
+
+
+@pytest.mark.slow
+def test_chunked_peak_memory_is_linear_in_time():
+    """At time 8192 one (T, T) float32 copy is 256 MiB; blocks of 256 are 8 MiB."""
+    plain = _peak_rss_growth_mib(8192, None)
+    chunked = _peak_rss_growth_mib(8192, 256)
+    assert plain > 256, plain
+    assert chunked < plain / 8, (chunked, plain)
