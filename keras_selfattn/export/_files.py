@@ -84,6 +84,8 @@ def _make_dirs(path: str) -> list[str]:
     """Creates `path` and its missing parents; returns those it made."""
     missing = []
     while not os.path.isdir(path) and os.path.dirname(path) != path:
+        if os.path.lexists(path):
+            raise NotADirectoryError(errno.ENOTDIR, "Not a directory", path)
         missing.append(path)
         path = os.path.dirname(path)
     made: list[str] = []

@@ -1,0 +1,318 @@
+"""The `keras-selfattn` command: export a .keras model and verify exports.
+
+    keras-selfattn export MODEL.keras --saved-model BASE_DIR [--name NAME]
+                   [--version N] [--warmup] [--onnx OUT.onnx] [--opset N]
+    keras-selfattn verify MODEL.keras [--saved-model VERSION_DIR] [--onnx PATH]
+
+Every step is printed as it runs, then a parity table (each runtime against
+Keras). Any failure prints one line, `keras-selfattn: error: ...`, on stderr
+and exits with status 1 (2 for usage errors, 130 when interrupted).
+While a command runs, TensorFlow's native (C++) log lines, which it writes
+straight to file descriptor 2, are discarded so they cannot bury that line.
+(The few TensorFlow prints while it is imported come before `main` runs.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import sys
+import time
+import zipfile
+from collections.abc import Callable, Sequence
+
+PROG = "keras-selfattn"
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class CLIError(Exception):
+    """A failure reported as one line, without a traceback."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (exit status 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{PROG}: error: {message} (see {PROG} --help)\n")
+
+
+def one_line(error: BaseException) -> str:
+    """A one-line description of `error` for the command line."""
+    if isinstance(error, OSError) and error.strerror and error.filename:
+        text = f"{error.strerror}: {error.filename}"
+    else:
+        text = str(error) or type(error).__name__
+    return " ".join(_ANSI.sub("", text).split())
+
+
+@contextlib.contextmanager
+def _native_stderr_discarded():
+    """Points fd 2 at /dev/null; Python's `sys.stderr` keeps the real one."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        python_uses_fd2 = sys.stderr.fileno() == 2
+    except (AttributeError, OSError, ValueError):  # e.g. replaced by pytest
+        python_uses_fd2 = False
+    original = sys.stderr
+    if python_uses_fd2:
+        sys.stderr = os.fdopen(os.dup(saved), "w", buffering=1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        if python_uses_fd2:
+            sys.stderr.close()
+            sys.stderr = original
+
+
+def _step(label: str, action: Callable[[], object]) -> object:
+    print(f"{label} ...", end=" ", flush=True)
+    start = time.perf_counter()
+    try:
+        result = action()
+    except BaseException:
+        print("failed", flush=True)
+        raise
+    print(f"done ({time.perf_counter() - start:.1f} s)", flush=True)
+    return result
+
+
+def _load_model(path: str):
+    if not os.path.exists(path):
+        raise CLIError(f"model file not found: {path}")
+    if not os.path.isfile(path):
+        raise CLIError(f"model path is not a file: {path}")
+
+    if path.endswith(".keras") and not zipfile.is_zipfile(path):
+        raise CLIError(f"{path} is corrupt or not a Keras model: not a .keras zip")
+
+    def load():
+        import keras
+
+        import keras_selfattn  # noqa: F401  (registers SelfAttention)
+
+        try:
+            return keras.models.load_model(path, safe_mode=True)
+        except Exception as error:
+            raise CLIError(
+                f"cannot load {path} as a Keras model: {one_line(error)}"
+            ) from None
+
+    model = _step(f"Loading {path} (safe_mode=True)", load)
+    import keras
+
+    if not isinstance(model, keras.Model):
+        raise CLIError(f"{path} holds a {type(model).__name__}, not a keras.Model")
+    return model
+
+
+def _describe(model) -> None:
+    inputs = ", ".join(
+        f"{t.name} {str(t.dtype)} {tuple(t.shape)}" for t in model.inputs
+    )
+    print(f"  model {model.name!r}: inputs {inputs}", flush=True)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from keras_selfattn.export import _files
+    from keras_selfattn.export.onnx_export import check_opset
+
+    if args.saved_model is None and args.onnx is None:
+        raise CLIError("export needs --saved-model BASE_DIR, --onnx OUT.onnx or both")
+    if args.saved_model is None and (args.name or args.version or args.warmup):
+        raise CLIError("--name, --version and --warmup need --saved-model")
+    if args.onnx is None and args.opset is not None:
+        raise CLIError("--opset needs --onnx")
+    # Check every argument before the (slow) work.
+    name = args.name
+    if args.saved_model is not None:
+        if name is None:
+            name = os.path.splitext(os.path.basename(args.model))[0]
+        _files.check_name(name)
+        if args.version is not None:
+            _files.check_version(args.version)
+            if args.version in _files.existing_versions(
+                os.path.join(args.saved_model, name)
+            ):
+                raise CLIError(
+                    f"version {args.version} of {name!r} already exists in "
+                    f"{os.path.join(args.saved_model, name)}; it is never "
+                    "overwritten (pass another --version or omit it)"
+                )
+    if args.onnx is not None:
+        opset = check_opset(args.opset)
+        _files.refuse_existing(args.onnx, "Output file")
+
+    model = _load_model(args.model)
+    _describe(model)
+    from keras_selfattn.export import export_onnx, export_saved_model, verify
+
+    version_dir = onnx_path = None
+    if args.saved_model is not None:
+        version_dir = _step(
+            f"Exporting SavedModel {name!r} under {args.saved_model}"
+            + (" with warmup requests" if args.warmup else "")
+            + ", checked with tf.saved_model.load",
+            lambda: export_saved_model(
+                model,
+                args.saved_model,
+                name,
+                args.version,
+                warmup=args.warmup,
+                atol=args.atol,
+                rtol=args.rtol,
+            ),
+        )
+        print(f"  wrote {version_dir}", flush=True)
+    if args.onnx is not None:
+        onnx_path = _step(
+            f"Exporting ONNX (opset {opset}) to {args.onnx}, checked in onnxruntime",
+            lambda: export_onnx(
+                model, args.onnx, opset, atol=args.atol, rtol=args.rtol
+            ),
+        )
+        print(f"  wrote {onnx_path}", flush=True)
+    report = _step(
+        "Verifying against Keras",
+        lambda: verify(model, version_dir, onnx_path, atol=args.atol, rtol=args.rtol),
+    )
+    print(report, flush=True)
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    if args.saved_model is None and args.onnx is None:
+        raise CLIError("verify needs --saved-model VERSION_DIR, --onnx PATH or both")
+    for path in (args.saved_model, args.onnx):
+        if path is not None and not os.path.exists(path):
+            raise CLIError(f"export not found: {path}")
+    model = _load_model(args.model)
+    _describe(model)
+    from keras_selfattn.export import verify
+
+    report = _step(
+        "Verifying against Keras",
+        lambda: verify(
+            model, args.saved_model, args.onnx, atol=args.atol, rtol=args.rtol
+        ),
+    )
+    print(report, flush=True)
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0: {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `keras-selfattn`."""
+    from keras_selfattn.export.verify import DEFAULT_ATOL, DEFAULT_RTOL
+
+    parser = _Parser(prog=PROG, description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(
+        dest="command", required=True, parser_class=_Parser
+    )
+
+    def add_tolerances(sub):
+        sub.add_argument(
+            "--atol",
+            type=_tolerance,
+            default=DEFAULT_ATOL,
+            help=f"absolute tolerance (default {DEFAULT_ATOL:g})",
+        )
+        sub.add_argument(
+            "--rtol",
+            type=_tolerance,
+            default=DEFAULT_RTOL,
+            help=f"relative tolerance (default {DEFAULT_RTOL:g})",
+        )
+
+    export = commands.add_parser(
+        "export", help="export to a TF Serving SavedModel and/or ONNX, then verify"
+    )
+    export.add_argument(
+        "model", metavar="MODEL.keras", help="model saved with model.save"
+    )
+    export.add_argument(
+        "--saved-model",
+        metavar="BASE_DIR",
+        help="write BASE_DIR/NAME/VERSION/ (TF Serving layout)",
+    )
+    export.add_argument("--name", help="model name (default: MODEL file name)")
+    export.add_argument(
+        "--version",
+        type=_positive_int,
+        help="version number (default: highest existing + 1)",
+    )
+    export.add_argument(
+        "--warmup",
+        action="store_true",
+        help="add assets.extra/tf_serving_warmup_requests",
+    )
+    export.add_argument("--onnx", metavar="OUT.onnx", help="write an ONNX file")
+    export.add_argument("--opset", type=int, help="ONNX opset, 13 to 18 (default 17)")
+    add_tolerances(export)
+    export.set_defaults(run=_export)
+
+    verify = commands.add_parser("verify", help="compare exports with the Keras model")
+    verify.add_argument(
+        "model", metavar="MODEL.keras", help="model saved with model.save"
+    )
+    verify.add_argument(
+        "--saved-model",
+        metavar="VERSION_DIR",
+        help="a SavedModel version folder (BASE_DIR/NAME/VERSION)",
+    )
+    verify.add_argument("--onnx", metavar="PATH", help="an ONNX file")
+    add_tolerances(verify)
+    verify.set_defaults(run=_verify)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs `keras-selfattn` with `argv` (default: sys.argv[1:]).
+
+    Returns:
+        The exit status: 0 success, 1 failure, 2 usage error, 130 interrupt.
+    """
+    args = build_parser().parse_args(argv)
+    with _native_stderr_discarded():
+        try:
+            return args.run(args)
+        except KeyboardInterrupt:
+            message = "interrupted; nothing partial was left on disk"
+            status = 130
+        except Exception as error:  # every failure ends in one line, no traceback
+            if getattr(getattr(error, "report", None), "rows", ()):
+                print(error.report, flush=True)
+            message, status = one_line(error), 1
+        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+        return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
