@@ -1,0 +1,183 @@
+"""What is benchmarked: shapes, the two layers at equal configuration, FLOPs.
+
+`SelfAttention` and `keras.layers.MultiHeadAttention` get the same weights
+(`build_pair`), so both compute the same function and only speed differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_selfattn import SelfAttention
+
+MASK_KINDS = ("none", "padding", "causal")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """An input shape (batch, time, features)."""
+
+    batch: int
+    time: int
+    features: int
+
+    @property
+    def label(self) -> str:
+        return f"({self.batch}, {self.time}, {self.features})"
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """The configuration shared by both layers (biases always on)."""
+
+    num_heads: int = 4
+    key_dim: int = 64
+    output_dim: int = 256
+
+
+def forward_flops(shape: Shape, config: AttentionConfig) -> int:
+    """Multiply-add FLOPs (2 per MAC) of one forward pass.
+
+    Counts the Q/K/V projections, Q K^T, weights x V and the output
+    projection; softmax, masking and biases are not counted. Causal attention
+    is counted in full (neither layer skips the masked half).
+    """
+    b, t, f = shape.batch, shape.time, shape.features
+    h, d, o = config.num_heads, config.key_dim, config.output_dim
+    projections = 2 * b * t * f * 3 * h * d
+    scores = 2 * b * h * t * t * d
+    mix = 2 * b * h * t * t * d
+    output = 2 * b * t * h * d * o
+    return projections + scores + mix + output
+
+
+def training_flops(shape: Shape, config: AttentionConfig) -> int:
+    """FLOPs of forward + backward, taken as 3x the forward (2x for backward)."""
+    return 3 * forward_flops(shape, config)
+
+
+def matmul_size(flops: int) -> int:
+    """Side n (a multiple of 64, >= 64) of a square matmul with about `flops`."""
+    return max(64, int(round((flops / 2) ** (1 / 3) / 64)) * 64)
+
+
+def matmul_fn(n: int, seed: int = 0) -> Callable[[], object]:
+    """A zero-argument tf.function call of an n x n float32 matmul."""
+    a = tf.constant(np.random.default_rng(seed).normal(size=(n, n)), tf.float32)
+    matmul = tf.function(tf.matmul, autograph=False)
+    return lambda: matmul(a, a)
+
+
+def random_input(shape: Shape, seed: int = 0) -> tf.Tensor:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(shape.batch, shape.time, shape.features))
+    return tf.constant(x, tf.float32)
+
+
+def padding_mask(shape: Shape, seed: int = 0) -> tf.Tensor:
+    """(batch, time) bool, True for real tokens; lengths from time/2 to time."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(max(1, shape.time // 2), shape.time + 1, shape.batch)
+    lengths[0] = shape.time
+    return tf.constant(np.arange(shape.time)[None, :] < lengths[:, None])
+
+
+def _copy_weights_to_mha(
+    ours: SelfAttention, mha: keras.layers.MultiHeadAttention, config: AttentionConfig
+) -> None:
+    h, d = config.num_heads, config.key_dim
+    weights = []
+    for prefix in ("query", "key", "value"):
+        kernel = getattr(ours, f"{prefix}_kernel").numpy()
+        weights.append(kernel.reshape(kernel.shape[0], h, d))
+        weights.append(getattr(ours, f"{prefix}_bias").numpy().reshape(h, d))
+    weights.append(ours.output_kernel.numpy().reshape(h, d, config.output_dim))
+    weights.append(ours.output_bias.numpy())
+    mha.set_weights(weights)
+
+
+def build_layers(
+    shape: Shape, config: AttentionConfig, seed: int = 0, **options
+) -> tuple[SelfAttention, keras.layers.MultiHeadAttention]:
+    """A SelfAttention (with `options`) and a MultiHeadAttention, same weights.
+
+    The weights are drawn independently (normal, std 1/sqrt(fan_in)), so the
+    query, key and value projections differ.
+    """
+    ours = SelfAttention(
+        num_heads=config.num_heads,
+        key_dim=config.key_dim,
+        output_dim=config.output_dim,
+        use_bias=True,
+        **options,
+    )
+    ours.build((None, None, shape.features))
+    rng = np.random.default_rng(seed)
+    ours.set_weights(
+        [
+            rng.normal(0.0, 1.0 / np.sqrt(w.shape[0]), w.shape).astype("float32")
+            for w in ours.get_weights()
+        ]
+    )
+    mha = keras.layers.MultiHeadAttention(
+        num_heads=config.num_heads,
+        key_dim=config.key_dim,
+        output_shape=config.output_dim,
+        use_bias=True,
+    )
+    full = (shape.batch, shape.time, shape.features)
+    mha.build(full, full)
+    _copy_weights_to_mha(ours, mha, config)
+    return ours, mha
+
+
+def forward_calls(
+    ours: SelfAttention,
+    mha: keras.layers.MultiHeadAttention,
+    x: tf.Tensor,
+    mask_kind: str,
+    mask: tf.Tensor | None = None,
+) -> dict[str, Callable[[], tf.Tensor]]:
+    """Zero-argument tf.function forward calls {"mha": ..., "ours": ...}.
+
+    `ours` must have been built with `causal=True` for mask_kind "causal".
+    For "padding", MultiHeadAttention gets the mask as query_mask and
+    value_mask, as Keras' own mask propagation would pass it.
+    """
+    if mask_kind not in MASK_KINDS:
+        raise ValueError(f"mask_kind must be one of {MASK_KINDS}: {mask_kind!r}")
+    if mask_kind == "padding":
+        if mask is None:
+            raise ValueError("mask_kind='padding' needs `mask`")
+        f_ours = tf.function(lambda x, m: ours(x, mask=m), autograph=False)
+        f_mha = tf.function(
+            lambda x, m: mha(x, x, query_mask=m, value_mask=m), autograph=False
+        )
+        return {"mha": lambda: f_mha(x, mask), "ours": lambda: f_ours(x, mask)}
+    causal = mask_kind == "causal"
+    f_ours = tf.function(lambda x: ours(x), autograph=False)
+    f_mha = tf.function(lambda x: mha(x, x, use_causal_mask=causal), autograph=False)
+    return {"mha": lambda: f_mha(x), "ours": lambda: f_ours(x)}
+
+
+def _gradient_step(layer: keras.layers.Layer, apply: Callable) -> Callable:
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(apply(x)))
+        return tape.gradient(loss, layer.trainable_variables)
+
+    return tf.function(step, autograph=False)
+
+
+def training_calls(
+    ours: SelfAttention, mha: keras.layers.MultiHeadAttention, x: tf.Tensor
+) -> dict[str, Callable[[], object]]:
+    """Zero-argument tf.function calls of forward + gradients of all weights."""
+    f_ours = _gradient_step(ours, lambda x: ours(x, training=True))
+    f_mha = _gradient_step(mha, lambda x: mha(x, x, training=True))
+    return {"mha": lambda: f_mha(x), "ours": lambda: f_ours(x)}

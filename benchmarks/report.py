@@ -1,0 +1,296 @@
+"""Targets, the JSON file and the Markdown table of a benchmark run."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
+# section -> (title, [(row key, column header)])
+SECTIONS: dict[str, tuple[str, list[tuple[str, str]]]] = {
+    "forward": (
+        "Forward pass (tf.function): SelfAttention vs keras.layers.MultiHeadAttention",
+        [
+            ("shape", "(B, T, F)"),
+            ("mask", "mask"),
+            ("speedup_vs_mha", "speedup vs MHA"),
+            ("gflops_ours", "SelfAttention GFLOP/s"),
+            ("gflops_mha", "MHA GFLOP/s"),
+            ("gflops_matmul", "matmul GFLOP/s"),
+            ("fraction_of_matmul", "SelfAttention / matmul"),
+            ("max_abs_difference", "max abs diff"),
+        ],
+    ),
+    "training": (
+        "Training step (forward + gradients, tf.function), no mask",
+        [
+            ("shape", "(B, T, F)"),
+            ("speedup_vs_mha", "speedup vs MHA"),
+            ("gflops_ours", "SelfAttention GFLOP/s"),
+            ("gflops_mha", "MHA GFLOP/s"),
+            ("gflops_matmul", "matmul GFLOP/s"),
+            ("fraction_of_matmul", "SelfAttention / matmul"),
+        ],
+    ),
+    "exported": (
+        "Exported model: onnxruntime vs the TF SavedModel signature",
+        [
+            ("shape", "(B, T, F)"),
+            ("onnx_vs_saved_model", "ONNX (tf2onnx) vs SavedModel"),
+            ("fused_vs_onnx", "fused ONNX vs unfused ONNX"),
+            ("fused_vs_saved_model", "fused ONNX vs SavedModel"),
+            ("ms_saved_model", "SavedModel ms"),
+            ("ms_onnx", "ONNX ms"),
+            ("max_abs_difference", "max abs diff"),
+        ],
+    ),
+    "memory": (
+        "Peak memory (RSS) of one forward pass, fresh process each",
+        [
+            ("layer", "layer"),
+            ("shape", "(B, T, F)"),
+            ("peak_mib", "peak RSS MiB"),
+            ("baseline_mib", "RSS before the pass MiB"),
+            ("seconds", "pass s"),
+            ("status", "note"),
+        ],
+    ),
+    "long_sequences": (
+        "Long sequences: 1 head, key_dim 64, features 64, fresh process each",
+        [
+            ("case", "case"),
+            ("shape", "(B, T, F)"),
+            ("chunk_size", "chunk_size"),
+            ("sliding_window", "sliding_window"),
+            ("peak_mib", "peak RSS MiB"),
+            ("speedup", "chunked vs unchunked"),
+            ("status", "note"),
+        ],
+    ),
+}
+
+_SPEEDUPS = {
+    "speedup_vs_mha",
+    "onnx_vs_saved_model",
+    "fused_vs_onnx",
+    "fused_vs_saved_model",
+    "speedup",
+}
+
+
+def _format(key: str, value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if key in _SPEEDUPS:
+        return f"{value:.2f}x"
+    if key == "fraction_of_matmul":
+        return f"{100 * value:.0f}%"
+    if key == "max_abs_difference":
+        return f"{value:.1e}"
+    if key in ("peak_mib", "baseline_mib"):
+        return f"{value:.0f}"
+    if isinstance(value, float):
+        return f"{value:.1f}" if value >= 1 else f"{value:.3f}"
+    return str(value)
+
+
+def _find(rows: list[dict], **match) -> dict | None:
+    for row in rows:
+        if all(row.get(k) == v for k, v in match.items()):
+            return row
+    return None
+
+
+def _target(
+    name: str,
+    row: dict | None,
+    key: str,
+    check: Callable[[float], bool],
+    threshold: str,
+) -> dict:
+    value = None if row is None else row.get(key, row.get("status"))
+    if value is None:
+        return {"target": name, "threshold": threshold, "value": None, "met": None}
+    if isinstance(value, str):
+        return {"target": name, "threshold": threshold, "value": value, "met": None}
+    return {
+        "target": name,
+        "threshold": threshold,
+        "value": value,
+        "met": bool(check(value)),
+    }
+
+
+def targets(sections: dict[str, list[dict]], full_shapes: list[str]) -> list[dict]:
+    """Issue 5's and 6's targets with their measured values (None: not run)."""
+    forward = sections.get("forward", [])
+    result = []
+    for shape in full_shapes:
+        for mask in ("none", "padding", "causal"):
+            result.append(
+                _target(
+                    f"forward {shape} mask={mask}: SelfAttention vs MHA",
+                    _find(forward, shape=shape, mask=mask),
+                    "speedup_vs_mha",
+                    lambda v: v >= 1.2,
+                    ">= 1.20x",
+                )
+            )
+    for shape in full_shapes:
+        result.append(
+            _target(
+                f"training step {shape}: SelfAttention vs MHA",
+                _find(sections.get("training", []), shape=shape),
+                "speedup_vs_mha",
+                lambda v: v >= 1.1,
+                ">= 1.10x",
+            )
+        )
+    result.append(
+        _target(
+            "forward (2, 1024, 256): fraction of the matmul GFLOP/s",
+            _find(forward, shape="(2, 1024, 256)", mask="none"),
+            "fraction_of_matmul",
+            lambda v: v >= 0.6,
+            ">= 60%",
+        )
+    )
+    exported = _find(sections.get("exported", []), shape="(8, 512, 256)")
+    result += [
+        _target(
+            "export (8, 512, 256): onnxruntime vs SavedModel",
+            exported,
+            "onnx_vs_saved_model",
+            lambda v: v >= 1.5,
+            ">= 1.50x",
+        ),
+        _target(
+            "export (8, 512, 256): fused ONNX vs unfused ONNX",
+            exported,
+            "fused_vs_onnx",
+            lambda v: v >= 1.25,
+            ">= 1.25x",
+        ),
+        _target(
+            "export (8, 512, 256): fused ONNX vs SavedModel",
+            exported,
+            "fused_vs_saved_model",
+            lambda v: v >= 2.0,
+            ">= 2.00x",
+        ),
+    ]
+    long_rows = sections.get("long_sequences", [])
+    shape = "(1, 32768, 64)"
+    result += [
+        _target(
+            "time 32768, chunk_size set: peak RSS",
+            _find(long_rows, case="memory chunked", shape=shape),
+            "peak_mib",
+            lambda v: v <= 2.5 * 1024,
+            "<= 2560 MiB",
+        ),
+        _target(
+            "time 32768, unchunked: peak RSS",
+            _find(long_rows, case="memory unchunked", shape=shape),
+            "peak_mib",
+            lambda v: v > 8 * 1024,
+            "> 8192 MiB",
+        ),
+        _target(
+            "time 32768, sliding_window 256: chunked vs unchunked",
+            _find(long_rows, case="sliding window", shape=shape),
+            "speedup",
+            lambda v: v >= 10,
+            ">= 10x",
+        ),
+    ]
+    return result
+
+
+def _table(columns: list[tuple[str, str]], rows: list[dict]) -> list[str]:
+    lines = [
+        "| " + " | ".join(header for _, header in columns) + " |",
+        "|" + "---|" * len(columns),
+    ]
+    for row in rows:
+        cells = [_format(key, row.get(key)) for key, _ in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _target_cell(value, key_hint: str) -> str:
+    if value is None:
+        return "not measured"
+    if isinstance(value, str):
+        return value
+    return _format(key_hint, value)
+
+
+def to_markdown(results: dict) -> str:
+    """The run as Markdown: machine, method, one table per section, targets."""
+    machine = results["machine"]
+    config = results["config"]
+    lines = [
+        "# Benchmark results",
+        "",
+        f"- Machine: {machine['cpu']}, {machine['cores']} cores "
+        f"(load average {machine['load_average_1_5_15min']}), {machine['os']}",
+        f"- Software: Python {machine['python']}, TensorFlow "
+        f"{machine['tensorflow']}, Keras {machine['keras']}, onnxruntime "
+        f"{machine['onnxruntime']}",
+        f"- Date: {machine['date_utc']}; mode: {results['mode']}; "
+        f"total {results['seconds']:.0f} s",
+        "- Method: one process, candidates interleaved (A B C A B C ...); "
+        "speedups are medians of the per-round time ratios; GFLOP/s count the "
+        "projections, Q K^T, weights x V and the output projection (causal in "
+        "full); the matmul ceiling is a square float32 tf.function matmul of "
+        "about the same FLOPs, timed in the same rounds. Layers: "
+        f"{config['num_heads']} heads, key_dim {config['key_dim']}, output "
+        f"projection to {config['output_dim']}, biases, identical weights "
+        "(MultiHeadAttention called as mha(x, x)).",
+        "",
+    ]
+    for name, (title, columns) in SECTIONS.items():
+        if name not in results["sections"]:
+            continue
+        lines += [f"## {title}", ""]
+        lines += _table(columns, results["sections"][name])
+        lines.append("")
+    lines += [
+        "## Targets",
+        "",
+        "| target | threshold | measured | met |",
+        "|---|---|---|---|",
+    ]
+    for target in results["targets"]:
+        hint = "peak_mib" if "RSS" in target["target"] else "speedup"
+        if "fraction" in target["target"]:
+            hint = "fraction_of_matmul"
+        met = {True: "yes", False: "no", None: "-"}[target["met"]]
+        lines.append(
+            f"| {target['target']} | {target['threshold']} | "
+            f"{_target_cell(target['value'], hint)} | {met} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write(results: dict, out_dir: str, stem: str = "latest") -> tuple[str, str]:
+    """Writes `stem`.json and `stem`.md into `out_dir` (each replaced whole).
+
+    Returns:
+        The paths (json, markdown).
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    paths = (os.path.join(out_dir, f"{stem}.json"), os.path.join(out_dir, f"{stem}.md"))
+    texts = (
+        json.dumps(results, indent=2, allow_nan=False) + "\n",
+        to_markdown(results),
+    )
+    for path, text in zip(paths, texts, strict=True):
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    return paths

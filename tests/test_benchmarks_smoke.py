@@ -1,0 +1,155 @@
+"""The benchmark code runs at a tiny size and writes complete tables.
+
+No timing assertions: benchmarks are not tests. These tests check that the
+benchmark runs end to end, that its JSON and Markdown are complete, that its
+numbers are positive and finite, and that the two layers it compares compute
+the same function.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks import cases, report, subprocesses, timing
+from benchmarks import run as bench_run
+
+# Keys every row of a section has (a value, or a "status" saying why not).
+REQUIRED = {
+    "forward": {
+        "shape",
+        "mask",
+        "speedup_vs_mha",
+        "gflops_ours",
+        "gflops_mha",
+        "gflops_matmul",
+        "fraction_of_matmul",
+        "max_abs_difference",
+    },
+    "training": {"shape", "speedup_vs_mha", "gflops_ours", "gflops_mha"},
+    "exported": {
+        "shape",
+        "onnx_vs_saved_model",
+        "fused_vs_onnx",
+        "fused_vs_saved_model",
+        "max_abs_difference",
+    },
+}
+
+
+def _numbers(row: dict):
+    for key, value in row.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield key, value
+
+
+@pytest.fixture(scope="module")
+def quick_results(tmp_path_factory):
+    results = bench_run.run(quick=True)
+    out = tmp_path_factory.mktemp("bench")
+    json_path, markdown_path = report.write(results, str(out))
+    with open(json_path, encoding="utf-8") as handle:
+        loaded = json.load(handle)
+    with open(markdown_path, encoding="utf-8") as handle:
+        markdown = handle.read()
+    return loaded, markdown
+
+
+def test_every_section_has_complete_rows(quick_results):
+    loaded, _ = quick_results
+    assert set(loaded["sections"]) == set(report.SECTIONS)
+    for name, rows in loaded["sections"].items():
+        assert rows, name
+        for row in rows:
+            missing = REQUIRED.get(name, set()) - set(row)
+            assert not missing, (name, missing)
+            if name in ("memory", "long_sequences"):
+                has_number = "peak_mib" in row or "speedup" in row
+                assert has_number or "status" in row, row
+
+
+def test_numbers_are_positive_and_finite(quick_results):
+    loaded, _ = quick_results
+    for name, rows in loaded["sections"].items():
+        for row in rows:
+            for key, value in _numbers(row):
+                assert math.isfinite(value), (name, key, value)
+                if key == "max_abs_difference":
+                    assert value >= 0, (name, key, value)
+                else:
+                    assert value > 0, (name, key, value)
+
+
+def test_compared_layers_compute_the_same_function(quick_results):
+    loaded, _ = quick_results
+    for row in loaded["sections"]["forward"]:
+        assert row["max_abs_difference"] < 1e-4, row
+    for row in loaded["sections"]["exported"]:
+        assert row["max_abs_difference"] < 1e-4, row
+
+
+def test_markdown_has_machine_every_section_and_row(quick_results):
+    loaded, markdown = quick_results
+    machine = loaded["machine"]
+    for key in ("cpu", "cores", "tensorflow", "keras", "onnxruntime", "date_utc"):
+        assert machine[key], key
+        assert str(machine[key]) in markdown, key
+    for name, (title, _) in report.SECTIONS.items():
+        section = markdown.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+        table_lines = [line for line in section.splitlines() if line.startswith("|")]
+        # header + separator + one line per row
+        assert len(table_lines) == 2 + len(loaded["sections"][name]), name
+    assert "## Targets" in markdown
+    for target in loaded["targets"]:
+        assert set(target) == {"target", "threshold", "value", "met"}
+        assert target["target"] in markdown
+
+
+def test_forward_flops_counts_every_matmul():
+    # (B, T, F) = (1, 2, 3), 1 head, key_dim 4, output 5, counted by hand:
+    # Q/K/V 3 * 2*2*3*4 = 144, Q K^T 2*2*2*4 = 32, weights x V 32, output
+    # 2*2*4*5 = 80.
+    shape = cases.Shape(1, 2, 3)
+    config = cases.AttentionConfig(num_heads=1, key_dim=4, output_dim=5)
+    assert cases.forward_flops(shape, config) == 144 + 32 + 32 + 80
+    assert cases.training_flops(shape, config) == 3 * 288
+
+
+def test_speedup_is_the_median_of_per_round_ratios():
+    result = timing.Interleaved({"a": [2.0, 4.0, 6.0], "b": [1.0, 1.0, 3.0]})
+    # per-round a / b = 2, 4, 2
+    assert result.speedup("a", "b") == 2.0
+    assert result.median("a") == 4.0
+
+
+def test_targets_compare_with_the_issue_thresholds():
+    sections = {
+        "forward": [
+            {"shape": "(2, 1024, 256)", "mask": "none", "speedup_vs_mha": 1.3,
+             "fraction_of_matmul": 0.5},
+            {"shape": "(2, 1024, 256)", "mask": "padding", "speedup_vs_mha": 1.1},
+        ],
+        "exported": [
+            {"shape": "(8, 512, 256)", "onnx_vs_saved_model": 1.6,
+             "fused_vs_onnx": "not available: feature not landed"},
+        ],
+    }  # fmt: skip
+    found = {t["target"]: t for t in report.targets(sections, ["(2, 1024, 256)"])}
+    forward = "forward (2, 1024, 256) mask={}: SelfAttention vs MHA"
+    assert found[forward.format("none")]["met"] is True
+    assert found[forward.format("padding")]["met"] is False
+    assert found[forward.format("causal")]["value"] is None
+    fraction = found["forward (2, 1024, 256): fraction of the matmul GFLOP/s"]
+    assert fraction["met"] is False
+    assert found["export (8, 512, 256): onnxruntime vs SavedModel"]["met"] is True
+    fused = found["export (8, 512, 256): fused ONNX vs unfused ONNX"]
+    assert fused["met"] is None and "not landed" in fused["value"]
+
+
+def test_memory_probe_runs_in_a_fresh_process():
+    spec = subprocesses.spec("self_attention", 1, 32, 16, 2, 8, 16)
+    result = subprocesses.peak_memory(spec)
+    assert result["peak_mib"] >= result["baseline_mib"] > 0
+    assert result["seconds"] > 0
