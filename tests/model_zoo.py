@@ -86,6 +86,22 @@ def transformer_encoder(seed: int = 0) -> keras.Model:
     return _seed_weights(keras.Model(inputs, x, name="transformer_encoder"), seed)
 
 
+def attention_with_mask_input(seed: int = 0) -> keras.Model:
+    """SelfAttention fed an explicit boolean mask input.
+
+    Inputs "features" (float, (batch, time, 8)) and "mask" (bool,
+    (batch, time), True for real steps); output "attention" (batch, time, 8).
+    """
+    features = keras.Input((None, FEATURES), name="features")
+    mask = keras.Input((None,), dtype="bool", name="mask")
+    outputs = SelfAttention(num_heads=2, use_bias=True, name="attention")(
+        features, mask=mask
+    )
+    return _seed_weights(
+        keras.Model([features, mask], outputs, name="attention_with_mask_input"), seed
+    )
+
+
 ALL = {
     "attention_only": attention_only,
     "masked_classifier": masked_classifier,
@@ -100,17 +116,19 @@ def sample_inputs(
     """Random inputs for `model`, keyed by input name.
 
     Float inputs get standard normal data. Integer token inputs get ids in
-    [1, VOCAB) with trailing zeros (padding): row 0 is full length, the other
-    rows have random lengths in [1, time].
+    [1, VOCAB) and boolean inputs True, both followed by padding (0 / False):
+    row 0 is full length, the other rows have random lengths in [1, time].
     """
     rng = np.random.default_rng(seed)
+    lengths = np.concatenate([[time], rng.integers(1, time + 1, batch - 1)])
+    padding = np.arange(time)[None, :] >= lengths[:, None]
     result = {}
     for tensor in model.inputs:
         shape = (batch, time) + tuple(tensor.shape[2:])
-        if "int" in str(tensor.dtype):
-            values = rng.integers(1, VOCAB, size=shape)
-            lengths = np.concatenate([[time], rng.integers(1, time + 1, batch - 1)])
-            values[np.arange(time)[None, :] >= lengths[:, None]] = 0
+        if tensor.dtype == "bool":
+            values = ~padding
+        elif "int" in str(tensor.dtype):
+            values = np.where(padding, 0, rng.integers(1, VOCAB, size=shape))
         else:
             values = rng.standard_normal(shape)
         result[tensor.name] = values.astype(tensor.dtype)
