@@ -11,6 +11,12 @@ from keras_selfattn import _checks
 from keras_selfattn import attention_ops as aops
 from keras_selfattn.chunked_attention import chunked_attention
 
+# Name scope around the full attention core: (B, H, T, K) query and key,
+# (B, H, T, V) value and the bool mask in, (B, H, T, V) heads out.
+# `export_onnx(fuse_attention=True)` replaces the ops under it with ONNX's
+# Attention operator; a name scope adds no computation.
+FUSABLE_CORE_SCOPE = "fusable_attention_core"
+
 
 @keras.saving.register_keras_serializable(package="keras_selfattn")
 class SelfAttention(keras.layers.Layer):
@@ -278,9 +284,10 @@ class SelfAttention(keras.layers.Layer):
                 causal=self.causal,
                 sliding_window=self.sliding_window,
             )
-            heads_out, weights = aops.scaled_dot_product_attention(
-                query, key, value, self._scale, combined, dropout
-            )
+            with keras.name_scope(FUSABLE_CORE_SCOPE):
+                heads_out, weights = aops.scaled_dot_product_attention(
+                    query, key, value, self._scale, combined, dropout
+                )
         else:
             heads_out = chunked_attention(
                 query,

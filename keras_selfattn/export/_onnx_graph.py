@@ -1,0 +1,140 @@
+"""Small ONNX graph utilities for rewriting passes: lookups, order, pruning."""
+
+from __future__ import annotations
+
+import collections
+import heapq
+from collections.abc import Iterable
+
+import onnx
+from onnx import numpy_helper
+
+
+def _subgraph_inputs(node: onnx.NodeProto) -> set[str]:
+    """Names a node's subgraphs (If/Loop/Scan bodies) read from outer scopes."""
+    names: set[str] = set()
+    for attribute in node.attribute:
+        graphs = list(attribute.graphs)
+        if attribute.HasField("g"):
+            graphs.append(attribute.g)
+        for graph in graphs:
+            for inner in graph.node:
+                names.update(name for name in inner.input if name)
+                names.update(_subgraph_inputs(inner))
+    return names
+
+
+def node_inputs(node: onnx.NodeProto) -> set[str]:
+    """Every tensor `node` reads, its subgraphs' outer-scope reads included."""
+    return {name for name in node.input if name} | _subgraph_inputs(node)
+
+
+def consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    """Tensor name -> nodes that read it (subgraph reads count)."""
+    result: dict[str, list[onnx.NodeProto]] = collections.defaultdict(list)
+    for node in graph.node:
+        for name in node_inputs(node):
+            result[name].append(node)
+    return result
+
+
+def producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
+    """Tensor name -> the node that writes it."""
+    return {name: node for node in graph.node for name in node.output if name}
+
+
+def constant_value(graph: onnx.GraphProto, name: str):
+    """The numpy value of an initializer or Constant node output, or None."""
+    for initializer in graph.initializer:
+        if initializer.name == name:
+            return numpy_helper.to_array(initializer)
+    for node in graph.node:
+        if node.op_type == "Constant" and name in node.output:
+            for attribute in node.attribute:
+                if attribute.name == "value":
+                    return numpy_helper.to_array(attribute.t)
+    return None
+
+
+def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+    """Tensor name -> inferred type (shape inference on a copy of `model`)."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    graph = inferred.graph
+    types = {
+        info.name: info.type
+        for info in list(graph.input) + list(graph.output) + list(graph.value_info)
+    }
+    for initializer in graph.initializer:
+        types[initializer.name] = onnx.helper.make_tensor_type_proto(
+            initializer.data_type, list(initializer.dims)
+        )
+    return types
+
+
+def topological_sort(graph: onnx.GraphProto) -> None:
+    """Reorders `graph.node` so every node follows its inputs' producers.
+
+    Stable: nodes keep their relative order where the dependencies allow.
+
+    Raises:
+        ValueError: if the graph has a cycle.
+    """
+    nodes = list(graph.node)
+    produced_by = {name: i for i, node in enumerate(nodes) for name in node.output}
+    waiting = [0] * len(nodes)
+    dependents: dict[int, list[int]] = collections.defaultdict(list)
+    for i, node in enumerate(nodes):
+        for name in node_inputs(node):
+            if name in produced_by:
+                waiting[i] += 1
+                dependents[produced_by[name]].append(i)
+    ready = [i for i, count in enumerate(waiting) if count == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for j in dependents[i]:
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                heapq.heappush(ready, j)
+    if len(order) != len(nodes):
+        raise ValueError("The ONNX graph has a cycle; cannot order its nodes.")
+    del graph.node[:]
+    graph.node.extend(nodes[i] for i in order)
+
+
+def remove_nodes(graph: onnx.GraphProto, doomed: Iterable[onnx.NodeProto]) -> None:
+    """Removes the given nodes (compared by identity) from `graph`."""
+    doomed_ids = {id(node) for node in doomed}
+    kept = [node for node in graph.node if id(node) not in doomed_ids]
+    del graph.node[:]
+    graph.node.extend(kept)
+
+
+def prune_dead(graph: onnx.GraphProto) -> int:
+    """Removes nodes and initializers nothing reads; returns nodes removed."""
+    outputs = {info.name for info in graph.output}
+    removed = 0
+    while True:
+        read = set(outputs)
+        for node in graph.node:
+            read.update(node_inputs(node))
+        dead = [
+            node for node in graph.node if not any(name in read for name in node.output)
+        ]
+        if not dead:
+            break
+        remove_nodes(graph, dead)
+        removed += len(dead)
+    read = set(outputs)
+    for node in graph.node:
+        read.update(node_inputs(node))
+    kept = [init for init in graph.initializer if init.name in read]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    produced = {name for node in graph.node for name in node.output}
+    kept_info = [info for info in graph.value_info if info.name in produced]
+    del graph.value_info[:]
+    graph.value_info.extend(kept_info)
+    return removed
