@@ -2,6 +2,7 @@
 
     keras-selfattn export MODEL.keras --saved-model BASE_DIR [--name NAME]
                    [--version N] [--warmup] [--onnx OUT.onnx] [--opset N]
+                   [--fuse-attention]
     keras-selfattn verify MODEL.keras [--saved-model VERSION_DIR] [--onnx PATH]
 
 Every step is printed as it runs, then a parity table (each runtime against
@@ -131,6 +132,8 @@ def _export(args: argparse.Namespace) -> int:
         raise CLIError("--name, --version and --warmup need --saved-model")
     if args.onnx is None and args.opset is not None:
         raise CLIError("--opset needs --onnx")
+    if args.onnx is None and args.fuse_attention:
+        raise CLIError("--fuse-attention needs --onnx")
     # Check every argument before the (slow) work.
     name = args.name
     if args.saved_model is not None:
@@ -173,12 +176,26 @@ def _export(args: argparse.Namespace) -> int:
         )
         print(f"  wrote {version_dir}", flush=True)
     if args.onnx is not None:
-        onnx_path = _step(
-            f"Exporting ONNX (opset {opset}) to {args.onnx}, checked in onnxruntime",
-            lambda: export_onnx(
-                model, args.onnx, opset, atol=args.atol, rtol=args.rtol
-            ),
-        )
+        from keras_selfattn.export.fused_attention import FUSED_OPSET, collect_log
+
+        fused = f" -> {FUSED_OPSET}, fused Attention" if args.fuse_attention else ""
+        with collect_log() as fusion_log:
+            try:
+                onnx_path = _step(
+                    f"Exporting ONNX (opset {opset}{fused}) to {args.onnx}, "
+                    "checked in onnxruntime",
+                    lambda: export_onnx(
+                        model,
+                        args.onnx,
+                        opset,
+                        fuse_attention=args.fuse_attention,
+                        atol=args.atol,
+                        rtol=args.rtol,
+                    ),
+                )
+            finally:  # which layers were fused, also when the check failed
+                for line in fusion_log:
+                    print(f"  {line}", flush=True)
         print(f"  wrote {onnx_path}", flush=True)
     report = _step(
         "Verifying against Keras",
@@ -275,6 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--onnx", metavar="OUT.onnx", help="write an ONNX file")
     export.add_argument("--opset", type=int, help="ONNX opset, 13 to 18 (default 17)")
+    export.add_argument(
+        "--fuse-attention",
+        action="store_true",
+        help="make each SelfAttention one ONNX Attention node (upgrades to opset 23)",
+    )
     add_tolerances(export)
     export.set_defaults(run=_export)
 

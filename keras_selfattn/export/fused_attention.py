@@ -12,8 +12,9 @@ prefix ".../<layer scope>/fusable_attention_core/". `fuse_attention`
 2. groups the nodes by that prefix and checks each group's structure: one
    tensor leaves it, made by a MatMul whose second input is V; one other
    MatMul reads Q and Transpose(K, perm (0, 1, 3, 2)); the scores are
-   multiplied by a scalar constant (the scale); at most one bool tensor (the
-   mask) and no other computed tensor enters; Q, K and V are float32;
+   multiplied by a scalar constant equal to the layer's scale (TensorFlow
+   drops a multiplication by 1); at most one bool tensor (the mask) and no
+   other computed tensor enters; Q, K and V are float32;
 3. replaces a group that passes by `Attention(Q, K, V, mask)` with that
    scale, the mask expanded along the query axis to (B, 1, T, T) (onnxruntime
    rejects (B, 1, 1, T)), writing the group's output tensor, so the
@@ -57,8 +58,12 @@ _CORE_OPS = frozenset(
     {"MatMul", "Transpose", "Mul", "Add", "Sub", "Softmax", "Where", "Not", "Cast"}
 )
 
-# The whole core of a layer without any mask, as tf2onnx converts it.
-_UNMASKED_OPS = sorted(["Transpose", "MatMul", "Mul", "Softmax", "MatMul"])
+# The whole core of a layer without any mask, as tf2onnx converts it (without
+# the Mul when the scale is 1).
+_UNMASKED_OPS = (
+    sorted(["Transpose", "MatMul", "Mul", "Softmax", "MatMul"]),
+    sorted(["Transpose", "MatMul", "Softmax", "MatMul"]),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,18 +170,33 @@ def _only(nodes: list[onnx.NodeProto], op_type: str) -> list[onnx.NodeProto]:
     return [node for node in nodes if node.op_type == op_type]
 
 
-def _scale(graph, nodes, scores: str) -> float:
+def _scale(graph, nodes, scores: str, layer_scale: float | None) -> float:
+    """The multiplier of the raw scores, checked against the layer's.
+
+    TensorFlow drops a multiplication by 1.0, so a core whose scores go on
+    unscaled has scale 1, accepted only when the layer says so.
+    """
     readers = [node for node in nodes if scores in node.input]
-    if len(readers) != 1 or readers[0].op_type != "Mul":
-        raise _NotFusable("the raw scores are not multiplied by a constant scale")
-    others = [name for name in readers[0].input if name != scores]
-    value = og.constant_value(graph, others[0]) if len(others) == 1 else None
-    if value is None or np.size(value) != 1:
+    value = None
+    if len(readers) == 1 and readers[0].op_type == "Mul":
+        others = [name for name in readers[0].input if name != scores]
+        if len(others) == 1:
+            value = og.constant_value(graph, others[0])
+    if value is None:
+        if layer_scale is not None and np.float32(layer_scale) == 1.0:
+            return 1.0
+        raise _NotFusable("the scores' scale could not be read from the graph")
+    if np.size(value) != 1:
         raise _NotFusable("the scores' scale is not a scalar constant")
-    return float(np.asarray(value).reshape(()))
+    scale = float(np.asarray(value).reshape(()))
+    if layer_scale is not None and not np.isclose(scale, layer_scale, rtol=1e-6):
+        raise _NotFusable(
+            f"the graph's scale {scale:g} is not the layer's {layer_scale:g}"
+        )
+    return scale
 
 
-def _analyse(graph, nodes, types, readers, graph_outputs) -> _Core:
+def _analyse(graph, nodes, types, readers, graph_outputs, layer_scale) -> _Core:
     """Checks one core group; raises _NotFusable with the reason."""
     unexpected = sorted({n.op_type for n in nodes} - _CORE_OPS)
     if unexpected:
@@ -218,7 +238,7 @@ def _analyse(graph, nodes, types, readers, graph_outputs) -> _Core:
     computed = {name for name in entering if og.constant_value(graph, name) is None}
     if computed - set(masks) != {query, key, value} or len(masks) > 1:
         raise _NotFusable("unexpected inputs enter the attention core")
-    if not masks and sorted(node.op_type for node in nodes) != _UNMASKED_OPS:
+    if not masks and sorted(node.op_type for node in nodes) not in _UNMASKED_OPS:
         raise _NotFusable("the core transforms its scores without a mask")
     dtypes = {_elem_type(types, name) for name in (query, key, value)}
     if dtypes != {TensorProto.FLOAT}:
@@ -235,7 +255,7 @@ def _analyse(graph, nodes, types, readers, graph_outputs) -> _Core:
         _elem_type(types, mask) != TensorProto.BOOL or _rank(types, mask) != 4
     ):
         raise _NotFusable("the mask entering the core is not a 4-D bool tensor")
-    scale = _scale(graph, nodes, scores_node.output[0])
+    scale = _scale(graph, nodes, scores_node.output[0], layer_scale)
     return _Core(tuple(nodes), query, key, value, mask, output, scale)
 
 
@@ -319,15 +339,8 @@ def fuse_attention(
     for prefix, nodes in _groups(graph).items():
         label = _layer_for(prefix, layers) or prefix[: -len(_MARKER)]
         try:
-            core = _analyse(graph, nodes, types, readers, graph_outputs)
-            layer = layers.get(label)
-            if layer is not None and not np.isclose(
-                core.scale, layer._scale, rtol=1e-6, atol=0.0
-            ):
-                raise _NotFusable(
-                    f"the graph's scale {core.scale:g} is not the layer's "
-                    f"{layer._scale:g}"
-                )
+            layer_scale = layers[label]._scale if label in layers else None
+            core = _analyse(graph, nodes, types, readers, graph_outputs, layer_scale)
         except _NotFusable as error:
             reasons[label] = str(error)
             continue

@@ -15,7 +15,8 @@ import keras
 import onnx
 import tensorflow as tf
 
-from keras_selfattn.export import _files
+from keras_selfattn import _checks
+from keras_selfattn.export import _files, fused_attention
 from keras_selfattn.export._endpoint import Endpoint, build_endpoint
 from keras_selfattn.export.verify import (
     DEFAULT_ATOL,
@@ -113,6 +114,7 @@ def export_onnx(
     opset: int | None = None,
     *,
     attention_outputs: str | Mapping[str, str] | None = None,
+    fuse_attention: bool = False,
     check: bool = True,
     atol: float = DEFAULT_ATOL,
     rtol: float = DEFAULT_RTOL,
@@ -132,6 +134,10 @@ def export_onnx(
         opset: ONNX opset, 13 to 18. Defaults to 17.
         attention_outputs: As in `export_saved_model`: a SelfAttention layer
             name (output "attention_weights") or {layer name: output name}.
+        fuse_attention: If True, the model is upgraded to opset 23 and each
+            SelfAttention call becomes one ONNX `Attention` node (see
+            `keras_selfattn.export.fused_attention`); a layer that cannot be
+            fused keeps its decomposed form and is logged with the reason.
         check: Whether to run the onnxruntime comparison (see `verify`).
         atol, rtol: Tolerances of that check.
 
@@ -150,11 +156,14 @@ def export_onnx(
     'artifacts/model.onnx'
     """
     opset = check_opset(opset)
+    fuse_attention = _checks.boolean("fuse_attention", fuse_attention)
     path = os.fspath(path)
     _files.refuse_existing(path, "Output file")
     endpoint = build_endpoint(model, attention_outputs)
     proto = convert_to_onnx(endpoint, opset)
     proto = name_dynamic_axes(proto, endpoint)
+    if fuse_attention:
+        proto, _ = fused_attention.fuse_attention(proto, endpoint)
     onnx.checker.check_model(proto, full_check=True)
     with _files.atomic_file(path) as tmp:
         onnx.save(proto, tmp)
