@@ -18,6 +18,7 @@ Every output is compared with the Keras model's own prediction.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -34,31 +35,51 @@ from google.protobuf import text_format
 from tensorflow.core.protobuf import saved_model_pb2
 from tensorflow_serving.config import model_server_config_pb2
 
+from keras_selfattn.export import export_saved_model
 from keras_selfattn.serving import (
     build_rest_request,
     parse_rest_response,
     read_warmup_file,
-    write_models_config,
-    write_warmup_file,
 )
 from tests import model_zoo
 
 ATOL = 1e-5
 RTOL = 1e-5
+REPO = Path(__file__).resolve().parents[1]
 SAVED_MODEL_CLI = str(Path(sys.executable).with_name("saved_model_cli"))
-# Model name in TF Serving -> builder. Integer tokens with padding, and two
-# stacked SelfAttention blocks with residuals and LayerNormalization.
-MODELS = {
-    "classifier": model_zoo.masked_classifier,
-    "encoder": model_zoo.transformer_encoder,
-}
 # (batch, time): batch 1 / time 1, an odd time, and a padded batch.
 SHAPES = [(1, 1), (2, 33), (3, 7)]
+
+
+def _classifier_attention(model: keras.Model, inputs) -> np.ndarray:
+    """Keras's own attention weights of the classifier's SelfAttention."""
+    embed = model.get_layer("embed")
+    tokens = inputs["tokens"]
+    _, weights = model.get_layer("attention")(
+        embed(tokens), mask=embed.compute_mask(tokens), return_attention_scores=True
+    )
+    return keras.ops.convert_to_numpy(weights)
+
+
+@dataclass(frozen=True)
+class Spec:
+    build: object
+    output: str  # the model's output, named after its last layer
+    attention_layer: str | None = None  # exported as "attention_weights"
+
+
+# Integer tokens with padding (plus an attention-weights output), and two
+# stacked SelfAttention blocks with residuals and LayerNormalization.
+MODELS = {
+    "classifier": Spec(model_zoo.masked_classifier, "probabilities", "attention"),
+    "encoder": Spec(model_zoo.transformer_encoder, "norm_1b"),
+}
 
 
 @dataclass
 class Export:
     name: str
+    spec: Spec
     model: keras.Model
     version_dir: Path
 
@@ -74,43 +95,44 @@ class Export:
     def inputs(self, batch: int, time: int, seed: int = 0) -> dict[str, np.ndarray]:
         return model_zoo.sample_inputs(self.model, batch, time, seed=seed)
 
-    def keras_outputs(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
+    def keras_outputs(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """What the signature must return, computed by Keras."""
         ordered = [inputs[tensor.name] for tensor in self.model.inputs]
         feed = ordered[0] if len(ordered) == 1 else ordered
-        return keras.ops.convert_to_numpy(self.model(feed, training=False))
+        outputs = {
+            self.spec.output: keras.ops.convert_to_numpy(
+                self.model(feed, training=False)
+            )
+        }
+        if self.spec.attention_layer:
+            outputs["attention_weights"] = _classifier_attention(self.model, inputs)
+        return outputs
 
-    def main_output(self, outputs: dict[str, np.ndarray]) -> np.ndarray:
-        """The signature output that carries the model's output."""
-        name = self.model.outputs[0].name
-        if name in outputs:
-            return outputs[name]
-        (value,) = outputs.values()
-        return value
-
-
-def _export(model: keras.Model, base_dir: Path, name: str) -> Path:
-    version_dir = base_dir / name / "1"
-    model.export(str(version_dir), format="tf_saved_model", verbose=False)
-    examples = [
-        model_zoo.sample_inputs(model, batch, time, seed=11) for batch, time in SHAPES
-    ]
-    write_warmup_file(
-        str(version_dir / "assets.extra" / "tf_serving_warmup_requests"),
-        name,
-        examples,
-    )
-    return version_dir
+    def assert_matches_keras(self, outputs: dict[str, np.ndarray], inputs) -> None:
+        expected = self.keras_outputs(inputs)
+        assert set(outputs) == set(expected)
+        for key, value in expected.items():
+            np.testing.assert_allclose(
+                outputs[key], value, atol=ATOL, rtol=RTOL, err_msg=key
+            )
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> tuple[Path, dict[str, Export]]:
+    """Every model exported once, with warmup, into one base dir."""
     base_dir = tmp_path_factory.mktemp("serving")
     exports = {}
-    for name, build in MODELS.items():
-        model = build(seed=3)
-        exports[name] = Export(name, model, _export(model, base_dir, name))
-    write_models_config(str(base_dir), list(MODELS))
-    write_models_config(str(base_dir), list(MODELS), None, "models.local.config")
+    for name, spec in MODELS.items():
+        model = spec.build(seed=3)
+        version_dir = export_saved_model(
+            model,
+            base_dir,
+            name,
+            attention_outputs=spec.attention_layer,
+            warmup=True,
+            check=False,  # these tests do their own comparisons with Keras
+        )
+        exports[name] = Export(name, spec, model, Path(version_dir))
     return base_dir, exports
 
 
@@ -138,25 +160,29 @@ def _quiet_env() -> dict[str, str]:
 # --- SignatureDef ----------------------------------------------------------
 
 
+def _dims(tensor_info) -> list[int]:
+    return [d.size for d in tensor_info.tensor_shape.dim]
+
+
 def test_signature_names_dtypes_and_dynamic_dims(served):
     _, exports = served
     classifier = exports["classifier"].signature_def()
     assert classifier.method_name == "tensorflow/serving/predict"
     assert list(classifier.inputs) == ["tokens"]
-    tokens = classifier.inputs["tokens"]
-    assert tokens.dtype == tf.int32.as_datatype_enum
-    assert [d.size for d in tokens.tensor_shape.dim] == [-1, -1]
-    (probabilities,) = classifier.outputs.values()
-    assert probabilities.dtype == tf.float32.as_datatype_enum
-    assert [d.size for d in probabilities.tensor_shape.dim] == [-1, 3]
+    assert classifier.inputs["tokens"].dtype == tf.int32.as_datatype_enum
+    assert _dims(classifier.inputs["tokens"]) == [-1, -1]
+    assert set(classifier.outputs) == {"probabilities", "attention_weights"}
+    for info in classifier.outputs.values():
+        assert info.dtype == tf.float32.as_datatype_enum
+    assert _dims(classifier.outputs["probabilities"]) == [-1, 3]
+    assert _dims(classifier.outputs["attention_weights"]) == [-1, 2, -1, -1]
 
     encoder = exports["encoder"].signature_def()
     assert list(encoder.inputs) == ["embeddings"]
-    embeddings = encoder.inputs["embeddings"]
-    assert embeddings.dtype == tf.float32.as_datatype_enum
-    assert [d.size for d in embeddings.tensor_shape.dim] == [-1, -1, model_zoo.FEATURES]
-    (sequence,) = encoder.outputs.values()
-    assert [d.size for d in sequence.tensor_shape.dim] == [-1, -1, model_zoo.FEATURES]
+    assert encoder.inputs["embeddings"].dtype == tf.float32.as_datatype_enum
+    assert _dims(encoder.inputs["embeddings"]) == [-1, -1, model_zoo.FEATURES]
+    assert list(encoder.outputs) == ["norm_1b"]
+    assert _dims(encoder.outputs["norm_1b"]) == [-1, -1, model_zoo.FEATURES]
 
 
 # --- (a) saved_model_cli ---------------------------------------------------
@@ -164,20 +190,22 @@ def test_signature_names_dtypes_and_dynamic_dims(served):
 
 def test_saved_model_cli_show_all(served):
     _, exports = served
-    export = exports["classifier"]
     result = subprocess.run(
-        [SAVED_MODEL_CLI, "show", "--all", "--dir", str(export.version_dir)],
+        [SAVED_MODEL_CLI, "show", "--all", "--dir",
+         str(exports["classifier"].version_dir)],
         capture_output=True, text=True, env=_quiet_env(), timeout=120, check=True,
     )  # fmt: skip
     out = result.stdout
     section = out[out.index("signature_def['serving_default']") :]
     section = section[: section.index("Method name is: tensorflow/serving/predict")]
-    assert "inputs['tokens'] tensor_info:" in section
-    assert "dtype: DT_INT32" in section
-    assert "shape: (-1, -1)" in section
-    (output_name,) = export.signature_def().outputs
-    assert f"outputs['{output_name}'] tensor_info:" in section
-    assert "shape: (-1, 3)" in section
+    inputs, outputs = section.split("contains the following output(s):")
+    assert "inputs['tokens'] tensor_info:" in inputs
+    assert "dtype: DT_INT32" in inputs
+    assert "shape: (-1, -1)" in inputs
+    probabilities = outputs[outputs.index("outputs['probabilities']") :]
+    assert "shape: (-1, 3)" in probabilities.split("outputs[")[1]
+    attention = outputs[outputs.index("outputs['attention_weights']") :]
+    assert "shape: (-1, 2, -1, -1)" in attention.split("outputs[")[1]
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -199,10 +227,7 @@ def test_saved_model_cli_run_matches_keras(served, tmp_path, name):
         capture_output=True, text=True, env=_quiet_env(), timeout=120, check=True,
     )  # fmt: skip
     outputs = {p.stem: np.load(p) for p in outdir.glob("*.npy")}
-    assert set(outputs) == set(export.signature_def().outputs)
-    np.testing.assert_allclose(
-        export.main_output(outputs), export.keras_outputs(inputs), atol=ATOL, rtol=RTOL
-    )
+    export.assert_matches_keras(outputs, inputs)
 
 
 # --- (b) a fresh process without keras_selfattn ----------------------------
@@ -258,7 +283,7 @@ def test_fresh_process_without_keras_selfattn_matches_keras(served, tmp_path):
                     "outputs": f"{stem}_out.npz",
                 }
             )
-            expected.append((export, export.keras_outputs(inputs)))
+            expected.append((export, inputs))
     script = tmp_path / "load_fresh.py"
     script.write_text(_FRESH_LOADER)
     result = subprocess.run(
@@ -271,10 +296,9 @@ def test_fresh_process_without_keras_selfattn_matches_keras(served, tmp_path):
     assert "tensorflow" in top_level_modules
     assert "keras_selfattn" not in top_level_modules
     assert "keras" not in top_level_modules
-    for job, (export, keras_out) in zip(jobs, expected, strict=True):
+    for job, (export, inputs) in zip(jobs, expected, strict=True):
         with np.load(job["outputs"]) as outputs:
-            served_out = export.main_output(dict(outputs))
-        np.testing.assert_allclose(served_out, keras_out, atol=ATOL, rtol=RTOL)
+            export.assert_matches_keras(dict(outputs), inputs)
 
 
 # --- (c) warmup replay -----------------------------------------------------
@@ -287,7 +311,7 @@ def test_warmup_records_replay_against_the_signature(served, signatures, name):
     path = export.version_dir / "assets.extra" / "tf_serving_warmup_requests"
     assert path.is_file()
     requests = read_warmup_file(str(path))
-    assert len(requests) >= 1
+    assert len(requests) == 3  # batch 1, times 1, 8 and 32
     signature = export.signature_def()
     for request in requests:
         assert request.model_spec.name == name
@@ -296,11 +320,7 @@ def test_warmup_records_replay_against_the_signature(served, signatures, name):
         for key, proto in request.inputs.items():
             assert proto.dtype == signature.inputs[key].dtype
         inputs = {key: tf.make_ndarray(proto) for key, proto in request.inputs.items()}
-        outputs = _run_signature(signatures[name], inputs)
-        np.testing.assert_allclose(
-            export.main_output(outputs), export.keras_outputs(inputs),
-            atol=ATOL, rtol=RTOL,
-        )  # fmt: skip
+        export.assert_matches_keras(_run_signature(signatures[name], inputs), inputs)
 
 
 # --- (d) models.config -----------------------------------------------------
@@ -334,8 +354,18 @@ def test_models_config_for_docker_maps_to_the_mount(served):
         _assert_servable_base_path(host_path)
 
 
-def test_local_models_config_points_at_the_exports(served):
+def _load_script(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_local_models_config_points_at_the_exports(served, capsys):
     base_dir, exports = served
+    script = _load_script(REPO / "export" / "serving" / "models_config.py")
+    assert script.main([str(base_dir), "--local"]) == 0
+    assert "models.local.config serving classifier, encoder" in capsys.readouterr().out
     config = _parse_models_config((base_dir / "models.local.config").read_text())
     models = config.model_config_list.config
     assert [m.name for m in models] == list(exports)
@@ -347,7 +377,7 @@ def test_local_models_config_points_at_the_exports(served):
 
 
 def test_sample_models_config_in_export_serving_parses():
-    sample = Path(__file__).parents[1] / "export" / "serving" / "models.config"
+    sample = REPO / "export" / "serving" / "models.config"
     config = _parse_models_config(sample.read_text())
     assert config.model_config_list.config
     for model in config.model_config_list.config:
@@ -444,8 +474,6 @@ def test_rest_bodies_through_the_signature_match_keras(
         np.testing.assert_array_equal(tensors[key], value)
     outputs = _run_signature(signatures[name], tensors)
     answer = _server_response(outputs, row_format=format == "instances")
-    (output_name,) = signature_def.outputs
-    parsed = parse_rest_response(json.loads(answer), output_name=output_name)
-    np.testing.assert_allclose(
-        export.main_output(parsed), export.keras_outputs(inputs), atol=ATOL, rtol=RTOL
-    )
+    # A single output comes back unnamed; the client keys it as asked.
+    parsed = parse_rest_response(json.loads(answer), output_name=export.spec.output)
+    export.assert_matches_keras(parsed, inputs)

@@ -12,6 +12,7 @@ from keras_selfattn.serving.client import (
 from keras_selfattn.serving.model_config import (
     build_models_config,
     models_config_text,
+    served_model_names,
     write_models_config,
 )
 from keras_selfattn.serving.warmup import read_warmup_file, write_warmup_file
@@ -27,6 +28,7 @@ __all__ = [
     "parse_predict_response",
     "parse_rest_response",
     "read_warmup_file",
+    "served_model_names",
     "write_models_config",
     "write_warmup_file",
 ]

@@ -67,6 +67,38 @@ def _check_names(model_names) -> list[str]:
     return names
 
 
+def served_model_names(base_dir: str) -> list[str]:
+    """Names of the model folders of `base_dir` that TF Serving can serve.
+
+    A model folder qualifies when it holds at least one numbered version
+    folder containing `saved_model.pb`; hidden folders (temporary exports)
+    are skipped.
+
+    Args:
+        base_dir: The export base dir.
+
+    Returns:
+        The model names, sorted.
+    """
+    base_dir = os.fspath(base_dir)
+    if not os.path.isdir(base_dir):
+        raise FileNotFoundError(
+            f"`base_dir` is not an existing folder. Received: base_dir={base_dir!r}"
+        )
+    names = []
+    for entry in sorted(os.listdir(base_dir)):
+        model_dir = os.path.join(base_dir, entry)
+        if entry.startswith(".") or not os.path.isdir(model_dir):
+            continue
+        if any(
+            version.isdigit()
+            and os.path.isfile(os.path.join(model_dir, version, "saved_model.pb"))
+            for version in os.listdir(model_dir)
+        ):
+            names.append(entry)
+    return names
+
+
 def _base_path(base_dir: str, name: str, container_base: str | None) -> str:
     if container_base is None:
         return os.path.join(os.path.abspath(base_dir), name)
