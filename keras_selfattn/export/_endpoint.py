@@ -124,8 +124,15 @@ def model_inputs(model: keras.Model) -> tuple[InputSpec, ...]:
     return tuple(specs)
 
 
+def _structure(model: keras.Model, which: str):
+    """`model.input` / `model.output`; a Sequential model has one of each."""
+    if isinstance(model, keras.Sequential):
+        return getattr(model, f"{which}s")[0]
+    return getattr(model, which)
+
+
 def _output_names(model: keras.Model) -> list[str]:
-    if isinstance(model.output, dict):
+    if isinstance(_structure(model, "output"), dict):
         return sorted(model.output)  # keras.tree.flatten's order
     return list(keras.Model(model.inputs, model.outputs).output_names)
 
@@ -204,7 +211,9 @@ def keras_reference(
     `endpoint.model`.
     """
     source = endpoint.source
-    structured = keras.tree.map_structure(lambda t: arrays[t.name], source.input)
+    structured = keras.tree.map_structure(
+        lambda t: arrays[t.name], _structure(source, "input")
+    )
     flat = keras.tree.flatten(source(structured, training=False))
     result = {
         name: keras.ops.convert_to_numpy(value)

@@ -108,6 +108,11 @@ def name_dynamic_axes(proto: onnx.ModelProto, endpoint: Endpoint) -> onnx.ModelP
     return proto
 
 
+def _write_onnx(proto: onnx.ModelProto, path: str) -> None:
+    """Serializes the model to `path` (a temporary beside the target)."""
+    onnx.save(proto, path)
+
+
 def export_onnx(
     model: keras.Model,
     path: str | os.PathLike,
@@ -166,7 +171,7 @@ def export_onnx(
         proto, _ = fused_attention.fuse_attention(proto, endpoint)
     onnx.checker.check_model(proto, full_check=True)
     with _files.atomic_file(path) as tmp:
-        onnx.save(proto, tmp)
+        _write_onnx(proto, tmp)
         if check:
             compare_runtimes(
                 endpoint,
