@@ -1,4 +1,4 @@
-"""Exact attention computed one block of queries at a time (keras.ops only).
+"""Exact attention computed one block of queries at a time.
 
 `SelfAttention(chunk_size=C)` calls `chunked_attention` instead of building
 the full (B, H, T, T) weights. Each block of C consecutive queries takes its
@@ -12,15 +12,18 @@ the number of keys a block can see:
   ([s-w+1, s+C) with causal), a fixed span of at most C + 2(w-1) keys, so
   the work is linear in T too.
 
-Blocks run in a sequential `ops.scan` (`unroll=1`, which is a `tf.while_loop`
-with `parallel_iterations=1` on TensorFlow), so only one block's scores are
-alive at a time, T may be dynamic, and gradients flow through the loop.
+The math is keras.ops; the blocks run in a sequential map (`tf.map_fn` with
+`parallel_iterations=1` on TensorFlow, a while loop), so only one block's
+scores are alive at a time, T may be dynamic, and gradients flow through the
+loop. The last block starts at T - C, so no slice runs past the end and no
+input is padded.
 
 Shapes use B = batch, H = heads, T = time, K = key_dim, V = value_dim.
 """
 
 from __future__ import annotations
 
+import keras
 from keras import ops
 
 from keras_selfattn import attention_ops as aops
@@ -82,6 +85,22 @@ def _block_mask(
     return combined
 
 
+def _map_sequentially(fn, starts, dtype):
+    """Stacks fn(start) over `starts`, one block after the other.
+
+    On TensorFlow this is `tf.map_fn(parallel_iterations=1)`: `ops.map` is
+    `tf.map_fn` with up to 10 iterations in flight, which on a many-core
+    machine could hold up to 10 blocks' scores at once. `tf.map_fn` (a
+    while loop writing a TensorArray at the loop index) also converts to an
+    ONNX Loop with tf2onnx, which `ops.scan`'s carried TensorArray does not.
+    """
+    if keras.backend.backend() != "tensorflow":
+        return ops.map(fn, starts)
+    import tensorflow as tf
+
+    return tf.map_fn(fn, starts, fn_output_signature=dtype, parallel_iterations=1)
+
+
 def _assemble(blocks, time, block, num_blocks):
     """(n, B, H, C, V) blocks -> (B, H, T, V).
 
@@ -137,8 +156,7 @@ def chunked_attention(
     >>> chunked_attention(q, q, q, 0.5, chunk_size=4, causal=True).shape
     TensorShape([2, 1, 10, 4])
     """
-    query_shape = ops.shape(query)
-    batch, heads, time, key_dim = query_shape
+    batch, heads, time, key_dim = ops.shape(query)
     value_dim = ops.shape(value)[3]
     block = _minimum(chunk_size, time)
     num_blocks = (time + block - 1) // block
@@ -171,14 +189,6 @@ def chunked_attention(
         )
         return output
 
-    def step(_, start):
-        output = attend(start)
-        # On TensorFlow, ops.scan needs each output shaped like the carry.
-        return output, output
-
     starts = ops.minimum(ops.arange(num_blocks, dtype="int32") * block, time - block)
-    first = ops.zeros_like(
-        ops.slice(value, (0, 0, 0, 0), (batch, heads, block, value_dim))
-    )
-    _, blocks = ops.scan(step, first, xs=starts, unroll=1)
+    blocks = _map_sequentially(attend, starts, value.dtype)
     return _assemble(blocks, time, block, num_blocks)
