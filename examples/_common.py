@@ -58,6 +58,7 @@ def save_heatmaps(
     tick_labels: Sequence[str] | None = None,
     xlabel: str = "key position",
     ylabel: str = "query position",
+    annotate: bool = False,
 ) -> Path:
     """Draws one attention-weight heatmap per matrix side by side as a PNG.
 
@@ -68,6 +69,7 @@ def save_heatmaps(
         path: The PNG file to write (its folder must exist).
         tick_labels: Optional names of the positions, for both axes.
         xlabel, ylabel: Axis labels.
+        annotate: Whether to write each weight in its cell.
 
     Returns:
         `path`.
@@ -88,6 +90,10 @@ def save_heatmaps(
         ax.set_title(title, fontsize=10)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
+        if annotate:
+            for (row, col), value in np.ndenumerate(matrix):
+                color = "black" if value > 0.6 else "white"
+                ax.text(col, row, f"{value:.3f}", ha="center", va="center", color=color)
         positions = np.arange(matrix.shape[0])
         ax.set_xticks(positions)
         ax.set_yticks(positions)

@@ -25,8 +25,8 @@ X_ABC = np.array([[1, 0, 1, 0], [0, 2, 0, 2], [1, 1, 1, 1]], dtype="float32")
 WQ_ABC = np.array([[1, 0, 1], [1, 0, 0], [0, 0, 1], [0, 1, 1]], dtype="float32")
 WK_ABC = np.array([[0, 0, 1], [1, 1, 0], [0, 1, 0], [1, 1, 0]], dtype="float32")
 WV_ABC = np.array([[0, 2, 0], [0, 3, 0], [1, 0, 3], [1, 1, 0]], dtype="float32")
+KERNELS_ABC = {"query_kernel": WQ_ABC, "key_kernel": WK_ABC, "value_kernel": WV_ABC}
 
-np.set_printoptions(precision=8, suppress=False, linewidth=120)
 RESULTS: dict[str, list] = {}
 
 
@@ -78,8 +78,7 @@ def notebook_000() -> None:
         "key_dim=3",
         "default scale = 1/sqrt(key_dim) = 1/sqrt(3)",
     )
-    kernels = {"query_kernel": WQ_ABC, "key_kernel": WK_ABC, "value_kernel": WV_ABC}
-    layer = loaded_layer(X_ABC, kernels, key_dim=3)
+    layer = loaded_layer(X_ABC, KERNELS_ABC, key_dim=3)
     proj = projections(layer, X_ABC)
     show("000.query", "query representations (X Wq)", proj["query"])
     show("000.key", "key representations (X Wk)", proj["key"])
@@ -92,8 +91,7 @@ def notebook_000() -> None:
 
 def notebook_001() -> None:
     header("001: numpy, unscaled softmax(Q K^T) V", "key_dim=3, scale=1.0")
-    kernels = {"query_kernel": WQ_ABC, "key_kernel": WK_ABC, "value_kernel": WV_ABC}
-    layer = loaded_layer(X_ABC, kernels, key_dim=3, scale=1.0)
+    layer = loaded_layer(X_ABC, KERNELS_ABC, key_dim=3, scale=1.0)
     proj = projections(layer, X_ABC)
     show("001.query", "Query(Q)", proj["query"])
     show("001.key", "Key(K)", proj["key"])
@@ -167,8 +165,7 @@ def notebook_003() -> None:
 
 def notebook_004() -> None:
     header("004: PyTorch and TensorFlow, unscaled", "key_dim=3, scale=1.0")
-    kernels = {"query_kernel": WQ_ABC, "key_kernel": WK_ABC, "value_kernel": WV_ABC}
-    layer = loaded_layer(X_ABC, kernels, key_dim=3, scale=1.0)
+    layer = loaded_layer(X_ABC, KERNELS_ABC, key_dim=3, scale=1.0)
     proj = projections(layer, X_ABC)
     show("004.keys", "Keys", proj["key"])
     show("004.querys", "Querys", proj["query"])
@@ -187,6 +184,7 @@ def notebook_004() -> None:
 
 def main() -> None:
     args = _common.parse_args(__doc__.splitlines()[0])
+    np.set_printoptions(precision=8, linewidth=120)
     for notebook in (
         notebook_000,
         notebook_001,
