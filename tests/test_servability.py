@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -35,6 +36,7 @@ from google.protobuf import text_format
 from tensorflow.core.protobuf import saved_model_pb2
 from tensorflow_serving.config import model_server_config_pb2
 
+from keras_selfattn import SelfAttention
 from keras_selfattn.export import export_saved_model
 from keras_selfattn.serving import (
     build_rest_request,
@@ -74,6 +76,21 @@ MODELS = {
     "classifier": Spec(model_zoo.masked_classifier, "probabilities", "attention"),
     "encoder": Spec(model_zoo.transformer_encoder, "norm_1b"),
 }
+
+
+def _digits_model(seed: int) -> keras.Model:
+    """The quick start's input and output: 8 rows of 8 pixels -> 10 classes."""
+    keras.utils.set_random_seed(seed)
+    rows = keras.Input((8, 8), name="rows")
+    x = keras.layers.Dense(16, name="embed")(rows)
+    x = SelfAttention(num_heads=2, name="attention")(x)
+    x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
+    digit = keras.layers.Dense(10, activation="softmax", name="digit")(x)
+    return keras.Model(rows, digit, name="digits")
+
+
+# Exported beside MODELS; export/serving/README.md's request bodies target it.
+README_MODEL = Spec(_digits_model, "digit")
 
 
 @dataclass
@@ -122,14 +139,14 @@ def served(tmp_path_factory) -> tuple[Path, dict[str, Export]]:
     """Every model exported once, with warmup, into one base dir."""
     base_dir = tmp_path_factory.mktemp("serving")
     exports = {}
-    for name, spec in MODELS.items():
+    for name, spec in {**MODELS, "digits": README_MODEL}.items():
         model = spec.build(seed=3)
         version_dir = export_saved_model(
             model,
             base_dir,
             name,
             attention_outputs=spec.attention_layer,
-            warmup=True,
+            warmup=name in MODELS,
             check=False,  # these tests do their own comparisons with Keras
         )
         exports[name] = Export(name, spec, model, Path(version_dir))
@@ -271,7 +288,8 @@ _FRESH_LOADER = textwrap.dedent(
 def test_fresh_process_without_keras_selfattn_matches_keras(served, tmp_path):
     _, exports = served
     jobs, expected = [], []
-    for name, export in exports.items():
+    for name in MODELS:
+        export = exports[name]
         for batch, time in SHAPES:
             inputs = export.inputs(batch, time, seed=batch * 100 + time)
             stem = tmp_path / f"{name}_{batch}x{time}"
@@ -345,7 +363,7 @@ def test_models_config_for_docker_maps_to_the_mount(served):
     #   --model_config_file=/models/models.config
     config = _parse_models_config((base_dir / "models.config").read_text())
     models = config.model_config_list.config
-    assert [m.name for m in models] == list(exports)
+    assert [m.name for m in models] == sorted(exports)
     for model in models:
         assert model.model_platform == "tensorflow"
         assert model.base_path == f"/models/{model.name}"
@@ -365,10 +383,12 @@ def test_local_models_config_points_at_the_exports(served, capsys):
     base_dir, exports = served
     script = _load_script(REPO / "export" / "serving" / "models_config.py")
     assert script.main([str(base_dir), "--local"]) == 0
-    assert "models.local.config serving classifier, encoder" in capsys.readouterr().out
+    assert "models.local.config serving classifier, digits, encoder" in (
+        capsys.readouterr().out
+    )
     config = _parse_models_config((base_dir / "models.local.config").read_text())
     models = config.model_config_list.config
-    assert [m.name for m in models] == list(exports)
+    assert [m.name for m in models] == sorted(exports)
     for model in models:
         assert model.model_platform == "tensorflow"
         assert Path(model.base_path).is_absolute()
@@ -477,3 +497,42 @@ def test_rest_bodies_through_the_signature_match_keras(
     # A single output comes back unnamed; the client keys it as asked.
     parsed = parse_rest_response(json.loads(answer), output_name=export.spec.output)
     export.assert_matches_keras(parsed, inputs)
+
+
+def _readme() -> str:
+    return (REPO / "export" / "serving" / "README.md").read_text()
+
+
+def test_readme_curl_bodies_run_through_the_signature(served, signatures):
+    _, exports = served
+    export = exports["digits"]
+    bodies = re.findall(r"curl -X POST \S+/digits:predict -d '(.*?)'", _readme(), re.S)
+    assert len(bodies) == 2
+    row_format = [("instances" in json.loads(body)) for body in bodies]
+    assert sorted(row_format) == [False, True]
+    fed = []
+    for body, row in zip(bodies, row_format, strict=True):
+        tensors = _server_tensors(body, export.signature_def())
+        assert tensors["rows"].shape == (1, 8, 8)
+        assert tensors["rows"].dtype == np.float32
+        outputs = _run_signature(signatures["digits"], tensors)
+        export.assert_matches_keras(outputs, tensors)
+        answer = json.loads(_server_response(outputs, row_format=row))
+        export.assert_matches_keras(
+            parse_rest_response(answer, output_name="digit"), tensors
+        )
+        fed.append(tensors["rows"])
+    np.testing.assert_array_equal(fed[0], fed[1])  # the same digit both ways
+
+
+def test_readme_query_inputs_load_as_the_curl_digit(served, tmp_path):
+    _, exports = served
+    (echoed,) = re.findall(r"echo '(.*?)' > digit.json", _readme())
+    path = tmp_path / "digit.json"
+    path.write_text(echoed)
+    query = _load_script(REPO / "export" / "serving" / "query.py")
+    inputs = query.load_inputs(str(path), {})
+    body = re.search(r"-d '(\{\n  \"inputs\".*?)'", _readme(), re.S).group(1)
+    expected = _server_tensors(body, exports["digits"].signature_def())
+    assert inputs["rows"].dtype == np.float32
+    np.testing.assert_array_equal(inputs["rows"], expected["rows"])

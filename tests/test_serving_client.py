@@ -9,10 +9,12 @@ exercised against a closed port on 127.0.0.1.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import socket
 import urllib.error
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -376,3 +378,72 @@ def test_grpc_client_rejects_bad_arguments(kwargs, message):
     arguments.update(kwargs)
     with pytest.raises(ValueError, match=message):
         GrpcClient(**arguments)
+
+
+# --- export/serving/query.py (the command-line client) ---------------------
+
+
+@pytest.fixture(scope="module")
+def query():
+    path = Path(__file__).resolve().parents[1] / "export" / "serving" / "query.py"
+    spec = importlib.util.spec_from_file_location("query", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_query_loads_inputs_with_default_and_given_dtypes(query, tmp_path):
+    path = tmp_path / "in.json"
+    path.write_text(
+        json.dumps({"tokens": [[5, 3, 0]], "x": [[0.5, 1]], "mask": [[True, False]]})
+    )
+    inputs = query.load_inputs(str(path), {})
+    assert inputs["tokens"].dtype == np.int32
+    np.testing.assert_array_equal(inputs["tokens"], [[5, 3, 0]])
+    assert inputs["x"].dtype == np.float32
+    assert inputs["mask"].dtype == np.bool_
+    assert query.load_inputs(str(path), {"tokens": "int64"})["tokens"].dtype == np.int64
+
+
+@pytest.mark.parametrize(
+    "content, dtypes, message",
+    [
+        ("[1, 2]", {}, "JSON object mapping input names"),
+        ('{"x": [[1, 2], [3]]}', {}, "not a rectangular list"),
+        ('{"x": ["a"]}', {}, "not a rectangular list"),
+        ('{"x": [1]}', {"y": "int32"}, r"--dtype names inputs not in .*\['y'\]"),
+        ("{not json", {}, "in.json is not valid JSON"),
+    ],
+)
+def test_query_rejects_bad_input_files(query, tmp_path, content, dtypes, message):
+    path = tmp_path / "in.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        query.load_inputs(str(path), dtypes)
+
+
+@pytest.mark.parametrize("server", ["--rest", "--grpc"])
+def test_query_exits_1_with_one_line_error_when_unreachable(
+    query, tmp_path, capsys, server
+):
+    path = tmp_path / "in.json"
+    path.write_text('{"x": [[0.5, 1.5]]}')
+    port = _closed_port()
+    target = f"http://127.0.0.1:{port}" if server == "--rest" else f"127.0.0.1:{port}"
+    argv = [str(path), "--model", "clf", server, target, "--timeout", "5"]
+    assert query.main(argv) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.strip().splitlines()
+    expected = "Cannot reach TF Serving" if server == "--rest" else "UNAVAILABLE"
+    assert line.startswith("error: ") and expected in line
+
+
+def test_query_missing_file_and_bad_dtype_option(query, tmp_path, capsys):
+    missing = str(tmp_path / "missing.json")
+    assert query.main([missing, "--model", "clf"]) == 1
+    assert "missing.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        query.main([missing, "--model", "clf", "--dtype", "x=notadtype"])
+    assert exit_info.value.code == 2
+    assert "expected NAME=DTYPE" in capsys.readouterr().err

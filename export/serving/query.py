@@ -2,7 +2,8 @@
 
     python export/serving/query.py INPUTS.json --model NAME \
         [--rest http://localhost:8501 | --grpc localhost:8500] \
-        [--format instances|inputs] [--version N] [--dtype NAME=DTYPE ...]
+        [--format instances|inputs] [--version N] [--dtype NAME=DTYPE ...] \
+        [--output-name NAME]
 
 INPUTS.json maps each input name to a batched nested list, e.g.
 {"tokens": [[5, 3, 9, 0]]}. Values are sent as int32 (JSON integers),
@@ -36,7 +37,10 @@ def load_inputs(path: str, dtypes: dict[str, str]) -> dict[str, np.ndarray]:
         Input name to array.
     """
     with open(path, encoding="utf-8") as f:
-        raw = json.load(f)
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(raw, dict) or not raw:
         raise ValueError(
             f"{path} must hold a JSON object mapping input names to nested lists"
@@ -46,7 +50,10 @@ def load_inputs(path: str, dtypes: dict[str, str]) -> dict[str, np.ndarray]:
         raise ValueError(f"--dtype names inputs not in {path}: {unknown}")
     arrays = {}
     for name, value in raw.items():
-        array = np.asarray(value)
+        try:
+            array = np.asarray(value)
+        except ValueError:
+            array = np.asarray(None)  # ragged: refused below
         if array.dtype.kind not in _DEFAULT_DTYPES:
             raise ValueError(
                 f"Input {name!r} in {path} is not a rectangular list of numbers "
@@ -81,6 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--version", type=int, help="default: the served latest")
     parser.add_argument("--signature", default="serving_default")
+    parser.add_argument(
+        "--output-name",
+        default="output",
+        help="key for a single output (REST answers leave its name out)",
+    )
     parser.add_argument("--timeout", type=float, default=30.0)
     parser.add_argument(
         "--dtype", type=_dtype_option, action="append", default=[], metavar="NAME=DTYPE"
@@ -101,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.signature,
                 args.timeout,
             )
-            outputs = client.predict(inputs, format=args.format)
+            outputs = client.predict(inputs, args.format, args.output_name)
     except (OSError, ValueError, ServingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
