@@ -351,6 +351,27 @@ def test_saved_model_signature_matches_keras(tmp_path):
         )
 
 
+def test_onnx_export_matches_keras(tmp_path):
+    """tf2onnx turns the block loop into an ONNX Loop; onnxruntime agrees."""
+    import onnxruntime
+
+    from keras_selfattn.export import export_onnx
+
+    inputs = keras.Input((None, 8), name="tokens")
+    layer = SelfAttention(
+        num_heads=2, output_dim=5, causal=True, sliding_window=7, chunk_size=16
+    )
+    model = keras.Model(inputs, layer(inputs))
+    path = export_onnx(model, tmp_path / "chunked.onnx", check=False)
+    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    for batch, time in ((1, 1), (2, 33), (1, 512), (3, 16)):
+        x = _inputs(batch, time, 8, seed=time)
+        (got,) = session.run(None, {"tokens": x})
+        np.testing.assert_allclose(
+            got, model.predict(x, verbose=0), atol=1e-5, rtol=1e-5
+        )
+
+
 _PEAK_RSS_SCRIPT = """
 import json, os, resource, sys
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
