@@ -79,32 +79,18 @@ def convert_to_onnx(endpoint: Endpoint, opset: int) -> onnx.ModelProto:
     return proto
 
 
-def _name_dims(value_info: onnx.ValueInfoProto, names: list[str | None]) -> None:
-    dims = value_info.type.tensor_type.shape.dim
-    for dim, name in zip(dims, names, strict=False):
-        if name is not None and not dim.HasField("dim_value"):
-            dim.dim_param = name
+def name_dynamic_axes(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """Names the dynamic axes of graph inputs and outputs "batch" and "time".
 
-
-def name_dynamic_axes(proto: onnx.ModelProto, endpoint: Endpoint) -> onnx.ModelProto:
-    """Names dynamic axes "batch" and "time" on the graph inputs and outputs.
-
-    Axis 0 is "batch". With one dynamic time axis among the inputs every
-    other dynamic axis (inputs and outputs) is "time"; with several, input
-    axes are named "<input>_time" and output axes other than batch keep
-    tf2onnx's names, since they cannot be told apart.
+    Axis 0 is "batch" and every other dynamic axis is "time": a model built
+    around self-attention attends over one sequence, so its dynamic lengths
+    (tokens, masks, `(time, time)` attention weights) are that sequence's.
+    Fixed axes keep their sizes.
     """
-    time_inputs = [
-        spec.name for spec in endpoint.inputs if any(d is None for d in spec.shape[1:])
-    ]
-    shared_time = TIME_AXIS if len(time_inputs) == 1 else None
-    for value_info in proto.graph.input:
-        time = shared_time or f"{value_info.name}_{TIME_AXIS}"
-        rank = len(value_info.type.tensor_type.shape.dim)
-        _name_dims(value_info, [BATCH_AXIS] + [time] * (rank - 1))
-    for value_info in proto.graph.output:
-        rank = len(value_info.type.tensor_type.shape.dim)
-        _name_dims(value_info, [BATCH_AXIS] + [shared_time] * (rank - 1))
+    for value_info in [*proto.graph.input, *proto.graph.output]:
+        for index, dim in enumerate(value_info.type.tensor_type.shape.dim):
+            if not dim.HasField("dim_value"):
+                dim.dim_param = BATCH_AXIS if index == 0 else TIME_AXIS
     return proto
 
 
@@ -166,7 +152,7 @@ def export_onnx(
     _files.refuse_existing(path, "Output file")
     endpoint = build_endpoint(model, attention_outputs)
     proto = convert_to_onnx(endpoint, opset)
-    proto = name_dynamic_axes(proto, endpoint)
+    proto = name_dynamic_axes(proto)
     if fuse_attention:
         proto, _ = fused_attention.fuse_attention(proto, endpoint)
     onnx.checker.check_model(proto, full_check=True)
