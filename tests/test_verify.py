@@ -1,0 +1,160 @@
+"""verify(): the parity report, and that it catches exports that differ."""
+
+from __future__ import annotations
+
+import keras
+import pytest
+
+from keras_selfattn import SelfAttention
+from keras_selfattn.export import (
+    ParityError,
+    ParityReport,
+    ParityRow,
+    export_onnx,
+    export_saved_model,
+    verify,
+)
+from tests import model_zoo
+
+DEFAULT_LABELS = ["1x1", "2x33 padded", "3x128 padded", "2x512 padded"]
+
+
+@pytest.fixture(scope="module")
+def classifier_exports(tmp_path_factory):
+    """masked_classifier (seed 0) as SavedModel and ONNX."""
+    base = tmp_path_factory.mktemp("verify")
+    model = model_zoo.masked_classifier(seed=0)
+    version_dir = export_saved_model(model, base / "serving", "clf", check=False)
+    onnx_path = export_onnx(model, base / "clf.onnx", check=False)
+    return model, version_dir, onnx_path
+
+
+def _unmasked_twin(model: keras.Model) -> keras.Model:
+    """masked_classifier's layers without any mask: equal on unpadded input."""
+    tokens = keras.Input((None,), dtype="int32", name="tokens")
+    x = keras.layers.Embedding(model_zoo.VOCAB, model_zoo.FEATURES)(tokens)
+    x = SelfAttention(num_heads=2)(x)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    outputs = keras.layers.Dense(3, activation="softmax", name="probabilities")(x)
+    twin = keras.Model(tokens, outputs)
+    twin.set_weights(model.get_weights())
+    return twin
+
+
+def test_report_of_faithful_exports(classifier_exports):
+    model, version_dir, onnx_path = classifier_exports
+    report = verify(model, version_dir, onnx_path)
+    assert isinstance(report, ParityReport) and report.ok
+    assert [(r.runtime, r.shape) for r in report.rows] == [
+        (runtime, label)
+        for label in DEFAULT_LABELS
+        for runtime in ("saved_model", "onnx")
+    ]
+    assert all(0 <= r.max_abs_err <= 1e-5 for r in report.rows)
+    assert (report.atol, report.rtol) == (1e-5, 1e-4)
+    lines = str(report).splitlines()
+    assert lines[0].split() == "runtime shape max abs err max rel err ok".split()
+    assert len(lines) == 2 + len(report.rows) + 1
+    assert lines[2].split()[:2] == ["saved_model", "1x1"]
+    assert lines[2].split()[-1] == "yes"
+    assert str(report) == report.table()
+
+
+def test_report_table_rendering():
+    report = ParityReport(
+        (
+            ParityRow("onnx", "2x33", 1.5e-7, 3e-5, True),
+            ParityRow("saved_model", "1x1", 2e-3, 0.5, False),
+        ),
+        atol=1e-5,
+        rtol=1e-4,
+    )
+    assert report.table().splitlines() == [
+        "runtime      shape  max abs err  max rel err  ok",
+        "-----------  -----  -----------  -----------  ---",
+        "onnx         2x33   1.50e-07     3.00e-05     yes",
+        "saved_model  1x1    2.00e-03     5.00e-01     NO",
+        "tolerance: |err| <= 1e-05 + 0.0001 * |keras|",
+    ]
+    assert not report.ok and report.failures == (report.rows[1],)
+
+
+def test_custom_shapes(classifier_exports):
+    model, _, onnx_path = classifier_exports
+    report = verify(model, onnx_path=onnx_path, shapes=[(1, 7), (5, 3)])
+    assert [(r.runtime, r.shape) for r in report.rows] == [
+        ("onnx", "1x7"),
+        ("onnx", "5x3 padded"),
+    ]
+
+
+def test_export_of_other_weights_is_caught(classifier_exports):
+    _, version_dir, onnx_path = classifier_exports
+    other = model_zoo.masked_classifier(seed=1)
+    with pytest.raises(ParityError, match="differ from Keras") as caught:
+        verify(other, version_dir, onnx_path)
+    message = str(caught.value)
+    assert "\n" not in message and "max abs err" in message
+    report = caught.value.report
+    assert len(report.rows) == 8 and not any(row.ok for row in report.rows)
+    assert min(row.max_abs_err for row in report.rows) > 1e-3
+
+
+def test_export_that_ignores_padding_fails_only_on_padded_shapes(tmp_path):
+    # An export that drops the padding mask equals Keras on unpadded inputs:
+    # only the padded shapes can reveal it, and they must.
+    model = model_zoo.masked_classifier(seed=0)
+    path = export_onnx(_unmasked_twin(model), tmp_path / "unmasked.onnx", check=False)
+    with pytest.raises(ParityError) as caught:
+        verify(model, onnx_path=path)
+    rows = {row.shape: row.ok for row in caught.value.report.rows}
+    assert rows == {
+        "1x1": True,
+        "2x33 padded": False,
+        "3x128 padded": False,
+        "2x512 padded": False,
+    }
+
+
+def test_tolerance_is_applied(classifier_exports):
+    model, _, onnx_path = classifier_exports
+    loose = verify(model, onnx_path=onnx_path, shapes=[(3, 40)])
+    (row,) = loose.rows
+    assert 0 < row.max_abs_err  # onnxruntime's float32 rounding differs
+    with pytest.raises(ParityError) as caught:
+        verify(model, onnx_path=onnx_path, shapes=[(3, 40)], atol=0.0, rtol=0.0)
+    (strict,) = caught.value.report.rows
+    assert not strict.ok and strict.max_abs_err == row.max_abs_err
+
+
+def test_attention_outputs_are_compared(tmp_path):
+    model = model_zoo.causal_multihead(seed=0)
+    path = export_onnx(model, tmp_path / "m.onnx", attention_outputs="causal_attention")
+    report = verify(model, onnx_path=path, attention_outputs="causal_attention")
+    assert report.ok
+    with pytest.raises(ParityError, match="lacks the model's outputs"):
+        verify(model, onnx_path=path, attention_outputs={"causal_attention": "w"})
+
+
+def test_input_name_mismatch_is_reported(classifier_exports):
+    _, _, onnx_path = classifier_exports
+    tokens = keras.Input((None,), dtype="int32", name="ids")
+    x = keras.layers.Embedding(model_zoo.VOCAB, 8, mask_zero=True)(tokens)
+    renamed = keras.Model(tokens, keras.layers.Dense(3, name="probabilities")(x[:, 0]))
+    with pytest.raises(ParityError, match=r"lacks the model's inputs \['ids'\]"):
+        verify(renamed, onnx_path=onnx_path)
+
+
+def test_bad_arguments(classifier_exports, tmp_path):
+    model, _, onnx_path = classifier_exports
+    with pytest.raises(ValueError, match="saved_model_dir=None, onnx_path=None"):
+        verify(model)
+    for shapes in ([(0, 3)], [(2,)], [], [(1.5, 2)], "1x1"):
+        with pytest.raises(ValueError, match="shapes"):
+            verify(model, onnx_path=onnx_path, shapes=shapes)
+    with pytest.raises(ValueError, match="atol=-1"):
+        verify(model, onnx_path=onnx_path, atol=-1)
+    with pytest.raises(FileNotFoundError, match="missing.onnx"):
+        verify(model, onnx_path=tmp_path / "missing.onnx")
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        verify(model, saved_model_dir=tmp_path / "nowhere")
