@@ -122,6 +122,11 @@ def test_read_warmup_file_errors(tmp_path):
         writer.write(log.SerializeToString())
     with pytest.raises(ValueError, match="Record 0 .*found 'classify_log'"):
         read_warmup_file(str(classify))
+    not_a_proto = tmp_path / "not_a_proto"
+    with tf.io.TFRecordWriter(str(not_a_proto)) as writer:
+        writer.write(b"\xff\xff\xff")
+    with pytest.raises(ValueError, match="Record 0 .* is not a PredictionLog proto"):
+        read_warmup_file(str(not_a_proto))
 
 
 # --- models.config -----------------------------------------------------------

@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 import tensorflow as tf
+from google.protobuf.message import DecodeError
 from tensorflow_serving.apis import predict_pb2, prediction_log_pb2
 
 from keras_selfattn.serving._files import atomic_write
@@ -133,7 +134,12 @@ def read_warmup_file(path: str) -> list[predict_pb2.PredictRequest]:
         ) from None
     for i, record in enumerate(records):
         log = prediction_log_pb2.PredictionLog()
-        log.ParseFromString(record)
+        try:
+            log.ParseFromString(record)
+        except DecodeError:
+            raise ValueError(
+                f"Record {i} of {path!r} is not a PredictionLog proto."
+            ) from None
         if log.WhichOneof("log_type") != "predict_log":
             raise ValueError(
                 f"Record {i} of {path!r} is not a predict_log PredictionLog "
