@@ -5,6 +5,13 @@ from __future__ import annotations
 import math
 from numbers import Integral, Real
 
+import keras
+import numpy as np
+
+# Largest dimension and weight size: TensorFlow indexes many kernels with
+# int32, and no attention projection needs 2**31 elements (8 GB in float32).
+MAX_SIZE = 2**31 - 1
+
 
 def _is_int(value) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
@@ -14,8 +21,8 @@ def positive_int(name: str, value, allow_none: bool = False):
     """Returns `value` as an int, or None when allowed; else ValueError."""
     if value is None and allow_none:
         return None
-    if not _is_int(value) or value < 1:
-        expected = "a positive integer" + (" or None" if allow_none else "")
+    if not _is_int(value) or not 1 <= value <= MAX_SIZE:
+        expected = "an integer in [1, 2**31 - 1]" + (" or None" if allow_none else "")
         raise ValueError(f"`{name}` must be {expected}. Received: {name}={value!r}")
     return int(value)
 
@@ -51,8 +58,41 @@ def boolean(name: str, value) -> bool:
 
 
 def optional_int(name: str, value):
-    if value is not None and not _is_int(value):
+    """Returns `value` if it is None or a 64-bit integer (a seed)."""
+    if value is not None and (not _is_int(value) or not -(2**63) <= value < 2**63):
         raise ValueError(
-            f"`{name}` must be an integer or None. Received: {name}={value!r}"
+            f"`{name}` must be a 64-bit integer or None. Received: {name}={value!r}"
         )
+    return value
+
+
+def float_policy(policy) -> None:
+    """Raises ValueError unless the dtype policy computes and stores floats."""
+    for dtype in (policy.compute_dtype, policy.variable_dtype):
+        if not keras.backend.is_float_dtype(dtype):
+            raise ValueError(
+                "`dtype` must be a floating-point dtype or policy such as "
+                "'float32', 'mixed_float16' or 'mixed_bfloat16'. "
+                f"Received: dtype={policy.name!r}"
+            )
+
+
+def finite_config(name: str, value):
+    """Returns `value` (an initializer, regularizer, constraint or None) if no
+    number in its config is NaN or infinite (such weights would be NaN)."""
+    if value is None:
+        return value
+    config = value.get_config()
+    for key, item in config.items():
+        if item is None or isinstance(item, str):
+            continue
+        try:
+            numbers = np.asarray(item, dtype="float64")
+        except (TypeError, ValueError):
+            continue
+        if not np.isfinite(numbers).all():
+            raise ValueError(
+                f"`{name}` has {key}={item!r}; it must be finite. "
+                f"Received: {name}={type(value).__name__}({config})"
+            )
     return value

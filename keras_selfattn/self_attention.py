@@ -118,6 +118,8 @@ class SelfAttention(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)
+        _checks.float_policy(self.dtype_policy)
+        _checks.finite_config("activity_regularizer", self.activity_regularizer)
         self.num_heads = _checks.positive_int("num_heads", num_heads)
         self.key_dim = _checks.positive_int("key_dim", key_dim, allow_none=True)
         self.value_dim = _checks.positive_int("value_dim", value_dim, allow_none=True)
@@ -135,12 +137,15 @@ class SelfAttention(keras.layers.Layer):
         )
         self.dropout = _checks.rate("dropout", dropout)
         self.seed = _checks.optional_int("seed", seed)
-        self.kernel_initializer = initializers.get(kernel_initializer)
-        self.bias_initializer = initializers.get(bias_initializer)
-        self.kernel_regularizer = regularizers.get(kernel_regularizer)
-        self.bias_regularizer = regularizers.get(bias_regularizer)
-        self.kernel_constraint = constraints.get(kernel_constraint)
-        self.bias_constraint = constraints.get(bias_constraint)
+        for name, value, module in (
+            ("kernel_initializer", kernel_initializer, initializers),
+            ("bias_initializer", bias_initializer, initializers),
+            ("kernel_regularizer", kernel_regularizer, regularizers),
+            ("bias_regularizer", bias_regularizer, regularizers),
+            ("kernel_constraint", kernel_constraint, constraints),
+            ("bias_constraint", bias_constraint, constraints),
+        ):
+            setattr(self, name, _checks.finite_config(name, module.get(value)))
         self.supports_masking = True
         self._dropout_layer = (
             keras.layers.Dropout(self.dropout, seed=self.seed, dtype=self.dtype_policy)
@@ -198,24 +203,39 @@ class SelfAttention(keras.layers.Layer):
         self._input_dim = input_dim
 
     def _add_projection(self, prefix: str, kernel_shape: tuple[int, int]) -> None:
-        kernel = self.add_weight(
-            name=f"{prefix}_kernel",
-            shape=kernel_shape,
-            initializer=self.kernel_initializer,
-            regularizer=self.kernel_regularizer,
-            constraint=self.kernel_constraint,
-        )
+        size = math.prod(kernel_shape)
+        if size > _checks.MAX_SIZE:
+            raise ValueError(
+                f"SelfAttention '{self.name}': {prefix}_kernel would have shape "
+                f"{kernel_shape}, {size} elements (at most 2**31 - 1). Received: "
+                f"num_heads={self.num_heads}, key_dim={self.key_dim}, "
+                f"value_dim={self.value_dim}, output_dim={self.output_dim}"
+            )
+        kernel = self._new_weight(f"{prefix}_kernel", kernel_shape, "kernel")
         setattr(self, f"{prefix}_kernel", kernel)
         bias = None
         if self.use_bias:
-            bias = self.add_weight(
-                name=f"{prefix}_bias",
-                shape=(kernel_shape[1],),
-                initializer=self.bias_initializer,
-                regularizer=self.bias_regularizer,
-                constraint=self.bias_constraint,
-            )
+            bias = self._new_weight(f"{prefix}_bias", (kernel_shape[1],), "bias")
         setattr(self, f"{prefix}_bias", bias)
+
+    def _new_weight(self, name: str, shape: tuple[int, ...], kind: str):
+        """A weight from the `kind` ("kernel" or "bias") arguments."""
+        initializer = getattr(self, f"{kind}_initializer")
+        try:
+            return self.add_weight(
+                name=name,
+                shape=shape,
+                initializer=initializer,
+                regularizer=getattr(self, f"{kind}_regularizer"),
+                constraint=getattr(self, f"{kind}_constraint"),
+            )
+        except Exception as error:
+            config = initializers.serialize(initializer)
+            raise ValueError(
+                f"SelfAttention '{self.name}': `{kind}_initializer` cannot create "
+                f"{name} of shape {shape}: {error} "
+                f"Received: {kind}_initializer={config}"
+            ) from error
 
     # ------------------------------------------------------------------- call
     def _project(self, x, prefix: str):
