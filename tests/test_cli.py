@@ -1,0 +1,372 @@
+"""keras-selfattn: export and verify from .keras files; one-line errors.
+
+Most cases call `main(argv)` in-process (fast); a few run the installed
+console script and the export/ scripts as real subprocesses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import runpy
+import subprocess
+import sys
+import zipfile
+
+import keras
+import numpy as np
+import onnxruntime
+import pytest
+import tensorflow as tf
+
+from keras_selfattn.cli import main
+from tests import model_zoo
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Lines TensorFlow's native logging prints while it is imported (before main).
+_TF_NATIVE_LOG = re.compile(
+    r"^(WARNING: All log messages before absl::InitializeLog\(\)"
+    r"|[IWEF]\d{4} "
+    r"|To enable the following instructions)"
+)
+
+
+def tree_digest(root) -> str:
+    digest = hashlib.sha256()
+    for directory, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        digest.update(os.path.relpath(directory, root).encode())
+        for name in sorted(files):
+            digest.update(name.encode())
+            with open(os.path.join(directory, name), "rb") as handle:
+                digest.update(handle.read())
+    return digest.hexdigest()
+
+
+def run(argv, capsys) -> tuple[int, str, str]:
+    status = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def assert_one_line_error(err: str, *fragments: str) -> None:
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("keras-selfattn: error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, err)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """A folder with clf.keras exported once to SavedModel and ONNX by the CLI."""
+    root = tmp_path_factory.mktemp("cli")
+    model = model_zoo.masked_classifier(seed=0)
+    model.save(root / "clf.keras")
+    status = main(
+        [
+            "export",
+            str(root / "clf.keras"),
+            "--saved-model",
+            str(root / "serving"),
+            "--warmup",
+            "--onnx",
+            str(root / "clf.onnx"),
+        ]
+    )
+    return root, model, status
+
+
+def test_export_writes_both_and_they_match_keras(work):
+    root, model, status = work
+    assert status == 0
+    version_dir = root / "serving" / "clf" / "1"
+    assert (version_dir / "saved_model.pb").is_file()
+    assert (version_dir / "assets.extra" / "tf_serving_warmup_requests").is_file()
+    assert (root / "serving" / "models.config").is_file()
+    tokens = model_zoo.sample_inputs(model, 3, 21, seed=7)["tokens"]
+    expected = model.predict(tokens, verbose=0)
+    signature = tf.saved_model.load(str(version_dir)).signatures["serving_default"]
+    served = signature(tokens=tf.constant(tokens))["probabilities"].numpy()
+    session = onnxruntime.InferenceSession(
+        str(root / "clf.onnx"), providers=["CPUExecutionProvider"]
+    )
+    (from_onnx,) = session.run(None, {"tokens": tokens})
+    np.testing.assert_allclose(served, expected, atol=1e-5)
+    np.testing.assert_allclose(from_onnx, expected, atol=1e-5)
+
+
+def test_export_prints_steps_and_parity_table(tmp_path, work, capsys):
+    root, _, _ = work
+    status, out, err = run(
+        ["export", root / "clf.keras", "--onnx", tmp_path / "x.onnx", "--opset", "18"],
+        capsys,
+    )
+    assert status == 0 and err == ""
+    steps = [line for line in out.splitlines() if " ... " in line]
+    assert steps[0].startswith(
+        f"Loading {root / 'clf.keras'} (safe_mode=True) ... done"
+    )
+    assert steps[1].startswith("Exporting ONNX (opset 18)") and "done" in steps[1]
+    assert steps[2].startswith("Verifying against Keras ... done")
+    table = out[out.index("\nruntime ") + 1 :].splitlines()
+    assert [line.split()[:2] for line in table[2:6]] == [
+        ["onnx", "1x1"],
+        ["onnx", "2x33"],
+        ["onnx", "3x128"],
+        ["onnx", "2x512"],
+    ]
+    assert all(line.split()[-1] == "yes" for line in table[2:6])
+
+
+def test_verify_command(work, capsys):
+    root, _, _ = work
+    status, out, err = run(
+        [
+            "verify",
+            root / "clf.keras",
+            "--saved-model",
+            root / "serving" / "clf" / "1",
+            "--onnx",
+            root / "clf.onnx",
+        ],
+        capsys,
+    )
+    assert status == 0 and err == ""
+    rows = [
+        line.split() for line in out.splitlines() if line.startswith(("onnx", "saved"))
+    ]
+    assert len(rows) == 8 and {row[0] for row in rows} == {"saved_model", "onnx"}
+    assert all(row[-1] == "yes" for row in rows)
+
+
+def test_name_and_version_options(tmp_path, work, capsys):
+    root, _, _ = work
+    status, out, _ = run(
+        [
+            "export",
+            root / "clf.keras",
+            "--saved-model",
+            tmp_path,
+            "--name",
+            "classifier",
+            "--version",
+            "4",
+        ],
+        capsys,
+    )
+    assert status == 0
+    assert f"wrote {tmp_path / 'classifier' / '4'}" in out
+    assert sorted(os.listdir(tmp_path / "classifier")) == ["4"]
+
+
+def test_verify_reports_a_model_that_differs(work, tmp_path, capsys):
+    root, _, _ = work
+    model_zoo.masked_classifier(seed=1).save(tmp_path / "other.keras")
+    status, out, err = run(
+        ["verify", tmp_path / "other.keras", "--onnx", root / "clf.onnx"], capsys
+    )
+    assert status == 1
+    assert "NO" in out  # the table is still printed
+    assert_one_line_error(err, "differ from Keras", "max abs err")
+
+
+# ---------------------------------------------------------------- bad input
+@pytest.fixture(scope="module")
+def bad_files(work):
+    root, model, _ = work
+    bad = root / "bad"
+    bad.mkdir()
+    (bad / "garbage.keras").write_text("this is not a model")
+    data = (root / "clf.keras").read_bytes()
+    (bad / "truncated.keras").write_bytes(data[: len(data) // 2])
+    with zipfile.ZipFile(bad / "notes.keras", "w") as archive:
+        archive.writestr("README.txt", "a zip, but not a Keras model")
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+    keras.saving.save_model(layer, bad / "layer.keras")
+    inputs = keras.Input((4,), name="x")
+    lambda_model = keras.Model(inputs, keras.layers.Lambda(lambda t: t * 2)(inputs))
+    lambda_model.save(bad / "lambda.keras")
+    (bad / "a_file").write_text("blocks a directory")
+    return bad
+
+
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [
+        (
+            ["export", "{bad}/missing.keras", "--onnx", "{tmp}/m.onnx"],
+            ["model file not found", "missing.keras"],
+        ),
+        (["export", "{bad}", "--onnx", "{tmp}/m.onnx"], ["model path is not a file"]),
+        (
+            ["export", "{bad}/garbage.keras", "--onnx", "{tmp}/m.onnx"],
+            ["garbage.keras is corrupt or not a Keras model"],
+        ),
+        (
+            ["verify", "{bad}/truncated.keras", "--onnx", "{root}/clf.onnx"],
+            ["truncated.keras is corrupt"],
+        ),
+        (
+            ["export", "{bad}/notes.keras", "--onnx", "{tmp}/m.onnx"],
+            ["cannot load", "notes.keras as a Keras model"],
+        ),
+        (
+            ["export", "{bad}/layer.keras", "--onnx", "{tmp}/m.onnx"],
+            ["holds a Dense, not a keras.Model"],
+        ),
+        (
+            ["export", "{bad}/lambda.keras", "--onnx", "{tmp}/m.onnx"],
+            ["cannot load", "safe_mode"],
+        ),
+        (
+            [
+                "export",
+                "{root}/clf.keras",
+                "--saved-model",
+                "{root}/serving",
+                "--version",
+                "1",
+            ],
+            ["version 1 of 'clf' already exists"],
+        ),
+        (
+            ["export", "{root}/clf.keras", "--onnx", "{root}/clf.onnx"],
+            ["already exists", "clf.onnx"],
+        ),
+        (
+            ["export", "{root}/clf.keras", "--saved-model", "{bad}/a_file/serving"],
+            ["Not a directory", "a_file"],
+        ),
+        (
+            ["export", "{root}/clf.keras", "--onnx", "{bad}/a_file/m.onnx"],
+            ["Not a directory", "a_file"],
+        ),
+        (
+            ["export", "{root}/clf.keras", "--onnx", "{tmp}/m.onnx", "--opset", "19"],
+            ["Unsupported ONNX opset 19", "13 to 18"],
+        ),
+        (
+            ["export", "{root}/clf.keras", "--onnx", "{tmp}/m.onnx", "--opset", "12"],
+            ["Unsupported ONNX opset 12"],
+        ),
+        (
+            [
+                "export",
+                "{root}/clf.keras",
+                "--saved-model",
+                "{tmp}",
+                "--name",
+                "../escape",
+            ],
+            ["`name`", "'../escape'"],
+        ),
+        (
+            ["export", "{root}/clf.keras", "--saved-model", "{tmp}", "--name", "a/b"],
+            ["`name`", "'a/b'"],
+        ),
+        (
+            ["export", "{root}/clf.keras", "--saved-model", "{tmp}", "--name", ".."],
+            ["`name`", "'..'"],
+        ),
+        (
+            ["export", "{root}/clf.keras", "--saved-model", "{tmp}", "--name", ""],
+            ["`name`"],
+        ),
+        (
+            ["export", "{root}/clf.keras"],
+            ["needs --saved-model BASE_DIR, --onnx OUT.onnx or both"],
+        ),
+        (
+            ["export", "{root}/clf.keras", "--onnx", "{tmp}/m.onnx", "--warmup"],
+            ["need --saved-model"],
+        ),
+        (["verify", "{root}/clf.keras"], ["verify needs"]),
+        (
+            ["verify", "{root}/clf.keras", "--onnx", "{tmp}/none.onnx"],
+            ["export not found", "none.onnx"],
+        ),
+    ],
+)
+def test_bad_input_one_line_error_nothing_written(
+    work, bad_files, tmp_path, capsys, argv, fragments
+):
+    root, _, _ = work
+    places = {"bad": bad_files, "root": root, "tmp": tmp_path}
+    before = tree_digest(root), tree_digest(tmp_path)
+    status, _, err = run([arg.format(**places) for arg in argv], capsys)
+    assert status == 1
+    assert_one_line_error(err, *fragments)
+    assert "Traceback" not in err
+    assert (tree_digest(root), tree_digest(tmp_path)) == before
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        ([], "the following arguments are required"),
+        (["export"], "MODEL.keras"),
+        (["launch", "m.keras"], "invalid choice"),
+        (["export", "m.keras", "--version", "0"], "--version: must be positive"),
+        (["export", "m.keras", "--version", "x"], "--version: not an integer"),
+        (["export", "m.keras", "--opset", "abc"], "--opset"),
+        (["verify", "m.keras", "--atol", "-1"], "--atol: must be >= 0"),
+    ],
+)
+def test_usage_errors_exit_2_with_one_line(capsys, argv, fragment):
+    with pytest.raises(SystemExit) as caught:
+        main(argv)
+    assert caught.value.code == 2
+    assert_one_line_error(capsys.readouterr().err, fragment)
+
+
+# ------------------------------------------------- scripts and console script
+@pytest.mark.parametrize(
+    "script, argv, artifact",
+    [
+        (
+            "export_saved_model.py",
+            ["{root}/clf.keras", "{tmp}/serving", "--version", "3"],
+            "serving/clf/3",
+        ),
+        (
+            "export_onnx_model.py",
+            ["{root}/clf.keras", "{tmp}/clf.onnx", "--opset", "16"],
+            "clf.onnx",
+        ),
+    ],
+)
+def test_export_scripts(work, tmp_path, monkeypatch, capsys, script, argv, artifact):
+    root, _, _ = work
+    places = {"root": root, "tmp": tmp_path}
+    path = os.path.join(REPO, "export", script)
+    monkeypatch.setattr(sys, "argv", [path] + [a.format(**places) for a in argv])
+    with pytest.raises(SystemExit) as caught:
+        runpy.run_path(path, run_name="__main__")
+    out, err = capsys.readouterr()
+    assert caught.value.code == 0, err
+    assert "Verifying against Keras ... done" in out
+    assert os.path.exists(tmp_path / artifact)
+
+
+def test_console_script_runs_in_a_subprocess(work, tmp_path):
+    root, _, _ = work
+    console = os.path.join(os.path.dirname(sys.executable), "keras-selfattn")
+    argv = [console, "export", root / "clf.keras", "--saved-model", tmp_path]
+    result = subprocess.run(
+        [str(a) for a in argv + ["--name", "../x"]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 1 and result.stdout == ""
+    ours = [
+        line for line in result.stderr.splitlines() if not _TF_NATIVE_LOG.match(line)
+    ]
+    assert ours == [
+        "keras-selfattn: error: `name` must be a single directory name without "
+        "path separators. Received: name='../x'"
+    ]
+    assert os.listdir(tmp_path) == []
