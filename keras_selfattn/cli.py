@@ -7,7 +7,8 @@
 
 Every step is printed as it runs, then a parity table (each runtime against
 Keras). Any failure prints one line, `keras-selfattn: error: ...`, on stderr
-and exits with status 1 (2 for usage errors, 130 when interrupted).
+and exits with status 1 (2 for usage errors, 130 when interrupted, 143 when
+terminated by SIGTERM).
 While a command runs, TensorFlow's native (C++) log lines, which it writes
 straight to file descriptor 2, are discarded so they cannot bury that line.
 (The few TensorFlow prints while it is imported come before `main` runs.)
@@ -19,7 +20,9 @@ import argparse
 import contextlib
 import os
 import re
+import signal
 import sys
+import threading
 import time
 import zipfile
 from collections.abc import Callable, Sequence
@@ -30,6 +33,27 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 class CLIError(Exception):
     """A failure reported as one line, without a traceback."""
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised like KeyboardInterrupt so every cleanup runs."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """Turns SIGTERM (kill, docker stop, CI timeouts) into `_Terminated`."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -137,6 +161,7 @@ def _export(args: argparse.Namespace) -> int:
     # Check every argument before the (slow) work.
     name = args.name
     if args.saved_model is not None:
+        _files.check_path("--saved-model", args.saved_model)
         if name is None:
             name = os.path.splitext(os.path.basename(args.model))[0]
         _files.check_name(name)
@@ -151,6 +176,7 @@ def _export(args: argparse.Namespace) -> int:
                     "overwritten (pass another --version or omit it)"
                 )
     if args.onnx is not None:
+        _files.check_path("--onnx", args.onnx)
         opset = check_opset(args.opset)
         _files.refuse_existing(args.onnx, "Output file")
 
@@ -319,15 +345,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs `keras-selfattn` with `argv` (default: sys.argv[1:]).
 
     Returns:
-        The exit status: 0 success, 1 failure, 2 usage error, 130 interrupt.
+        The exit status: 0 success, 1 failure, 2 usage error, 130 interrupt
+        (SIGINT), 143 terminated (SIGTERM).
     """
     args = build_parser().parse_args(argv)
-    with _native_stderr_discarded():
+    with _native_stderr_discarded(), _sigterm_raises():
         try:
             return args.run(args)
         except KeyboardInterrupt:
             message = "interrupted; nothing partial was left on disk"
             status = 130
+        except _Terminated:
+            message = "terminated; nothing partial was left on disk"
+            status = 143
         except Exception as error:  # every failure ends in one line, no traceback
             if getattr(getattr(error, "report", None), "rows", ()):
                 print(error.report, flush=True)

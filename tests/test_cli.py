@@ -276,6 +276,14 @@ def bad_files(work):
             ["`name`"],
         ),
         (
+            ["export", "{root}/clf.keras", "--saved-model", ""],
+            ["`--saved-model` must be a non-empty path"],
+        ),
+        (
+            ["export", "{root}/clf.keras", "--onnx", ""],
+            ["`--onnx` must be a non-empty"],
+        ),
+        (
             ["export", "{root}/clf.keras"],
             ["needs --saved-model BASE_DIR, --onnx OUT.onnx or both"],
         ),

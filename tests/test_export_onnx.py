@@ -200,6 +200,14 @@ def test_graph_that_miscomputes_is_refused(tmp_path, small_model, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("path", ["", "some_dir/", b"m.onnx", None])
+def test_bad_paths(tmp_path, small_model, monkeypatch, path):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="`path` must"):
+        export_onnx(small_model, path)
+    assert os.listdir(tmp_path) == []
+
+
 def test_unwritable_target(tmp_path, small_model):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

@@ -283,7 +283,7 @@ def test_failed_check_leaves_nothing(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------- bad input
 @pytest.mark.parametrize(
-    "name", ["", "  ", "a/b", "../evil", "..", ".", ".hidden", "a\\b"]
+    "name", ["", "  ", "a/b", "../evil", "..", ".", ".hidden", "a\\b", "x\x00y", "a\nb"]
 )
 def test_bad_names_are_refused_before_writing(tmp_path, small_model, name):
     with pytest.raises(ValueError, match="`name`") as caught:
@@ -291,6 +291,36 @@ def test_bad_names_are_refused_before_writing(tmp_path, small_model, name):
     assert repr(name) in str(caught.value)
     assert not os.path.exists(tmp_path / "base")
     assert os.listdir(tmp_path) == []
+
+
+def test_empty_base_dir_is_refused(tmp_path, small_model, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="`base_dir` must be a non-empty path"):
+        export_saved_model(small_model, "", "m")
+    assert os.listdir(tmp_path) == []
+
+
+def test_concurrent_export_of_the_same_version_is_not_overwritten(
+    tmp_path, small_model, monkeypatch
+):
+    # Another process creates version 1 while this export writes: the rename
+    # must fail instead of replacing it, and this export's files must go.
+    real_write = saved_model_module._write_saved_model
+    target = tmp_path / "m" / "1"
+
+    def write_while_another_process_exports(endpoint, directory):
+        real_write(endpoint, directory)
+        target.mkdir()
+        (target / "saved_model.pb").write_bytes(b"the other export")
+
+    monkeypatch.setattr(
+        saved_model_module, "_write_saved_model", write_while_another_process_exports
+    )
+    with pytest.raises(FileExistsError):
+        export_saved_model(small_model, tmp_path, "m", check=False)
+    assert os.listdir(tmp_path / "m") == ["1"]
+    assert os.listdir(target) == ["saved_model.pb"]
+    assert (target / "saved_model.pb").read_bytes() == b"the other export"
 
 
 @pytest.mark.parametrize("version", [0, -3, 1.5, "2", True])

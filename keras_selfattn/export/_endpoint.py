@@ -24,7 +24,7 @@ DEFAULT_ATTENTION_OUTPUT = "attention_weights"
 
 
 @dataclasses.dataclass(frozen=True)
-class InputSpec:
+class NamedInput:
     """One named model input: `shape` has None for dynamic dims."""
 
     name: str
@@ -48,7 +48,7 @@ class Endpoint:
 
     source: keras.Model
     model: keras.Model
-    inputs: tuple[InputSpec, ...]
+    inputs: tuple[NamedInput, ...]
     output_names: tuple[str, ...]
     num_source_outputs: int
 
@@ -100,8 +100,8 @@ def _check_model(model: object) -> None:
         )
 
 
-def model_inputs(model: keras.Model) -> tuple[InputSpec, ...]:
-    """The model's inputs as `InputSpec`s with a dynamic batch dimension.
+def model_inputs(model: keras.Model) -> tuple[NamedInput, ...]:
+    """The model's inputs as `NamedInput`s with a dynamic batch dimension.
 
     Raises:
         ValueError: for an auto-generated or duplicate input name.
@@ -117,7 +117,7 @@ def model_inputs(model: keras.Model) -> tuple[InputSpec, ...]:
                 f"Received: model={model.name!r}"
             )
         shape = (None,) + tuple(tensor.shape[1:])
-        specs.append(InputSpec(tensor.name, shape, str(tensor.dtype)))
+        specs.append(NamedInput(tensor.name, shape, str(tensor.dtype)))
     names = [spec.name for spec in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"Model input names must be unique. Received: {names}")

@@ -42,11 +42,28 @@ def check_name(name: object) -> str:
             "`name` must be a single directory name without path separators. "
             f"Received: name={name!r}"
         )
+    if not name.isprintable():
+        raise ValueError(
+            f"`name` must not contain control characters. Received: name={name!r}"
+        )
     if name.startswith("."):
         raise ValueError(
             f"`name` must not be '.', '..' or start with '.'. Received: name={name!r}"
         )
     return name
+
+
+def check_path(argument: str, value: object) -> str:
+    """Returns `value` as a string path if it is a non-empty path.
+
+    Raises:
+        ValueError: if it is not a str or os.PathLike, or is empty.
+    """
+    if not isinstance(value, str | os.PathLike) or not os.fspath(value):
+        raise ValueError(
+            f"`{argument}` must be a non-empty path. Received: {argument}={value!r}"
+        )
+    return os.fspath(value)
 
 
 def check_version(version: object) -> int:

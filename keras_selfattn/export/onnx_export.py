@@ -148,7 +148,11 @@ def export_onnx(
     """
     opset = check_opset(opset)
     fuse_attention = _checks.boolean("fuse_attention", fuse_attention)
-    path = os.fspath(path)
+    path = _files.check_path("path", path)
+    if path.endswith(("/", os.sep)):
+        raise ValueError(
+            f"`path` must name a file, not a folder. Received: path={path!r}"
+        )
     _files.refuse_existing(path, "Output file")
     endpoint = build_endpoint(model, attention_outputs)
     proto = convert_to_onnx(endpoint, opset)

@@ -130,7 +130,7 @@ def export_saved_model(
     name = _files.check_name(name)
     if version is not None:
         version = _files.check_version(version)
-    base_dir = os.fspath(base_dir)
+    base_dir = _files.check_path("base_dir", base_dir)
     endpoint = build_endpoint(model, attention_outputs)
     model_dir = os.path.join(base_dir, name)
     if version is None:
