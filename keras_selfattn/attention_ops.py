@@ -91,11 +91,43 @@ def combine_masks(
     return combined
 
 
-def masked_softmax(scores, mask=None):
+def mask_bias(mask):
+    """0.0 where `mask` is True, `MASK_VALUE` where False, in float32."""
+    return ops.where(mask, 0.0, MASK_VALUE)
+
+
+def apply_mask(scores, mask):
+    """Float32 `scores` with the entries `mask` excludes at `MASK_VALUE`.
+
+    A mask that carries the batch dimension (a padding or attention mask) is
+    added as a bias: oneDNN fuses MatMul -> Mul -> Add into a single kernel,
+    so masking costs no pass of its own. A mask of static batch size 1 (causal
+    or sliding window alone) is applied with `where` instead, because oneDNN's
+    fused kernel is pathologically slow when its addend is broadcast over the
+    batch. Both give the same softmax: a score plus `MASK_VALUE` rounds to
+    `MASK_VALUE` (exp of it minus any finite max is exactly 0), and a row
+    with no allowed key is uniform, never NaN.
+    """
+    if mask.shape[0] == 1:
+        return ops.where(mask, scores, MASK_VALUE)
+    # `+`, not ops.add: for some static shapes ops.add takes the bias for a
+    # per-channel one and emits BiasAdd, which would not broadcast correctly.
+    return scores + mask_bias(mask)
+
+
+def masked_softmax(scores, mask=None, zero_empty_rows: bool = True):
     """Softmax over the last axis in float32; masked entries get exactly 0.
 
     A row whose entries are all masked returns zeros (never NaN), and the
     gradient stays finite because no infinity enters the graph.
+
+    Args:
+        scores: (..., T, T) raw scores.
+        mask: None or bool broadcastable to `scores`, True where allowed.
+        zero_empty_rows: whether to zero the rows with no allowed key (a pass
+            over the weights). Callers whose every kept row has an allowed key
+            (a query always may attend itself unless an attention mask says
+            otherwise) pass False.
     """
     scores = ops.cast(scores, "float32")
     if scores.shape[-1] == 1:
@@ -104,9 +136,10 @@ def masked_softmax(scores, mask=None):
         return weights if mask is None else ops.where(mask, weights, 0.0)
     if mask is None:
         return ops.softmax(scores, axis=-1)
-    scores = ops.where(mask, scores, MASK_VALUE)
-    weights = ops.softmax(scores, axis=-1)
-    return ops.where(mask, weights, 0.0)
+    weights = ops.softmax(apply_mask(scores, mask), axis=-1)
+    if zero_empty_rows:
+        weights = ops.where(mask, weights, 0.0)
+    return weights
 
 
 def attention_scores(query, key, scale: float):
@@ -123,7 +156,13 @@ def attention_scores(query, key, scale: float):
 
 
 def scaled_dot_product_attention(
-    query, key, value, scale: float, mask=None, dropout=None
+    query,
+    key,
+    value,
+    scale: float,
+    mask=None,
+    dropout=None,
+    zero_empty_rows: bool = True,
 ):
     """softmax(Q K^T * scale) V over heads.
 
@@ -134,12 +173,15 @@ def scaled_dot_product_attention(
         scale: multiplier of the raw scores.
         mask: None or bool broadcastable to (B, H, T, T).
         dropout: None or a callable applied to the weights before use.
+        zero_empty_rows: see `masked_softmax`; False skips a pass over the
+            weights when no kept query row can have all its keys masked.
 
     Returns:
         Tuple (output (B, H, T, V) in value's dtype, weights (B, H, T, T) in
         value's dtype, before dropout).
     """
-    weights = masked_softmax(attention_scores(query, key, scale), mask)
+    scores = attention_scores(query, key, scale)
+    weights = masked_softmax(scores, mask, zero_empty_rows)
     weights = ops.cast(weights, value.dtype)
     used = dropout(weights) if dropout is not None else weights
     return ops.matmul(used, value), weights

@@ -305,8 +305,16 @@ class SelfAttention(keras.layers.Layer):
                 sliding_window=self.sliding_window,
             )
             with keras.name_scope(FUSABLE_CORE_SCOPE):
+                # Without an attention_mask every real query may attend
+                # itself, and padded queries are zeroed below.
                 heads_out, weights = aops.scaled_dot_product_attention(
-                    query, key, value, self._scale, combined, dropout
+                    query,
+                    key,
+                    value,
+                    self._scale,
+                    combined,
+                    dropout,
+                    zero_empty_rows=attention_mask is not None,
                 )
         else:
             heads_out = chunked_attention(
