@@ -31,7 +31,7 @@ class ParityRow:
             carry padding.
         max_abs_err: Largest |runtime - keras| over all outputs.
         max_rel_err: Largest |runtime - keras| / |keras| over elements where
-            Keras is non-zero.
+            |keras| > atol (smaller ones are judged by atol alone).
         ok: Whether every element satisfies
             |runtime - keras| <= atol + rtol * |keras| (and shapes match).
     """
@@ -113,8 +113,8 @@ def _compare(expected: np.ndarray, actual: np.ndarray, atol: float, rtol: float)
     diff = np.where(same_nan, 0.0, np.nan_to_num(diff, nan=np.inf))
     if diff.size == 0:
         return 0.0, 0.0, True
-    nonzero = expected != 0
-    rel = diff[nonzero] / np.abs(expected[nonzero])
+    significant = np.abs(expected) > atol  # elsewhere atol is what applies
+    rel = diff[significant] / np.abs(expected[significant])
     ok = bool(np.all(diff <= atol + rtol * np.nan_to_num(np.abs(expected))))
     return float(diff.max()), float(rel.max()) if rel.size else 0.0, ok
 
