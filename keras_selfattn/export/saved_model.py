@@ -88,7 +88,9 @@ def export_saved_model(
     the model's outputs, with dynamic batch and time dimensions. Everything
     is written into a hidden temporary folder beside the version folder and
     renamed into place at the end, so an interrupted or failed export leaves
-    no version folder; an existing version is never touched.
+    no version folder; an existing version is never touched, also when
+    another process exports the same version meanwhile (the later rename
+    fails with FileExistsError).
 
     Args:
         model: A Functional or Sequential model whose `keras.Input`s all have
