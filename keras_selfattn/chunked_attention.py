@@ -62,8 +62,12 @@ def _block_mask(
     """Bool mask broadcastable to (B, H, block, span), or None if unmasked."""
     masks = []
     if causal or sliding_window is not None:
-        query_pos = ops.expand_dims(start + ops.arange(block, dtype="int32"), 1)
-        key_pos = ops.expand_dims(key_start + ops.arange(span, dtype="int32"), 0)
+        # (1, 1, block, span): a leading 1 lets attention_ops apply it with
+        # `where` rather than as an additive bias broadcast over the batch.
+        query_pos = ops.reshape(start + ops.arange(block, dtype="int32"), (1, 1, -1, 1))
+        key_pos = ops.reshape(
+            key_start + ops.arange(span, dtype="int32"), (1, 1, 1, -1)
+        )
         if causal:
             masks.append(ops.less_equal(key_pos, query_pos))
         if sliding_window is not None:

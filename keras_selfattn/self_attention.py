@@ -135,6 +135,11 @@ class SelfAttention(keras.layers.Layer):
         self.chunk_size = _checks.positive_int(
             "chunk_size", chunk_size, allow_none=True
         )
+        # Causal blocks without a window read key ranges of growing length,
+        # which XLA cannot compile: Keras then runs `fit` without jit_compile.
+        self.supports_jit = not (
+            self.chunk_size is not None and self.causal and self.sliding_window is None
+        )
         self.dropout = _checks.rate("dropout", dropout)
         self.seed = _checks.optional_int("seed", seed)
         for name, value, module in (

@@ -281,6 +281,24 @@ def test_model_fit_trains_every_weight():
         assert np.any(old != new), f"{weight.path} did not change in training"
 
 
+@pytest.mark.parametrize(
+    "kwargs,xla",
+    [({"sliding_window": 3}, True), ({}, True), ({"causal": True}, False)],
+)
+def test_fit_with_jit_compile(kwargs, xla):
+    """Fixed key spans compile with XLA; causal-only blocks opt out of it."""
+    keras.utils.set_random_seed(0)
+    layer = SelfAttention(num_heads=2, chunk_size=4, **kwargs)
+    model = keras.Sequential(
+        [keras.Input((None, 4), name="x"), layer, keras.layers.Dense(1)]
+    )
+    model.compile("adam", "mse", jit_compile=True)
+    assert model.jit_compile is xla
+    x = _inputs(4, 10, 4)
+    history = model.fit(x, x[..., :1], epochs=2, verbose=0)
+    assert np.all(np.isfinite(history.history["loss"]))
+
+
 def test_dropout_applies_in_training_only():
     chunked, plain = _twin_layers({"num_heads": 2, "dropout": 0.5, "seed": 1}, 4, 3)
     x = _inputs(2, 10, 4)
@@ -291,6 +309,26 @@ def test_dropout_applies_in_training_only():
     trained = keras.ops.convert_to_numpy(chunked(x, training=True))
     assert np.all(np.isfinite(trained))
     assert not np.allclose(trained, inference, atol=1e-3)
+
+
+def test_dropout_masks_differ_between_blocks():
+    """Constant inputs give uniform weights, so each output row is the kept
+    (rescaled) fraction of its weights: equal blocks would mean one mask."""
+    layer = SelfAttention(
+        num_heads=2,
+        use_bias=True,
+        kernel_initializer="zeros",
+        bias_initializer="ones",
+        dropout=0.5,
+        seed=2,
+        chunk_size=3,
+    )
+    x = np.zeros((1, 9, 4), "float32")
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(layer(x)), 1.0, rtol=1e-6)
+    trained = tf.function(lambda x: layer(x, training=True))(x).numpy()[0]
+    blocks = trained.reshape(3, 3, -1)
+    assert not np.array_equal(blocks[0], blocks[1])
+    assert not np.array_equal(blocks[1], blocks[2])
 
 
 def test_blocks_never_read_keys_outside_their_range():
