@@ -276,6 +276,14 @@ def bad_files(work):
             ["`name`"],
         ),
         (
+            ["verify", "{root}/clf.keras", "--onnx", "{bad}/garbage.keras"],
+            ["Cannot load ONNX model", "garbage.keras"],
+        ),
+        (
+            ["verify", "{root}/clf.keras", "--saved-model", "{root}/serving"],
+            ["pass a version folder"],
+        ),
+        (
             ["export", "{root}/clf.keras", "--saved-model", ""],
             ["`--saved-model` must be a non-empty path"],
         ),
@@ -309,6 +317,23 @@ def test_bad_input_one_line_error_nothing_written(
     assert_one_line_error(err, *fragments)
     assert "Traceback" not in err
     assert (tree_digest(root), tree_digest(tmp_path)) == before
+
+
+def test_interrupt_exits_130_and_leaves_nothing(work, tmp_path, capsys, monkeypatch):
+    from keras_selfattn.export import saved_model as saved_model_module
+
+    def interrupted(endpoint, directory):
+        open(os.path.join(directory, "saved_model.pb"), "wb").close()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(saved_model_module, "_write_saved_model", interrupted)
+    root, _, _ = work
+    status, _, err = run(
+        ["export", root / "clf.keras", "--saved-model", tmp_path / "serving"], capsys
+    )
+    assert status == 130
+    assert_one_line_error(err, "interrupted")
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import keras
 import pytest
 
@@ -158,3 +160,31 @@ def test_bad_arguments(classifier_exports, tmp_path):
         verify(model, onnx_path=tmp_path / "missing.onnx")
     with pytest.raises(FileNotFoundError, match="nowhere"):
         verify(model, saved_model_dir=tmp_path / "nowhere")
+
+
+def test_runtime_that_fails_where_keras_runs(tmp_path):
+    # Same names, but the ONNX graph wants int64 tokens: onnxruntime refuses
+    # the model's int32 inputs, which verify reports as a parity failure.
+    model = model_zoo.masked_classifier(seed=0)
+    tokens = keras.Input((None,), dtype="int64", name="tokens")
+    x = keras.layers.Embedding(model_zoo.VOCAB, model_zoo.FEATURES)(tokens)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    int64_model = keras.Model(tokens, keras.layers.Dense(3, name="probabilities")(x))
+    path = export_onnx(int64_model, tmp_path / "int64.onnx", check=False)
+    with pytest.raises(ParityError, match="onnx failed on 1x1 inputs where Keras runs"):
+        verify(model, onnx_path=path)
+
+
+def test_unloadable_artifacts(classifier_exports, tmp_path):
+    model, version_dir, _ = classifier_exports
+    (tmp_path / "garbage.onnx").write_bytes(b"not a protobuf")
+    with pytest.raises(ValueError, match="Cannot load ONNX model .*garbage.onnx"):
+        verify(model, onnx_path=tmp_path / "garbage.onnx")
+    base_dir = os.path.dirname(os.path.dirname(version_dir))
+    with pytest.raises(FileNotFoundError, match="pass a version folder"):
+        verify(model, saved_model_dir=base_dir)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "saved_model.pb").write_bytes(b"not a protobuf")
+    with pytest.raises(ValueError, match="Cannot load SavedModel .*broken"):
+        verify(model, saved_model_dir=broken)

@@ -128,12 +128,28 @@ def _check_names(what: str, kind: str, found: Sequence[str], wanted: Sequence[st
         )
 
 
+def _brief(error: BaseException, limit: int = 300) -> str:
+    """The error's message on one line, at most `limit` characters."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def saved_model_runner(directory: str, endpoint: Endpoint) -> Runner:
     import tensorflow as tf
 
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"SavedModel directory not found: {directory}")
-    loaded = tf.saved_model.load(directory)
+    if not os.path.isfile(os.path.join(directory, "saved_model.pb")):
+        raise FileNotFoundError(
+            f"No saved_model.pb in {directory}: pass a version folder "
+            "(BASE_DIR/NAME/VERSION)"
+        )
+    try:
+        loaded = tf.saved_model.load(directory)
+    except Exception as error:
+        raise ValueError(
+            f"Cannot load SavedModel {directory}: {_brief(error)}"
+        ) from error
     what = f"SavedModel {directory}"
     if "serving_default" not in loaded.signatures:
         raise ParityError(
@@ -160,7 +176,10 @@ def onnx_runner(path: str, endpoint: Endpoint) -> Runner:
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"ONNX file not found: {path}")
-    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    try:
+        session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    except Exception as error:
+        raise ValueError(f"Cannot load ONNX model {path}: {_brief(error)}") from error
     what = f"ONNX model {path}"
     _check_names(
         what,
@@ -194,7 +213,14 @@ def compare_runtimes(
             " padded" if is_padded(endpoint, batch, time) else ""
         )
         for runtime, run in runners.items():
-            actual = run(arrays)
+            try:
+                actual = run(arrays)
+            except Exception as error:
+                raise ParityError(
+                    f"{runtime} failed on {label} inputs where Keras runs: "
+                    f"{_brief(error)}",
+                    ParityReport(tuple(rows), atol, rtol),
+                ) from error
             results = [
                 _compare(expected[name], actual[name], atol, rtol)
                 for name in endpoint.output_names
