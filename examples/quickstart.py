@@ -49,7 +49,7 @@ from keras_selfattn.serving.rest_client import build_rest_request
 SEED = 0
 ROWS = 8  # an 8x8 digit is a sequence of 8 rows ...
 PIXELS = 8  # ... of 8 pixels each
-WIDTH = 32
+WIDTH = 64
 HEADS = 4
 MODEL_NAME = "digits"
 REPO = Path(__file__).resolve().parent.parent
@@ -103,7 +103,7 @@ def build_model(attention: bool) -> tuple[keras.Model, keras.Model | None]:
     name = "digits_attention" if attention else "digits_baseline"
     classifier = keras.Model(rows, digit, name=name)
     classifier.compile(
-        keras.optimizers.Adam(3e-3),
+        keras.optimizers.Adam(2e-3),
         "sparse_categorical_crossentropy",
         metrics=["accuracy"],
     )
@@ -181,7 +181,7 @@ def main() -> None:
     )
     start = time.perf_counter()
     out: Path = args.out
-    epochs = 2 if args.fast else 30
+    epochs = 2 if args.fast else 40
     data = load_data(args.fast)
     x_test, y_test = data[1], data[3]
     print(
