@@ -188,3 +188,11 @@ def test_unloadable_artifacts(classifier_exports, tmp_path):
     (broken / "saved_model.pb").write_bytes(b"not a protobuf")
     with pytest.raises(ValueError, match="Cannot load SavedModel .*broken"):
         verify(model, saved_model_dir=broken)
+
+
+def test_fixed_length_model_reports_the_shapes_it_ran(tmp_path):
+    rows = keras.Input((8, 4), name="rows")
+    model = keras.Model(rows, SelfAttention(num_heads=2, name="attention")(rows))
+    path = export_onnx(model, tmp_path / "fixed.onnx", check=False)
+    report = verify(model, onnx_path=path)
+    assert [row.shape for row in report.rows] == ["1x8", "2x8", "3x8"]

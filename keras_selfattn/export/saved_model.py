@@ -50,11 +50,15 @@ def _write_saved_model(endpoint: Endpoint, directory: str) -> None:
 def _write_warmup(endpoint: Endpoint, directory: str, model_name: str) -> None:
     from keras_selfattn.serving.warmup import write_warmup_file
 
-    examples = [
-        example_inputs(endpoint, batch=1, time=time, seed=time) for time in WARMUP_TIMES
-    ]
+    examples = {}  # by shapes: a fixed-length model has one warmup shape
+    for time in WARMUP_TIMES:
+        example = example_inputs(endpoint, batch=1, time=time, seed=time)
+        examples.setdefault(tuple(a.shape for a in example.values()), example)
     write_warmup_file(
-        os.path.join(directory, WARMUP_PATH), model_name, examples, SIGNATURE_NAME
+        os.path.join(directory, WARMUP_PATH),
+        model_name,
+        list(examples.values()),
+        SIGNATURE_NAME,
     )
 
 
