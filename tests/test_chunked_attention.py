@@ -164,12 +164,7 @@ def test_parity_with_reference_and_unchunked(name):
 
 @pytest.mark.parametrize(
     "kwargs,chunk_size",
-    [
-        ({"num_heads": 2}, 5),
-        ({"num_heads": 2, "causal": True}, 4),
-        ({"sliding_window": 3}, 4),
-        ({"causal": True, "sliding_window": 2}, 3),
-    ],
+    [({"num_heads": 2, "causal": True}, 4), ({"causal": True, "sliding_window": 2}, 3)],
 )
 def test_functional_model_with_dynamic_batch_and_time(kwargs, chunk_size):
     chunked, plain = _twin_layers(kwargs, 4, chunk_size)
@@ -283,7 +278,7 @@ def test_model_fit_trains_every_weight():
 
 @pytest.mark.parametrize(
     "kwargs,xla",
-    [({"sliding_window": 3}, True), ({}, True), ({"causal": True}, False)],
+    [({"sliding_window": 3}, True), ({"causal": True}, False)],
 )
 def test_fit_with_jit_compile(kwargs, xla):
     """Fixed key spans compile with XLA; causal-only blocks opt out of it."""
@@ -292,10 +287,14 @@ def test_fit_with_jit_compile(kwargs, xla):
     model = keras.Sequential(
         [keras.Input((None, 4), name="x"), layer, keras.layers.Dense(1)]
     )
-    model.compile("adam", "mse", jit_compile=True)
+    if xla:
+        model.compile("adam", "mse", jit_compile=True)
+    else:
+        with pytest.warns(UserWarning, match="jit_compile"):
+            model.compile("adam", "mse", jit_compile=True)
     assert model.jit_compile is xla
     x = _inputs(4, 10, 4)
-    history = model.fit(x, x[..., :1], epochs=2, verbose=0)
+    history = model.fit(x, x[..., :1], epochs=1, verbose=0)
     assert np.all(np.isfinite(history.history["loss"]))
 
 
