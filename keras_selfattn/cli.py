@@ -39,21 +39,43 @@ class _Terminated(BaseException):
     """SIGTERM, raised like KeyboardInterrupt so every cleanup runs."""
 
 
-def _raise_terminated(signum, frame):
-    raise _Terminated
+# Exit status and message per signal. Python swallows an exception raised
+# while a `__del__` runs ("Exception ignored in ..."), and libraries may wrap
+# it in their own error, so the received signal is also recorded and decides
+# the outcome whatever the work ended with.
+_SIGNALS = {
+    signal.SIGINT: (130, "interrupted", KeyboardInterrupt),
+    signal.SIGTERM: (143, "terminated", _Terminated),
+}
 
 
 @contextlib.contextmanager
-def _sigterm_raises():
-    """Turns SIGTERM (kill, docker stop, CI timeouts) into `_Terminated`."""
+def _signals_recorded(received: list[int]):
+    """Appends SIGINT/SIGTERM to `received` and raises their exception.
+
+    Exceptions of those signals that Python cannot raise (inside `__del__`)
+    are not printed either: the outcome is reported once, by `main`.
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+
+    def handler(signum, frame):
+        received.append(signum)
+        raise _SIGNALS[signum][2]
+
+    def unraisable(info):
+        if not isinstance(info.exc_value, (KeyboardInterrupt, _Terminated)):
+            previous_hook(info)
+
+    previous = {signum: signal.signal(signum, handler) for signum in _SIGNALS}
+    previous_hook, sys.unraisablehook = sys.unraisablehook, unraisable
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        sys.unraisablehook = previous_hook
+        for signum, action in previous.items():
+            signal.signal(signum, action)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -349,20 +371,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         (SIGINT), 143 terminated (SIGTERM).
     """
     args = build_parser().parse_args(argv)
-    with _native_stderr_discarded(), _sigterm_raises():
+    received: list[int] = []
+    status, message = 0, ""
+    with _native_stderr_discarded(), _signals_recorded(received):
         try:
-            return args.run(args)
-        except KeyboardInterrupt:
-            message = "interrupted; nothing partial was left on disk"
-            status = 130
-        except _Terminated:
-            message = "terminated; nothing partial was left on disk"
-            status = 143
+            status = args.run(args)
+        except (KeyboardInterrupt, _Terminated):
+            if not received:  # raised without our handler (not the main thread)
+                received.append(signal.SIGINT)
         except Exception as error:  # every failure ends in one line, no traceback
-            if getattr(getattr(error, "report", None), "rows", ()):
-                print(error.report, flush=True)
-            message, status = one_line(error), 1
-        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+            if not received:
+                if getattr(getattr(error, "report", None), "rows", ()):
+                    print(error.report, flush=True)
+                status, message = 1, one_line(error)
+        if received:  # whatever the work ended with (see _SIGNALS)
+            status, word, _ = _SIGNALS[received[0]]
+            message = f"{word}; nothing partial was left on disk"
+        if status:
+            print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
         return status
 
 
