@@ -221,6 +221,19 @@ def test_attention_outputs_fall_back_and_still_match(tmp_path):
     assert report.ok, report.table()
 
 
+def test_half_precision_layer_falls_back_and_still_matches(tmp_path):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = model_zoo.attention_only(seed=6)
+    path = str(tmp_path / "half.onnx")
+    lines = export_logged(model, path)
+    assert lines == [
+        "layer 'attention': not fused (query/key are cast inside the core (a "
+        "half-precision compute dtype); only float32 cores are fused)"
+    ]
+    assert count_attention_nodes(onnx.load(path)) == 0
+    assert verify(model, onnx_path=path, atol=1e-2, rtol=1e-2).ok
+
+
 def test_fuse_attention_must_be_bool(tmp_path):
     path = tmp_path / "never.onnx"
     with pytest.raises(ValueError, match="fuse_attention.*'yes'"):

@@ -38,11 +38,6 @@ def consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
     return result
 
 
-def producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
-    """Tensor name -> the node that writes it."""
-    return {name: node for node in graph.node for name in node.output if name}
-
-
 def constant_value(graph: onnx.GraphProto, name: str):
     """The numpy value of an initializer or Constant node output, or None."""
     for initializer in graph.initializer:

@@ -229,6 +229,11 @@ def _analyse(graph, nodes, types, readers, graph_outputs, layer_scale) -> _Core:
     ):
         raise _NotFusable("the keys are not transposed as expected")
     query, key, value = scores_node.input[0], transposes[0].input[0], out_node.input[1]
+    if query in produced or key in produced:
+        raise _NotFusable(
+            "query/key are cast inside the core (a half-precision compute "
+            "dtype); only float32 cores are fused"
+        )
     entering = {
         name for node in nodes for name in node.input if name and name not in produced
     }
