@@ -89,6 +89,22 @@ def _block_mask(
     return combined
 
 
+def _recomputed_in_backward(fn):
+    """`fn` whose backward pass recomputes its forward instead of storing it.
+
+    Without this the loop's gradient keeps every block's (B, H, C, span)
+    weights for the backward pass: O(T^2) memory again in training. With it
+    only the block's inputs are kept, at the cost of one more forward pass per
+    block. Not for dropout, whose recomputation would draw a different mask.
+    On backends other than TensorFlow, `fn` is returned unchanged.
+    """
+    if keras.backend.backend() != "tensorflow":
+        return fn
+    import tensorflow as tf
+
+    return tf.recompute_grad(fn)
+
+
 def _map_sequentially(fn, starts, dtype):
     """Stacks fn(start) over `starts`, one block after the other.
 
@@ -168,30 +184,37 @@ def chunked_attention(
     reach = 0 if sliding_window is None else sliding_window - 1
 
     def attend(start):
-        rows = ops.slice(query, (0, 0, start, 0), (batch, heads, block, key_dim))
-        if span is None:  # causal only: keys [0, start + block)
-            key_start, key_span = 0, start + block
-        else:
-            key_start = ops.clip(start - reach, 0, time - span)
-            key_span = span
-        keys = ops.slice(key, (0, 0, key_start, 0), (batch, heads, key_span, key_dim))
-        values = ops.slice(
-            value, (0, 0, key_start, 0), (batch, heads, key_span, value_dim)
-        )
-        mask = _block_mask(
-            start,
-            key_start,
-            block,
-            key_span,
-            padding_mask,
-            attention_mask,
-            causal,
-            sliding_window,
-        )
-        output, _ = aops.scaled_dot_product_attention(
-            rows, keys, values, scale, mask, dropout
-        )
-        return output
+        def block_attention(query, key, value):
+            rows = ops.slice(query, (0, 0, start, 0), (batch, heads, block, key_dim))
+            if span is None:  # causal only: keys [0, start + block)
+                key_start, key_span = 0, start + block
+            else:
+                key_start = ops.clip(start - reach, 0, time - span)
+                key_span = span
+            keys = ops.slice(
+                key, (0, 0, key_start, 0), (batch, heads, key_span, key_dim)
+            )
+            values = ops.slice(
+                value, (0, 0, key_start, 0), (batch, heads, key_span, value_dim)
+            )
+            mask = _block_mask(
+                start,
+                key_start,
+                block,
+                key_span,
+                padding_mask,
+                attention_mask,
+                causal,
+                sliding_window,
+            )
+            output, _ = aops.scaled_dot_product_attention(
+                rows, keys, values, scale, mask, dropout
+            )
+            return output
+
+        if dropout is None:
+            block_attention = _recomputed_in_backward(block_attention)
+        return block_attention(query, key, value)
 
     starts = ops.minimum(ops.arange(num_blocks, dtype="int32") * block, time - block)
     blocks = _map_sequentially(attend, starts, value.dtype)

@@ -414,23 +414,32 @@ import json, os, resource, sys
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
 import numpy as np, tensorflow as tf
 from keras_selfattn import SelfAttention
-time, chunk = int(sys.argv[1]), (None if sys.argv[2] == "none" else int(sys.argv[2]))
-layer = SelfAttention(key_dim=64, chunk_size=chunk)
+time, chunk, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+layer = SelfAttention(key_dim=64, chunk_size=None if chunk == "none" else int(chunk))
 layer.build((None, None, 64))
-fn = tf.function(lambda x: layer(x), input_signature=[tf.TensorSpec((None, None, 64))])
-x = np.ones((1, time, 64), "float32")
-fn(x[:, :8]).numpy()
+
+@tf.function(input_signature=[tf.TensorSpec((None, None, 64))])
+def run(x):
+    if mode == "forward":
+        return layer(x)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.square(layer(x, training=True)))
+    return tape.gradient(loss, layer.trainable_variables)
+
+x = np.random.default_rng(0).normal(size=(1, time, 64)).astype("float32")
+run(x[:, :8])
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-fn(x).numpy()
+run(x)
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({"growth_kib": after - before}))
 """
 
 
-def _peak_rss_growth_mib(time: int, chunk: int | None) -> float:
-    """Growth of peak RSS over one forward pass, in a fresh process."""
+def _peak_rss_growth_mib(time: int, chunk: int | None, mode: str) -> float:
+    """Growth of peak RSS over one forward pass or one gradient computation
+    ("forward" or "train"), in a fresh process."""
     done = subprocess.run(
-        [sys.executable, "-c", _PEAK_RSS_SCRIPT, str(time), str(chunk).lower()],
+        [sys.executable, "-c", _PEAK_RSS_SCRIPT, str(time), str(chunk).lower(), mode],
         capture_output=True,
         text=True,
         check=True,
@@ -440,9 +449,14 @@ def _peak_rss_growth_mib(time: int, chunk: int | None) -> float:
 
 
 @pytest.mark.slow
-def test_chunked_peak_memory_is_linear_in_time():
-    """At time 8192 one (T, T) float32 copy is 256 MiB; blocks of 256 are 8 MiB."""
-    plain = _peak_rss_growth_mib(8192, None)
-    chunked = _peak_rss_growth_mib(8192, 256)
-    assert plain > 256, plain
-    assert chunked < plain / 8, (chunked, plain)
+@pytest.mark.parametrize("mode", ["forward", "train"])
+def test_chunked_peak_memory_is_linear_in_time(mode):
+    """At time 8192 one (T, T) float32 copy is 256 MiB; blocks of 256 are 8 MiB.
+
+    Training too: the backward pass recomputes each block instead of keeping
+    its weights.
+    """
+    plain = _peak_rss_growth_mib(8192, None, mode)
+    chunked = _peak_rss_growth_mib(8192, 256, mode)
+    assert plain > 200, plain
+    assert chunked < plain / 4, (chunked, plain)
