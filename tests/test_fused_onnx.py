@@ -192,6 +192,29 @@ def test_padded_queries_output_zeros(exported):
     np.testing.assert_allclose(actual, expected, atol=ATOL, rtol=0)
 
 
+def test_shared_and_nested_layers_fuse_every_call(tmp_path):
+    """A layer called twice, one inside a nested model, similar names."""
+    inputs = keras.Input((None, model_zoo.FEATURES), name="x")
+    inner_inputs = keras.Input((None, model_zoo.FEATURES))
+    block = keras.Model(
+        inner_inputs,
+        SelfAttention(num_heads=2, causal=True, name="attention")(inner_inputs),
+        name="block",
+    )
+    shared = SelfAttention(num_heads=2, use_bias=True, name="shared")
+    x = block(shared(shared(inputs)))
+    outputs = SelfAttention(name="attention_1")(x)
+    model = model_zoo._seed_weights(keras.Model(inputs, outputs), 7)
+    path = str(tmp_path / "shared.onnx")
+    assert sorted(export_logged(model, path)) == [
+        "layer 'attention': fused into one ONNX Attention node",
+        "layer 'attention_1': fused into one ONNX Attention node",
+        "layer 'shared': fused into 2 ONNX Attention nodes (one per call)",
+    ]
+    assert count_attention_nodes(onnx.load(path)) == 4
+    assert verify(model, onnx_path=path, atol=ATOL, rtol=0.0).ok
+
+
 def test_chunked_layer_falls_back_and_still_matches(tmp_path, caplog):
     model = chunked_then_plain(seed=1)
     path = str(tmp_path / "chunked.onnx")
