@@ -15,8 +15,10 @@ the number of keys a block can see:
 The math is keras.ops; the blocks run in a sequential map (`tf.map_fn` with
 `parallel_iterations=1` on TensorFlow, a while loop), so only one block's
 scores are alive at a time, T may be dynamic, and gradients flow through the
-loop. The last block starts at T - C, so no slice runs past the end and no
-input is padded.
+loop. The backward pass recomputes each block's weights instead of storing
+them (`tf.recompute_grad`, unless dropout is set), so training memory is
+linear in T as well. The last block starts at T - C, so no slice runs past
+the end and no input is padded.
 
 Shapes use B = batch, H = heads, T = time, K = key_dim, V = value_dim.
 """
