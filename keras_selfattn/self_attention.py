@@ -56,8 +56,11 @@ class SelfAttention(keras.layers.Layer):
             `O(batch * heads * chunk_size * time)` instead of `O(time^2)`,
             and with `causal` or `sliding_window` the key blocks those masks
             rule out are skipped (with `sliding_window=w` the work is
-            `O(time * (chunk_size + 2 * w))`). It cannot return the weights:
-            `return_attention_scores=True` raises a ValueError.
+            `O(time * (chunk_size + 2 * w))`). Training memory is linear in
+            time too (the backward pass recomputes each block), except with
+            `dropout`, whose blocks keep their weights for the backward pass.
+            It cannot return the weights: `return_attention_scores=True`
+            raises a ValueError.
         dropout: Dropout rate on the attention weights, in training only.
         seed: Seed of the dropout.
         kernel_initializer, bias_initializer: Initializers of the kernels and
