@@ -18,6 +18,20 @@ from keras_selfattn.chunked_attention import chunked_attention
 FUSABLE_CORE_SCOPE = "fusable_attention_core"
 
 
+def _fresh_initializer(initializer, offset: int):
+    """A new initializer instance for each weight.
+
+    Keras 3 initializers are stateless: one instance (seeded or not) gives the
+    same values on every call, which would make the query, key and value
+    kernels identical. An explicit integer seed is offset per weight, so
+    seeded layers stay reproducible and their kernels still differ.
+    """
+    config = initializer.get_config()
+    if isinstance(config.get("seed"), int):
+        config["seed"] += offset
+    return initializer.__class__.from_config(config)
+
+
 @keras.saving.register_keras_serializable(package="keras_selfattn")
 class SelfAttention(keras.layers.Layer):
     """Multi-head scaled dot-product self-attention over a sequence.
@@ -233,7 +247,7 @@ class SelfAttention(keras.layers.Layer):
             return self.add_weight(
                 name=name,
                 shape=shape,
-                initializer=initializer,
+                initializer=_fresh_initializer(initializer, len(self.weights)),
                 regularizer=getattr(self, f"{kind}_regularizer"),
                 constraint=getattr(self, f"{kind}_constraint"),
             )

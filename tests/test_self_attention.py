@@ -174,3 +174,25 @@ def test_dropout_only_in_training():
     assert kept.any() and (~kept).any(), trained
     # Kept weights are rescaled by 1 / (1 - rate); dropped ones are exactly 0.
     np.testing.assert_allclose(trained[kept], 2 * weights[kept], rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "initializer",
+    ["glorot_uniform", keras.initializers.GlorotUniform(seed=5)],
+    ids=["unseeded", "seeded"],
+)
+def test_kernels_are_initialized_independently(initializer):
+    """One stateless initializer must not give Q, K, V and output equal kernels."""
+    x_shape = (None, None, 4)
+    kernels = []
+    for _ in range(2):
+        layer = SelfAttention(num_heads=2, output_dim=4, kernel_initializer=initializer)
+        layer.build(x_shape)
+        kernels.append([np.asarray(w) for w in layer.get_weights()])
+    first = kernels[0]
+    for i in range(len(first)):
+        for j in range(i + 1, len(first)):
+            assert not np.array_equal(first[i], first[j]), (i, j)
+    if not isinstance(initializer, str):  # a seeded layer is reproducible
+        for a, b in zip(kernels[0], kernels[1], strict=True):
+            np.testing.assert_array_equal(a, b)
