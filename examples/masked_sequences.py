@@ -61,7 +61,9 @@ def main() -> None:
     count, epochs = (512, 2) if args.fast else (4000, 10)
     x, y = make_data(count, rng)
     classifier, probe = build_model()
-    classifier.compile("adam", "binary_crossentropy", metrics=["accuracy"])
+    classifier.compile(
+        "adam", "binary_crossentropy", metrics=["accuracy"], jit_compile=False
+    )
     classifier.fit(x, y, epochs=epochs, batch_size=64, verbose=1)
     x_test, y_test = make_data(500, rng)
     _, accuracy = classifier.evaluate(x_test, y_test, verbose=0)

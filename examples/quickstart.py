@@ -106,6 +106,8 @@ def build_model(attention: bool) -> tuple[keras.Model, keras.Model | None]:
         keras.optimizers.Adam(2e-3),
         "sparse_categorical_crossentropy",
         metrics=["accuracy"],
+        # XLA compilation costs more than it saves for a model this small.
+        jit_compile=False,
     )
     probe = None if weights is None else keras.Model(rows, weights, name="probe")
     return classifier, probe
