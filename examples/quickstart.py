@@ -113,7 +113,9 @@ def build_model(attention: bool) -> tuple[keras.Model, keras.Model | None]:
     return classifier, probe
 
 
-def train(attention: bool, data, epochs: int) -> tuple[keras.Model, keras.Model, float]:
+def train(
+    attention: bool, data, epochs: int
+) -> tuple[keras.Model, keras.Model | None, float]:
     """Builds and fits one model; returns (model, probe, held-out accuracy)."""
     x_train, x_test, y_train, y_test = data
     model, probe = build_model(attention)

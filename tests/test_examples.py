@@ -96,6 +96,23 @@ def quickstart(runs):
     return runs["quickstart"].result()
 
 
+def test_out_must_be_a_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import _common
+
+    not_a_folder = tmp_path / "file.txt"
+    not_a_folder.write_text("keep me")
+    with pytest.raises(SystemExit) as exit_info:
+        _common.parse_args("demo", argv=["--out", str(not_a_folder)])
+    assert exit_info.value.code == 2
+    assert f"--out must be a folder. Received: --out={not_a_folder}" in (
+        capsys.readouterr().err
+    )
+    assert not_a_folder.read_text() == "keep me"
+    created = _common.parse_args("demo", "fast", ["--out", str(tmp_path / "a" / "b")])
+    assert created.out.is_dir() and created.fast is False
+
+
 # --------------------------------------------------------------- quickstart
 def test_quickstart_prints_both_accuracies(quickstart):
     _, first, _ = quickstart
