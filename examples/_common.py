@@ -1,4 +1,4 @@
-"""Helpers shared by the examples: command line, output folder, heatmaps.
+"""Helpers shared by the examples: command line, safe file writes, heatmaps.
 
 Importing this module sets `TF_CPP_MIN_LOG_LEVEL=2` (unless already set) so
 TensorFlow's start-up chatter does not bury the examples' output; import it
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +50,26 @@ def parse_args(
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     return args
+
+
+def write_replacing(path: Path, write: Callable[[Path], object]) -> Path:
+    """Calls `write(tmp)` on a temporary path beside `path`, then renames it.
+
+    An older file at `path` is replaced only once the new one is complete,
+    so an interrupted run never leaves a half-written file.
+
+    Args:
+        path: The file to create or replace; its folder must exist.
+        write: Writes the complete file at the path it is given.
+
+    Returns:
+        `path`.
+    """
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".tmp-") as tmp:
+        fresh = Path(tmp) / path.name
+        write(fresh)
+        os.replace(fresh, path)
+    return path
 
 
 def save_heatmaps(
@@ -101,6 +122,6 @@ def save_heatmaps(
             ax.set_xticklabels(tick_labels, rotation=45, ha="right")
             ax.set_yticklabels(tick_labels)
     fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="attention weight")
-    fig.savefig(path, dpi=110)
+    write_replacing(path, lambda tmp: fig.savefig(tmp, dpi=110))
     plt.close(fig)
     return path

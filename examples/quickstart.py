@@ -26,9 +26,7 @@ Run: `.venv/bin/python examples/quickstart.py [--fast] [--out DIR]`
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -124,19 +122,6 @@ def train(
     return model, probe, float(accuracy)
 
 
-def export_onnx_replacing(model: keras.Model, path: Path) -> Path:
-    """Exports to `path`, replacing an older file only once the new one passed.
-
-    `export_onnx` never overwrites, so the file is exported (and checked in
-    onnxruntime) in a temporary folder beside `path`, then renamed over it.
-    """
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".onnx-") as tmp:
-        fresh = Path(tmp) / path.name
-        export_onnx(model, fresh)
-        os.replace(fresh, path)
-    return path
-
-
 def plot_attention(probe, model, x, y, path: Path, count: int = 4) -> Path:
     """Each of the first `count` test digits above its attention weights.
 
@@ -169,7 +154,7 @@ def plot_attention(probe, model, x, y, path: Path, count: int = 4) -> Path:
         axes[1, i].set_ylabel("query row")
     fig.colorbar(image, ax=axes[1].tolist(), shrink=0.9, label="attention weight")
     fig.suptitle(f"SelfAttention weights (mean of {HEADS} heads) on test digits")
-    fig.savefig(path, dpi=100)
+    _common.write_replacing(path, lambda tmp: fig.savefig(tmp, dpi=100))
     plt.close(fig)
     return path
 
@@ -207,7 +192,7 @@ def main() -> None:
 
     section("saving and exporting")
     keras_path = out / "digits.keras"
-    model.save(keras_path)
+    _common.write_replacing(keras_path, model.save)
     print(f"Keras model  : {keras_path}")
     serving_dir = out / "serving"
     version_dir = Path(
@@ -215,7 +200,11 @@ def main() -> None:
     )
     write_models_config(serving_dir, [MODEL_NAME], None, LOCAL_CONFIG_FILE_NAME)
     print(f"SavedModel   : {version_dir}  (TF Serving layout, with warmup requests)")
-    onnx_path = export_onnx_replacing(model, out / "digits.onnx")
+    # export_onnx never overwrites: the new file (exported and checked in
+    # onnxruntime) replaces the previous run's once complete.
+    onnx_path = _common.write_replacing(
+        out / "digits.onnx", lambda tmp: export_onnx(model, tmp)
+    )
     print(f"ONNX         : {onnx_path}")
 
     section("verify: each runtime against Keras")
@@ -233,9 +222,11 @@ def main() -> None:
     print(f"4 test digits above their attention weights: {png}")
     samples = x_test[:2]
     request = out / "request.json"
-    request.write_text(json.dumps(build_rest_request({"rows": samples})))
+    body = json.dumps(build_rest_request({"rows": samples}))
+    _common.write_replacing(request, lambda tmp: tmp.write_text(body))
     query_inputs = out / "query_inputs.json"
-    query_inputs.write_text(json.dumps({"rows": samples.tolist()}))
+    rows = json.dumps({"rows": samples.tolist()})
+    _common.write_replacing(query_inputs, lambda tmp: tmp.write_text(rows))
     expected = np.argmax(model.predict(samples, verbose=0), axis=-1)
     print(
         f"2 test digits for the server (Keras predicts {expected.tolist()}, "

@@ -194,7 +194,8 @@ def main() -> None:
     ):
         notebook()
     path = args.out / "seeds_walkthrough.json"
-    path.write_text(json.dumps(RESULTS, indent=1))
+    text = json.dumps(RESULTS, indent=1)
+    _common.write_replacing(path, lambda tmp: tmp.write_text(text))
     print(f"\nAll printed matrices: {path}")
 
 
