@@ -1,7 +1,10 @@
 """Child process of the memory and long-sequence benchmarks.
 
-Peak RSS (`ru_maxrss`) only grows, so each measurement runs in a fresh
-process: `python -m benchmarks.probe memory SPEC` prints
+Peak RSS only grows, so each measurement runs in a fresh process and reads
+the peak from /proc/self/status (VmHWM, the high-water mark of this process
+image). `ru_maxrss` is not used: after fork + exec it keeps the parent's
+peak, so a child of a big benchmark process would report the parent's RSS.
+`python -m benchmarks.probe memory SPEC` prints
 {"baseline_mib", "peak_mib", "seconds"} and `python -m benchmarks.probe speed
 SPEC_A SPEC_B ROUNDS` prints {"speedup", "ms_a", "ms_b"} (median of the pairwise
 ratios time_a / time_b). A SPEC is a JSON object: "layer" ("self_attention"
@@ -13,17 +16,17 @@ arguments such as chunk_size, sliding_window, causal).
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
 
 
-def _rss_mib() -> float:
+def _status_mib(field: str) -> float:
+    """A memory field of /proc/self/status ("VmRSS", "VmHWM") in MiB."""
     with open("/proc/self/status", encoding="utf-8") as status:
         for line in status:
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
-    raise RuntimeError("VmRSS missing from /proc/self/status")
+    raise RuntimeError(f"{field} missing from /proc/self/status")
 
 
 def _forward(spec: dict):
@@ -76,11 +79,11 @@ def _input(spec: dict):
 def memory(spec: dict) -> dict:
     forward = _forward(spec)
     x = _input(spec)
-    baseline = _rss_mib()
+    baseline = _status_mib("VmRSS")
     start = time.perf_counter()
     forward(x).numpy()
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = _status_mib("VmHWM")
     return {"baseline_mib": baseline, "peak_mib": peak, "seconds": seconds}
 
 
