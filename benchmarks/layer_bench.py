@@ -25,6 +25,7 @@ def _row(
         "shape": shape.label,
         **fields,
         "speedup_vs_mha": result.speedup("mha", "ours"),
+        "speedup_vs_mha_quartiles": list(result.quartiles("mha", "ours")),
         "gflops_ours": _gflops(flops, result.median("ours")),
         "gflops_mha": _gflops(flops, result.median("mha")),
         "gflops_matmul": _gflops(matmul_flops, result.median("matmul")),

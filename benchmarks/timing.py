@@ -27,12 +27,24 @@ class Interleaved:
         """Median seconds per call of `name`."""
         return statistics.median(self.times[name])
 
-    def speedup(self, baseline: str, candidate: str) -> float:
-        """Median over rounds of baseline time / candidate time (>1: faster)."""
-        return statistics.median(
+    def ratios(self, baseline: str, candidate: str) -> list[float]:
+        """Per-round baseline time / candidate time (>1: candidate faster)."""
+        return [
             a / b
             for a, b in zip(self.times[baseline], self.times[candidate], strict=True)
-        )
+        ]
+
+    def speedup(self, baseline: str, candidate: str) -> float:
+        """Median over rounds of baseline time / candidate time (>1: faster)."""
+        return statistics.median(self.ratios(baseline, candidate))
+
+    def quartiles(self, baseline: str, candidate: str) -> tuple[float, float]:
+        """First and third quartiles of the per-round ratios (the noise)."""
+        ratios = self.ratios(baseline, candidate)
+        if len(ratios) < 2:
+            return ratios[0], ratios[0]
+        q1, _, q3 = statistics.quantiles(ratios, n=4)
+        return q1, q3
 
 
 def _calls_per_round(fn: Callable[[], object], min_round_s: float) -> int:
@@ -49,6 +61,9 @@ def interleave(
     min_round_s: float = 0.05,
 ) -> Interleaved:
     """Times each callable in turn for `rounds` rounds.
+
+    Odd rounds run the callables in reverse order (A B C, C B A, ...), so no
+    candidate always follows the same neighbour.
 
     Args:
         candidates: name -> zero-argument callable; each call must finish its
@@ -77,8 +92,9 @@ def interleave(
         name: _calls_per_round(fn, min_round_s) for name, fn in candidates.items()
     }
     times: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(rounds):
-        for name, fn in candidates.items():
+    order = list(candidates.items())
+    for round_index in range(rounds):
+        for name, fn in order if round_index % 2 == 0 else order[::-1]:
             start = time.perf_counter()
             for _ in range(repeats[name]):
                 fn()

@@ -122,6 +122,21 @@ def test_speedup_is_the_median_of_per_round_ratios():
     # per-round a / b = 2, 4, 2
     assert result.speedup("a", "b") == 2.0
     assert result.median("a") == 4.0
+    spread = timing.Interleaved({"a": [2.0, 4.0, 6.0, 8.0], "b": [1.0] * 4})
+    # exclusive quartiles of 2, 4, 6, 8
+    assert spread.quartiles("a", "b") == (2.5, 7.5)
+
+
+def test_interleave_alternates_the_order():
+    calls = []
+    timing.interleave(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+        rounds=2,
+        warmup=0,
+        min_round_s=0.0,
+    )
+    # one calibration call each, then round 1 (a, b) and round 2 (b, a)
+    assert calls == ["a", "b", "a", "b", "b", "a"]
 
 
 def test_targets_compare_with_the_issue_thresholds():
