@@ -66,6 +66,21 @@ def optional_int(name: str, value):
     return value
 
 
+def dtype_policy(value):
+    """The DTypePolicy named by a layer's `dtype` argument, else ValueError.
+
+    (Keras returns a plain string for a config dict of an unknown class,
+    which its Layer then fails on with an AttributeError.)
+    """
+    policy = keras.dtype_policies.get(value)
+    if not isinstance(policy, keras.dtype_policies.DTypePolicy):
+        raise ValueError(
+            "`dtype` must be a dtype name, a DTypePolicy or its config. "
+            f"Received: dtype={value!r}"
+        )
+    return policy
+
+
 def float_policy(policy) -> None:
     """Raises ValueError unless the dtype policy computes and stores floats."""
     for dtype in (policy.compute_dtype, policy.variable_dtype):

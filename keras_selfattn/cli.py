@@ -53,16 +53,20 @@ _SIGNALS = {
 def _signals_recorded(received: list[int]):
     """Appends SIGINT/SIGTERM to `received` and raises their exception.
 
+    Yields a function that stops the raising (once the work is over, a
+    signal is only recorded, so it cannot escape `main` as a traceback).
     Exceptions of those signals that Python cannot raise (inside `__del__`)
     are not printed either: the outcome is reported once, by `main`.
     """
+    armed = [True]
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield armed.clear
         return
 
     def handler(signum, frame):
         received.append(signum)
-        raise _SIGNALS[signum][2]
+        if armed:
+            raise _SIGNALS[signum][2]
 
     def unraisable(info):
         if not isinstance(info.exc_value, (KeyboardInterrupt, _Terminated)):
@@ -71,7 +75,7 @@ def _signals_recorded(received: list[int]):
     previous = {signum: signal.signal(signum, handler) for signum in _SIGNALS}
     previous_hook, sys.unraisablehook = sys.unraisablehook, unraisable
     try:
-        yield
+        yield armed.clear
     finally:
         sys.unraisablehook = previous_hook
         for signum, action in previous.items():
@@ -373,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     received: list[int] = []
     status, message = 0, ""
-    with _native_stderr_discarded(), _signals_recorded(received):
+    with _native_stderr_discarded(), _signals_recorded(received) as disarm:
         try:
             status = args.run(args)
         except (KeyboardInterrupt, _Terminated):
@@ -384,6 +388,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if getattr(getattr(error, "report", None), "rows", ()):
                     print(error.report, flush=True)
                 status, message = 1, one_line(error)
+        finally:
+            disarm()
         if received:  # whatever the work ended with (see _SIGNALS)
             status, word, _ = _SIGNALS[received[0]]
             message = f"{word}; nothing partial was left on disk"

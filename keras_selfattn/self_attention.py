@@ -134,6 +134,8 @@ class SelfAttention(keras.layers.Layer):
         bias_constraint=None,
         **kwargs,
     ):
+        if kwargs.get("dtype") is not None:
+            kwargs["dtype"] = _checks.dtype_policy(kwargs["dtype"])
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)
         _checks.float_policy(self.dtype_policy)
         _checks.finite_config("activity_regularizer", self.activity_regularizer)
@@ -431,3 +433,11 @@ class SelfAttention(keras.layers.Layer):
             }
         )
         return config
+
+    @classmethod
+    def from_config(cls, config: dict) -> SelfAttention:
+        # Keras's own from_config fails with an AttributeError on a `dtype`
+        # config of an unknown class; check it first (ValueError).
+        if isinstance(config, dict) and isinstance(config.get("dtype"), dict):
+            config = {**config, "dtype": _checks.dtype_policy(config["dtype"])}
+        return super().from_config(config)

@@ -187,6 +187,7 @@ def test_from_config_contract_long(config):
         ("seed", 2**64),
         ("dtype", "int32"),
         ("dtype", "string"),
+        ("dtype", {"class_name": "Foo"}),
         (
             "kernel_initializer",
             {"class_name": "RandomNormal", "config": {"stddev": NAN}},
@@ -197,13 +198,13 @@ def test_from_config_contract_long(config):
 def test_values_rejected_at_construction(key, value):
     """The holes the fuzzing found: each is now a ValueError naming the key.
 
-    (`from_config` re-raises it as Keras's TypeError "Error when deserializing
-    class ...", which quotes the ValueError's message.)
+    (`from_config` mostly re-raises it as Keras's TypeError "Error when
+    deserializing class ...", which quotes the ValueError's message.)
     """
     config = {**BASE, key: value}
     with pytest.raises(ValueError, match=f"`{key}`"):
         SelfAttention(**config)
-    with pytest.raises(TypeError, match=f"`{key}`"):
+    with pytest.raises((TypeError, ValueError), match=f"`{key}`"):
         SelfAttention.from_config(config)
 
 
