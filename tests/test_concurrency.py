@@ -7,6 +7,8 @@
   returning something. NumPy inputs are converted to the signature's dtype
   by value (float64, float16, int32 arrays): that gives the right answer for
   those values, which the test checks too.
+- Empty inputs (time 0, batch 0) give empty outputs through the signature;
+  onnxruntime refuses time 0 with an error rather than a wrong shape.
 """
 
 from __future__ import annotations
@@ -143,3 +145,28 @@ def test_numpy_inputs_are_converted_by_value(served, dtype):
     np.testing.assert_allclose(
         result, model.predict(x.astype("float32"), verbose=0), rtol=1e-4, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("shape", [(2, 0, FEATURES), (0, 5, FEATURES)])
+def test_empty_inputs_through_the_signature(served, shape):
+    """Time 0 (and batch 0) give an empty output, as in Keras."""
+    _, signature = served
+    result = _call(signature, np.zeros(shape, "float32"))
+    assert result.shape == shape[:2] + (3,)
+
+
+def test_empty_time_in_onnxruntime_is_an_error_or_empty(served, tmp_path):
+    """ONNX Reshape reads a 0 in its target shape as "copy this dimension",
+    so the tf2onnx graph cannot represent time 0: onnxruntime must then fail
+    loudly (it does in onnxruntime 1.31), never return a wrong shape."""
+    import onnxruntime
+
+    from keras_selfattn.export import export_onnx
+
+    model, _ = served
+    session = onnxruntime.InferenceSession(export_onnx(model, tmp_path / "m.onnx"))
+    try:
+        (result,) = session.run(None, {"features": np.zeros((2, 0, FEATURES), "f4")})
+    except onnxruntime.capi.onnxruntime_pybind11_state.Fail:
+        return
+    assert result.shape == (2, 0, 3)
