@@ -47,6 +47,8 @@ _SIGNALS = {
     signal.SIGINT: (130, "interrupted", KeyboardInterrupt),
     signal.SIGTERM: (143, "terminated", _Terminated),
 }
+# The signals received during the current `main` (checked between steps too).
+_RECEIVED: list[int] = []
 
 
 @contextlib.contextmanager
@@ -55,31 +57,32 @@ def _signals_recorded(received: list[int]):
 
     Yields a function that stops the raising (once the work is over, a
     signal is only recorded, so it cannot escape `main` as a traceback).
-    Exceptions of those signals that Python cannot raise (inside `__del__`)
-    are not printed either: the outcome is reported once, by `main`.
+    After a signal, `sys.stderr` is silenced until the end: what Python and
+    libraries print about the cut-off work (an exception ignored in a
+    `__del__`, a SystemError from a C callback) would bury the one line that
+    `main` prints to the stream it saved.
     """
     armed = [True]
     if threading.current_thread() is not threading.main_thread():
         yield armed.clear
         return
+    original = sys.stderr
+    quiet = open(os.devnull, "w")
 
     def handler(signum, frame):
         received.append(signum)
+        sys.stderr = quiet
         if armed:
             raise _SIGNALS[signum][2]
 
-    def unraisable(info):
-        if not isinstance(info.exc_value, (KeyboardInterrupt, _Terminated)):
-            previous_hook(info)
-
     previous = {signum: signal.signal(signum, handler) for signum in _SIGNALS}
-    previous_hook, sys.unraisablehook = sys.unraisablehook, unraisable
     try:
         yield armed.clear
     finally:
-        sys.unraisablehook = previous_hook
         for signum, action in previous.items():
             signal.signal(signum, action)
+        sys.stderr = original
+        quiet.close()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -125,6 +128,8 @@ def _native_stderr_discarded():
 
 
 def _step(label: str, action: Callable[[], object]) -> object:
+    if _RECEIVED:  # a signal whose exception was swallowed: stop here
+        raise KeyboardInterrupt
     print(f"{label} ...", end=" ", flush=True)
     start = time.perf_counter()
     try:
@@ -375,9 +380,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         (SIGINT), 143 terminated (SIGTERM).
     """
     args = build_parser().parse_args(argv)
-    received: list[int] = []
+    received = _RECEIVED
+    received.clear()
     status, message = 0, ""
     with _native_stderr_discarded(), _signals_recorded(received) as disarm:
+        stderr = sys.stderr
         try:
             status = args.run(args)
         except (KeyboardInterrupt, _Terminated):
@@ -394,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             status, word, _ = _SIGNALS[received[0]]
             message = f"{word}; nothing partial was left on disk"
         if status:
-            print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+            print(f"{PROG}: error: {message}", file=stderr, flush=True)
         return status
 
 

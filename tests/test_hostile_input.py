@@ -494,7 +494,9 @@ def test_sigint_during_saved_model_export(work, earlier, tmp_path):
         work, earlier, tmp_path, "Exporting SavedModel", 0.1, signal.SIGINT
     )
     _assert_interrupted_cleanly(result, tmp_path, 130, "interrupted")
-    assert "wrote" not in result[1], "the interrupt came too late to test"
+    # It stops within the step, or at the latest before the next one (an
+    # interrupt can be swallowed by Python inside a library's `__del__`).
+    assert "Exporting ONNX" not in result[1], result[1]
 
 
 @pytest.mark.slow
@@ -518,6 +520,7 @@ def test_sigterm_during_export_cleans_up(work, earlier, tmp_path):
         work, earlier, tmp_path, "Exporting SavedModel", 0.1, signal.SIGTERM
     )
     _assert_interrupted_cleanly(result, tmp_path, 143, "terminated")
+    assert "Exporting ONNX" not in result[1], result[1]
 
 
 @pytest.mark.slow
