@@ -75,14 +75,18 @@ def _processes():
 
 
 def _wait_all(processes, logs, timeout: float) -> None:
+    """Waits for every process to exit 0; fails as soon as one does not."""
     deadline = time.monotonic() + timeout
+    while any(process.poll() is None for process in processes):
+        for process, log in zip(processes, logs, strict=True):
+            code = process.poll()
+            if code not in (None, 0):  # the others would wait for it forever
+                pytest.fail(f"worker exited with {code}; log:\n{_tail(log)}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"workers timed out after {timeout} s:\n{_tail(logs[0])}")
+        time.sleep(0.2)
     for process, log in zip(processes, logs, strict=True):
-        remaining = max(deadline - time.monotonic(), 0.1)
-        try:
-            code = process.wait(remaining)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"worker timed out after {timeout} s; log:\n{_tail(log)}")
-        assert code == 0, f"worker exited with {code}; log:\n{_tail(log)}"
+        assert process.returncode == 0, f"worker failed; log:\n{_tail(log)}"
 
 
 def _tail(log: Path) -> str:
