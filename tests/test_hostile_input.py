@@ -539,3 +539,25 @@ def test_after_sigkill_only_a_hidden_temporary_remains(work, earlier, tmp_path):
     status, out, err = run_cli(argv)
     assert status == 0, err
     assert (base / "clf" / "2" / "saved_model.pb").is_file()
+
+
+# -------------------------------------------------------------- permissions
+def test_exports_are_readable_like_ordinary_files(work, tmp_path):
+    """A server running as another user can read the exports: modes follow
+    the umask (here 022) like files written with open(), not tempfile's
+    private 0700/0600 of the temporaries they are renamed from."""
+    _, model_file, _, _ = work
+    model = keras.models.load_model(model_file)
+    previous = os.umask(0o022)
+    try:
+        version_dir = export_saved_model(
+            model, tmp_path / "serving", "clf", check=False
+        )
+        onnx_file = export_onnx(model, tmp_path / "m.onnx", check=False)
+    finally:
+        os.umask(previous)
+    paths = [Path(version_dir), Path(onnx_file), tmp_path / "serving/models.config"]
+    paths += list(Path(version_dir).rglob("*"))
+    for path in paths:
+        mode = path.stat().st_mode & 0o777
+        assert mode == (0o755 if path.is_dir() else 0o644), (path, oct(mode))

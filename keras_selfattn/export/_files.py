@@ -66,6 +66,17 @@ def check_path(argument: str, value: object) -> str:
     return os.fspath(value)
 
 
+def umask_mode(mode: int) -> int:
+    """`mode` under the process umask: what `os.mkdir` or `open` would give.
+
+    `tempfile` makes private (0700 / 0600) entries; renamed into place they
+    would stay unreadable to a server running as another user.
+    """
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return mode & ~umask
+
+
 def check_version(version: object) -> int:
     """Returns `version` if it is a positive integer (TF Serving's versions).
 
@@ -151,6 +162,7 @@ def atomic_directory(target: str) -> Iterator[str]:
     created = _make_dirs(parent)
     try:
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.tmp-", dir=parent)
+        os.chmod(tmp, umask_mode(0o777))
     except BaseException:
         _remove_empty(created)
         raise
@@ -188,6 +200,7 @@ def atomic_file(target: str) -> Iterator[str]:
             prefix=f".{os.path.basename(target)}.tmp-", dir=parent
         )
         os.close(handle)
+        os.chmod(tmp, umask_mode(0o666))
         yield tmp
         try:
             os.link(tmp, target)

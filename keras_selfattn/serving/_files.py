@@ -7,6 +7,13 @@ import tempfile
 from collections.abc import Callable
 
 
+def umask_mode(mode: int) -> int:
+    """`mode` under the process umask: what `open` would give."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return mode & ~umask
+
+
 def atomic_write(path: str, write: Callable[[str], None]) -> str:
     """Runs `write(tmp_path)` on a temporary file, then renames it to `path`.
 
@@ -29,6 +36,7 @@ def atomic_write(path: str, write: Callable[[str], None]) -> str:
         prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder
     )
     os.close(fd)
+    os.chmod(tmp, umask_mode(0o666))  # mkstemp's 0600 would stay private
     try:
         write(tmp)
         with open(tmp, "rb") as f:
