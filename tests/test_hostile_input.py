@@ -14,7 +14,9 @@ What is guaranteed, and tested here:
   (a 64 KiB tmpfs, and a file-size limit, RLIMIT_FSIZE), and SIGINT / SIGTERM
   at several moments of an export;
 - after SIGKILL (which no program can handle) only a hidden `.N.tmp-*`
-  folder can remain; it is not a version, and the next export works.
+  folder can remain; it is not a version, and the next export works;
+- exports get the modes the umask gives ordinary files (readable by a TF
+  Serving process running as another user).
 
 The console script runs in real subprocesses (each bounded by a timeout and
 killed with its process group); the cheaper cases call `cli.main`.
