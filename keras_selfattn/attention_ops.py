@@ -83,6 +83,11 @@ def combine_masks(
         masks.append(causal_mask(length))
     if sliding_window is not None:
         masks.append(sliding_window_mask(length, sliding_window))
+    return all_of(masks)
+
+
+def all_of(masks: list):
+    """The logical AND of broadcastable bool masks, or None for no mask."""
     if not masks:
         return None
     combined = masks[0]

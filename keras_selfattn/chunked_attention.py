@@ -83,12 +83,7 @@ def _block_mask(
         batch = ops.shape(attention_mask)[0]
         rows = ops.slice(attention_mask, (0, start, key_start), (batch, block, span))
         masks.append(ops.expand_dims(ops.cast(rows, "bool"), 1))
-    if not masks:
-        return None
-    combined = masks[0]
-    for mask in masks[1:]:
-        combined = ops.logical_and(combined, mask)
-    return combined
+    return aops.all_of(masks)
 
 
 def _recomputed_in_backward(fn):
