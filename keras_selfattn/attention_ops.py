@@ -16,7 +16,7 @@ MASK_VALUE = -3.4028234663852886e38
 _HALF_PRECISION = ("float16", "bfloat16")
 
 
-def split_heads(x, num_heads: int, head_dim: int):
+def split_heads(x, num_heads: int):
     """(B, T, H*D) -> (B, H, T, D).
 
     Split and stack, not reshape: x usually comes from a projection whose

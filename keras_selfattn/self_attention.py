@@ -311,9 +311,9 @@ class SelfAttention(keras.layers.Layer):
         self._check_masks(inputs.shape, mask, attention_mask)
         self._check_scores_request(return_attention_scores)
         heads = self.num_heads
-        query = aops.split_heads(self._project(inputs, "query"), heads, self._key_dim)
-        key = aops.split_heads(self._project(inputs, "key"), heads, self._key_dim)
-        value = aops.split_heads(self._project(inputs, "value"), heads, self._value_dim)
+        query = aops.split_heads(self._project(inputs, "query"), heads)
+        key = aops.split_heads(self._project(inputs, "key"), heads)
+        value = aops.split_heads(self._project(inputs, "value"), heads)
         dropout = None
         if self._dropout_layer is not None:
 
