@@ -6,7 +6,6 @@ console script and the export/ scripts as real subprocesses.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import runpy
@@ -22,6 +21,7 @@ import tensorflow as tf
 
 from keras_selfattn.cli import main
 from tests import model_zoo
+from tests.files import tree_digest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Lines TensorFlow's native logging prints while it is imported (before main).
@@ -30,18 +30,6 @@ _TF_NATIVE_LOG = re.compile(
     r"|[IWEF]\d{4} "
     r"|To enable the following instructions)"
 )
-
-
-def tree_digest(root) -> str:
-    digest = hashlib.sha256()
-    for directory, dirs, files in sorted(os.walk(root)):
-        dirs.sort()
-        digest.update(os.path.relpath(directory, root).encode())
-        for name in sorted(files):
-            digest.update(name.encode())
-            with open(os.path.join(directory, name), "rb") as handle:
-                digest.update(handle.read())
-    return digest.hexdigest()
 
 
 def run(argv, capsys) -> tuple[int, str, str]:

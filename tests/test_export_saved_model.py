@@ -7,7 +7,6 @@ with the Keras model's own predictions.
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 import keras
@@ -22,6 +21,7 @@ from keras_selfattn import SelfAttention
 from keras_selfattn.export import ParityError, export_saved_model
 from keras_selfattn.export import saved_model as saved_model_module
 from tests import model_zoo
+from tests.files import tree_digest
 
 SHAPES = [(1, 1), (2, 33), (3, 128), (2, 512), (4, 20)]
 MODELS = [*model_zoo.ALL, "attention_with_mask_input"]
@@ -29,19 +29,6 @@ MODELS = [*model_zoo.ALL, "attention_with_mask_input"]
 
 def _build(name: str, seed: int = 0) -> keras.Model:
     return getattr(model_zoo, name)(seed)
-
-
-def tree_digest(root: str) -> str:
-    """Hash of every path and file content under `root`."""
-    digest = hashlib.sha256()
-    for directory, dirs, files in sorted(os.walk(root)):
-        dirs.sort()
-        digest.update(os.path.relpath(directory, root).encode())
-        for name in sorted(files):
-            digest.update(name.encode())
-            with open(os.path.join(directory, name), "rb") as handle:
-                digest.update(handle.read())
-    return digest.hexdigest()
 
 
 def _keras_outputs(model: keras.Model, arrays: dict) -> np.ndarray:

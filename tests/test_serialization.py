@@ -11,6 +11,17 @@ import numpy as np
 from keras_selfattn import SelfAttention
 
 
+def _run_python(script: str) -> subprocess.CompletedProcess:
+    """Runs `script` in a fresh interpreter that has imported nothing."""
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"TF_CPP_MIN_LOG_LEVEL": "3", "PATH": "/usr/bin:/bin"},
+    )
+
+
 def _masked_model():
     keras.utils.set_random_seed(4)
     tokens = keras.Input((None,), dtype="int32", name="tokens")
@@ -54,13 +65,7 @@ def test_load_in_fresh_process_with_only_the_package_import(tmp_path):
         json.dump({{"out": out.tolist(), "configs": configs}}, sys.stdout)
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={"TF_CPP_MIN_LOG_LEVEL": "3", "PATH": "/usr/bin:/bin"},
-    )
+    result = _run_python(script)
     assert result.returncode == 0, result.stderr[-3000:]
     loaded = json.loads(result.stdout.strip().splitlines()[-1])
     np.testing.assert_allclose(np.array(loaded["out"]), expected, atol=1e-6)
@@ -77,13 +82,7 @@ def test_loading_without_the_package_import_names_the_layer(tmp_path):
     path = tmp_path / "model.keras"
     keras.Sequential([keras.Input((None, 4), name="x"), SelfAttention()]).save(path)
     script = f"import keras; keras.models.load_model({str(path)!r})"
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={"TF_CPP_MIN_LOG_LEVEL": "3", "PATH": "/usr/bin:/bin"},
-    )
+    result = _run_python(script)
     assert result.returncode != 0
     assert "keras_selfattn>SelfAttention" in result.stderr
 
