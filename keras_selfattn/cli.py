@@ -178,8 +178,7 @@ def _describe(model) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from keras_selfattn.export import _files
-    from keras_selfattn.export.onnx_export import check_opset
+    from keras_selfattn.export import _files, onnx_export_module
 
     if args.saved_model is None and args.onnx is None:
         raise CLIError("export needs --saved-model BASE_DIR, --onnx OUT.onnx or both")
@@ -208,12 +207,12 @@ def _export(args: argparse.Namespace) -> int:
                 )
     if args.onnx is not None:
         _files.check_path("--onnx", args.onnx)
-        opset = check_opset(args.opset)
+        opset = onnx_export_module().check_opset(args.opset)
         _files.refuse_existing(args.onnx, "Output file")
 
     model = _load_model(args.model)
     _describe(model)
-    from keras_selfattn.export import export_onnx, export_saved_model, verify
+    from keras_selfattn.export import export_saved_model, verify
 
     version_dir = onnx_path = None
     if args.saved_model is not None:
@@ -241,7 +240,7 @@ def _export(args: argparse.Namespace) -> int:
                 onnx_path = _step(
                     f"Exporting ONNX (opset {opset}{fused}) to {args.onnx}, "
                     "checked in onnxruntime",
-                    lambda: export_onnx(
+                    lambda: onnx_export_module().export_onnx(
                         model,
                         args.onnx,
                         opset,

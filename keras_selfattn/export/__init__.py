@@ -3,12 +3,15 @@
 - `export_saved_model`: TF Serving layout `base_dir/name/VERSION/`, signature
   `serving_default` with named inputs and outputs, optional warmup file and
   `models.config`.
-- `export_onnx`: an ONNX file through tf2onnx, checked in onnxruntime.
+- `export_onnx`: an ONNX file through tf2onnx, checked in onnxruntime (needs
+  the `onnx` extra: `pip install 'keras_selfattn[onnx]'`; imported on first
+  use, so SavedModel export works without it).
 - `verify`: compares either or both with Keras on several shapes and returns a
   `ParityReport`, raising `ParityError` beyond tolerance.
 """
 
-from keras_selfattn.export.onnx_export import export_onnx
+from types import ModuleType
+
 from keras_selfattn.export.saved_model import export_saved_model
 from keras_selfattn.export.verify import ParityError, ParityReport, ParityRow, verify
 
@@ -20,3 +23,21 @@ __all__ = [
     "export_saved_model",
     "verify",
 ]
+
+
+def onnx_export_module() -> ModuleType:
+    """The ONNX exporter module, or an ImportError saying what to install."""
+    try:
+        from keras_selfattn.export import onnx_export
+    except ImportError as error:
+        raise ImportError(
+            f"ONNX export needs onnx, tf2onnx and onnxruntime ({error}). "
+            "Install them with: pip install 'keras_selfattn[onnx]'"
+        ) from error
+    return onnx_export
+
+
+def __getattr__(name: str):
+    if name == "export_onnx":
+        return onnx_export_module().export_onnx
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
