@@ -94,6 +94,26 @@ def self_attention(
     return out, attn
 
 
+def for_layer(layer, x: np.ndarray, **masks) -> tuple[np.ndarray, np.ndarray]:
+    """`self_attention` with the layer's weights and configuration.
+
+    Default key_dim and value_dim are resolved from `x`'s feature size as the
+    layer documents; `masks` (padding_mask, attention_mask) pass through.
+    """
+    key_dim = layer.key_dim or x.shape[-1] // layer.num_heads
+    return self_attention(
+        x,
+        layer_weights(layer),
+        layer.num_heads,
+        key_dim,
+        layer.value_dim or key_dim,
+        scale=layer.scale,
+        causal=layer.causal,
+        sliding_window=layer.sliding_window,
+        **masks,
+    )
+
+
 def layer_weights(layer) -> dict[str, np.ndarray]:
     """The layer's weights by reference name, read through get_weights()."""
     names = ["wq"] + (["bq"] if layer.use_bias else [])

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from keras_selfattn import SelfAttention
-from tests.reference import layer_weights, self_attention
+from tests.reference import for_layer
 
 FEATURES = 6
 NAN, INF = math.nan, math.inf
@@ -113,21 +113,6 @@ def configs(draw) -> dict:
     return config
 
 
-def _reference_output(layer, x):
-    key_dim = layer.key_dim or FEATURES // layer.num_heads
-    output, _ = self_attention(
-        x,
-        layer_weights(layer),
-        layer.num_heads,
-        key_dim,
-        layer.value_dim or key_dim,
-        scale=layer.scale,
-        causal=layer.causal,
-        sliding_window=layer.sliding_window,
-    )
-    return output
-
-
 def _check_contract(config) -> None:
     try:
         layer = SelfAttention.from_config(config)
@@ -148,7 +133,7 @@ def _check_contract(config) -> None:
         assert np.isfinite(np.asarray(keras.ops.cast(result, "float32"))).all()
     if layer.compute_dtype in ("float32", "float64"):
         np.testing.assert_allclose(
-            np.asarray(output), _reference_output(layer, x), rtol=1e-4, atol=1e-5
+            np.asarray(output), for_layer(layer, x)[0], rtol=1e-4, atol=1e-5
         )
     clone = SelfAttention.from_config(layer.get_config())
     assert clone.get_config() == layer.get_config()

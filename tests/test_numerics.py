@@ -25,7 +25,7 @@ import pytest
 import tensorflow as tf
 
 from keras_selfattn import SelfAttention
-from tests.reference import layer_weights, self_attention
+from tests.reference import for_layer
 
 HALF_TOLERANCE = {"mixed_float16": 5e-3, "mixed_bfloat16": 3e-2}
 HALF_DTYPE = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}
@@ -49,21 +49,6 @@ def _random_layer(config, features, rng, dtype=None, scale=0.3):
     return layer
 
 
-def _reference(layer, x, features, **kwargs):
-    key_dim = layer.key_dim or features // layer.num_heads
-    return self_attention(
-        x,
-        layer_weights(layer),
-        layer.num_heads,
-        key_dim,
-        layer.value_dim or key_dim,
-        scale=layer.scale,
-        causal=layer.causal,
-        sliding_window=layer.sliding_window,
-        **kwargs,
-    )
-
-
 def _identity_layer(features, **config):
     """scale=1 and identity projections: the scores are exactly x x^T."""
     layer = SelfAttention(key_dim=features, scale=1.0, **config)
@@ -84,7 +69,7 @@ def test_large_scores_exact_in_float32():
     scores = np.einsum("btf,bsf->bts", x, x)
     assert np.abs(scores).max() > 1e4
     output, weights = layer(x, mask=mask, return_attention_scores=True)
-    ref_out, ref_weights = _reference(layer, x, features, padding_mask=mask)
+    ref_out, ref_weights = for_layer(layer, x, padding_mask=mask)
     assert np.isfinite(np.asarray(output)).all()
     np.testing.assert_allclose(np.asarray(output), ref_out, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(np.asarray(weights), ref_weights, rtol=0, atol=1e-6)
@@ -105,7 +90,7 @@ def test_half_precision_scores_beyond_float16_range_stay_finite(policy):
     output = np.asarray(keras.ops.cast(output, "float32"))
     weights = np.asarray(keras.ops.cast(weights, "float32"))
     assert np.isfinite(output).all() and np.isfinite(weights).all()
-    ref_out, ref_weights = _reference(reference, x, features)
+    ref_out, ref_weights = for_layer(reference, x)
     # Relative to the values (|x| <= 250) the output error stays tiny.
     tolerance = HALF_TOLERANCE[policy]
     assert np.abs(output - ref_out).max() <= tolerance * np.abs(ref_out).max()
@@ -203,7 +188,7 @@ def test_time_one_matches_reference(config):
     x = rng.normal(size=(3, 1, features)).astype("float32")
     mask = np.array([[True], [False], [True]])
     output, weights = layer(x, mask=mask, return_attention_scores=True)
-    ref_out, ref_weights = _reference(layer, x, features, padding_mask=mask)
+    ref_out, ref_weights = for_layer(layer, x, padding_mask=mask)
     np.testing.assert_allclose(np.asarray(output), ref_out, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(weights), ref_weights)  # 1 or 0
 
