@@ -178,7 +178,13 @@ def _describe(model) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from keras_selfattn.export import _files, onnx_export_module
+    """Stages each export, verifies them in one step, then moves them in.
+
+    The exporters' own argument checks run before the model is loaded; an
+    export appears only once every export of the command matched Keras.
+    """
+    from keras_selfattn.export import onnx_export_module, saved_model, verify
+    from keras_selfattn.serving.layout import VersionExistsError
 
     if args.saved_model is None and args.onnx is None:
         raise CLIError("export needs --saved-model BASE_DIR, --onnx OUT.onnx or both")
@@ -188,75 +194,71 @@ def _export(args: argparse.Namespace) -> int:
         raise CLIError("--opset needs --onnx")
     if args.onnx is None and args.fuse_attention:
         raise CLIError("--fuse-attention needs --onnx")
-    # Check every argument before the (slow) work.
     name = args.name
+    if name is None:
+        name = os.path.splitext(os.path.basename(args.model))[0]
     if args.saved_model is not None:
-        _files.check_path("--saved-model", args.saved_model)
-        if name is None:
-            name = os.path.splitext(os.path.basename(args.model))[0]
-        _files.check_name(name)
-        if args.version is not None:
-            _files.check_version(args.version)
-            if args.version in _files.existing_versions(
-                os.path.join(args.saved_model, name)
-            ):
-                raise CLIError(
-                    f"version {args.version} of {name!r} already exists in "
-                    f"{os.path.join(args.saved_model, name)}; it is never "
-                    "overwritten (pass another --version or omit it)"
-                )
+        try:
+            saved_model.check_target(
+                args.saved_model, name, args.version, argument="--saved-model"
+            )
+        except VersionExistsError as error:
+            raise CLIError(
+                f"version {error.version} of {error.name!r} already exists in "
+                f"{error.model_dir}; it is never overwritten (pass another "
+                "--version or omit it)"
+            ) from None
     if args.onnx is not None:
-        _files.check_path("--onnx", args.onnx)
-        opset = onnx_export_module().check_opset(args.opset)
-        _files.refuse_existing(args.onnx, "Output file")
+        onnx_export = onnx_export_module()
+        opset = onnx_export.check_opset(args.opset)
+        onnx_export.check_target(args.onnx, argument="--onnx")
 
     model = _load_model(args.model)
     _describe(model)
-    from keras_selfattn.export import export_saved_model, verify
+    with contextlib.ExitStack() as staging:
+        staged = {}
+        if args.saved_model is not None:
+            staged["saved_model"] = _step(
+                f"Exporting SavedModel {name!r} under {args.saved_model}"
+                + (" with warmup requests" if args.warmup else ""),
+                lambda: staging.enter_context(
+                    saved_model.stage_saved_model(
+                        model, args.saved_model, name, args.version, warmup=args.warmup
+                    )
+                ),
+            )
+        if args.onnx is not None:
+            from keras_selfattn.export.fused_attention import FUSED_OPSET, collect_log
 
-    version_dir = onnx_path = None
-    if args.saved_model is not None:
-        version_dir = _step(
-            f"Exporting SavedModel {name!r} under {args.saved_model}"
-            + (" with warmup requests" if args.warmup else "")
-            + ", checked with tf.saved_model.load",
-            lambda: export_saved_model(
+            fused = f" -> {FUSED_OPSET}, fused Attention" if args.fuse_attention else ""
+            with collect_log() as fusion_log:
+                try:
+                    staged["onnx"] = _step(
+                        f"Exporting ONNX (opset {opset}{fused}) to {args.onnx}",
+                        lambda: staging.enter_context(
+                            onnx_export.stage_onnx(
+                                model,
+                                args.onnx,
+                                opset,
+                                fuse_attention=args.fuse_attention,
+                            )
+                        ),
+                    )
+                finally:  # which layers were fused, also when the export failed
+                    for line in fusion_log:
+                        print(f"  {line}", flush=True)
+        report = _step(
+            "Verifying against Keras",
+            lambda: verify(
                 model,
-                args.saved_model,
-                name,
-                args.version,
-                warmup=args.warmup,
+                staged["saved_model"].path if "saved_model" in staged else None,
+                staged["onnx"].path if "onnx" in staged else None,
                 atol=args.atol,
                 rtol=args.rtol,
             ),
         )
-        print(f"  wrote {version_dir}", flush=True)
-    if args.onnx is not None:
-        from keras_selfattn.export.fused_attention import FUSED_OPSET, collect_log
-
-        fused = f" -> {FUSED_OPSET}, fused Attention" if args.fuse_attention else ""
-        with collect_log() as fusion_log:
-            try:
-                onnx_path = _step(
-                    f"Exporting ONNX (opset {opset}{fused}) to {args.onnx}, "
-                    "checked in onnxruntime",
-                    lambda: onnx_export_module().export_onnx(
-                        model,
-                        args.onnx,
-                        opset,
-                        fuse_attention=args.fuse_attention,
-                        atol=args.atol,
-                        rtol=args.rtol,
-                    ),
-                )
-            finally:  # which layers were fused, also when the check failed
-                for line in fusion_log:
-                    print(f"  {line}", flush=True)
-        print(f"  wrote {onnx_path}", flush=True)
-    report = _step(
-        "Verifying against Keras",
-        lambda: verify(model, version_dir, onnx_path, atol=args.atol, rtol=args.rtol),
-    )
+    for export in staged.values():
+        print(f"  wrote {export.target}", flush=True)
     print(report, flush=True)
     return 0
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from keras_selfattn.serving.layout import served_model_names
 from keras_selfattn.serving.model_config import (
     CONFIG_FILE_NAME,
     DOCKER_MODELS_DIR,
     LOCAL_CONFIG_FILE_NAME,
-    served_model_names,
     write_models_config,
 )
 

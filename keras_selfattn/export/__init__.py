@@ -8,6 +8,12 @@
   use, so SavedModel export works without it).
 - `verify`: compares either or both with Keras on several shapes and returns a
   `ParityReport`, raising `ParityError` beyond tolerance.
+
+Importing this package loads neither TensorFlow nor the ONNX packages; the
+exporters import them on use. SavedModel export runs on the TensorFlow and
+JAX backends, ONNX export on TensorFlow, `verify` on every backend; elsewhere
+the exporters raise a one-line ValueError saying how to export (see
+`_backends`).
 """
 
 from types import ModuleType

@@ -21,6 +21,11 @@ from keras_selfattn.self_attention import SelfAttention
 _AUTO_NAME = re.compile(r"^(input_layer|keras_tensor)(_[0-9]+)?$")
 
 DEFAULT_ATTENTION_OUTPUT = "attention_weights"
+# Names of dynamic axes in exports: axis 0 is the batch, every other dynamic
+# axis the one sequence the model attends over (tokens, masks and
+# `(time, time)` attention weights all have its length).
+BATCH_AXIS = "batch"
+TIME_AXIS = "time"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +35,13 @@ class NamedInput:
     name: str
     shape: tuple[int | None, ...]
     dtype: str
+
+    def axis_names(self) -> tuple[int | str, ...]:
+        """`shape` with dynamic dims named `BATCH_AXIS` (axis 0) or `TIME_AXIS`."""
+        return tuple(
+            (BATCH_AXIS if index == 0 else TIME_AXIS) if dim is None else dim
+            for index, dim in enumerate(self.shape)
+        )
 
 
 @dataclasses.dataclass(frozen=True)

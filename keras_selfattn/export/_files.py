@@ -1,56 +1,36 @@
-"""Safe file-system steps of an export: name checks and atomic writes.
+"""Atomic creation of an export: written beside its target, then moved in.
 
 Everything is first written beside its target (same directory, so the final
 `os.rename` stays on one file system and is atomic), then moved into place.
 The temporary is removed on any exception, `KeyboardInterrupt` included, and
-an existing target is never replaced.
+an existing target is never replaced. Temporaries get the modes the umask
+gives ordinary files (`serving._files.umask_mode`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 
-_VERSION_DIR = re.compile(r"^[0-9]+$")
+from keras_selfattn.serving._files import umask_mode
 
 
-def check_name(name: object) -> str:
-    """Returns `name` if it is a safe single path component for a model.
+@dataclasses.dataclass(frozen=True)
+class Staged:
+    """An export written but not yet in place.
 
-    Args:
-        name: The model name; it becomes a directory under the base dir and
-            the model name in TF Serving's `models.config`.
-
-    Returns:
-        The name, unchanged.
-
-    Raises:
-        ValueError: if the name is not a non-empty string, contains a path
-            separator or NUL, is `.` or `..`, or starts with `.` (hidden
-            entries are where exports write their temporaries).
+    Attributes:
+        path: The hidden temporary holding it, beside `target`.
+        target: Where it appears when its `with` block ends without error.
     """
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"`name` must be a non-empty string. Received: name={name!r}")
-    separators = {"/", "\\", os.sep} | ({os.altsep} if os.altsep else set())
-    if any(sep in name for sep in separators) or "\0" in name:
-        raise ValueError(
-            "`name` must be a single directory name without path separators. "
-            f"Received: name={name!r}"
-        )
-    if not name.isprintable():
-        raise ValueError(
-            f"`name` must not contain control characters. Received: name={name!r}"
-        )
-    if name.startswith("."):
-        raise ValueError(
-            f"`name` must not be '.', '..' or start with '.'. Received: name={name!r}"
-        )
-    return name
+
+    path: str
+    target: str
 
 
 def check_path(argument: str, value: object) -> str:
@@ -64,48 +44,6 @@ def check_path(argument: str, value: object) -> str:
             f"`{argument}` must be a non-empty path. Received: {argument}={value!r}"
         )
     return os.fspath(value)
-
-
-def umask_mode(mode: int) -> int:
-    """`mode` under the process umask: what `os.mkdir` or `open` would give.
-
-    `tempfile` makes private (0700 / 0600) entries; renamed into place they
-    would stay unreadable to a server running as another user.
-    """
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return mode & ~umask
-
-
-def check_version(version: object) -> int:
-    """Returns `version` if it is a positive integer (TF Serving's versions).
-
-    Raises:
-        ValueError: for anything else, booleans included.
-    """
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise ValueError(
-            "`version` must be a positive integer or None (next free version). "
-            f"Received: version={version!r}"
-        )
-    return version
-
-
-def existing_versions(model_dir: str) -> list[int]:
-    """The integer version directories in `model_dir` (empty if missing)."""
-    if not os.path.isdir(model_dir):
-        return []
-    return sorted(
-        int(entry)
-        for entry in os.listdir(model_dir)
-        if _VERSION_DIR.match(entry) and os.path.isdir(os.path.join(model_dir, entry))
-    )
-
-
-def next_version(model_dir: str) -> int:
-    """The highest existing version in `model_dir` plus one, or 1."""
-    versions = existing_versions(model_dir)
-    return versions[-1] + 1 if versions else 1
 
 
 def _make_dirs(path: str) -> list[str]:

@@ -3,35 +3,34 @@
 The steps are separate functions so passes can be added between conversion
 and checking (e.g. fusing attention into ONNX's Attention operator):
 `convert_to_onnx` -> `name_dynamic_axes` -> [further passes] -> `onnx.checker`
--> write beside the target -> numeric check in onnxruntime -> link into place.
+-> write beside the target (`stage_onnx`) -> numeric check in onnxruntime
+(`verify`) -> link into place. `check_target` is the argument check run
+before any work (by the CLI too). TensorFlow and tf2onnx are imported on use.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import keras
 import onnx
-import tensorflow as tf
 
 from keras_selfattn import _checks
-from keras_selfattn.export import _files, fused_attention
-from keras_selfattn.export._endpoint import Endpoint, build_endpoint
-from keras_selfattn.export.verify import (
-    DEFAULT_ATOL,
-    DEFAULT_RTOL,
-    DEFAULT_SHAPES,
-    compare_runtimes,
-    onnx_runner,
+from keras_selfattn.export import _backends, _files, fused_attention
+from keras_selfattn.export._endpoint import (
+    BATCH_AXIS,
+    TIME_AXIS,
+    Endpoint,
+    build_endpoint,
 )
+from keras_selfattn.export.verify import DEFAULT_ATOL, DEFAULT_RTOL, verify
 
 DEFAULT_OPSET = 17
 # tf2onnx 1.17 converts up to opset 18; below 13 it lacks ops these models use.
 MIN_OPSET = 13
 MAX_OPSET = 18
-BATCH_AXIS = "batch"
-TIME_AXIS = "time"
 
 
 def check_opset(opset: object) -> int:
@@ -60,6 +59,7 @@ def convert_to_onnx(endpoint: Endpoint, opset: int) -> onnx.ModelProto:
     Inputs keep the model's input names (through named TensorSpecs) and
     outputs get the endpoint's output names (the keys of the returned dict).
     """
+    import tensorflow as tf
     import tf2onnx
 
     specs = [
@@ -82,10 +82,8 @@ def convert_to_onnx(endpoint: Endpoint, opset: int) -> onnx.ModelProto:
 def name_dynamic_axes(proto: onnx.ModelProto) -> onnx.ModelProto:
     """Names the dynamic axes of graph inputs and outputs "batch" and "time".
 
-    Axis 0 is "batch" and every other dynamic axis is "time": a model built
-    around self-attention attends over one sequence, so its dynamic lengths
-    (tokens, masks, `(time, time)` attention weights) are that sequence's.
-    Fixed axes keep their sizes.
+    Axis 0 is "batch" and every other dynamic axis is "time" (see
+    `_endpoint.TIME_AXIS`). Fixed axes keep their sizes.
     """
     for value_info in [*proto.graph.input, *proto.graph.output]:
         for index, dim in enumerate(value_info.type.tensor_type.shape.dim):
@@ -97,6 +95,63 @@ def name_dynamic_axes(proto: onnx.ModelProto) -> onnx.ModelProto:
 def _write_onnx(proto: onnx.ModelProto, path: str) -> None:
     """Serializes the model to `path` (a temporary beside the target)."""
     onnx.save(proto, path)
+
+
+def check_target(path: str | os.PathLike, *, argument: str = "path") -> str:
+    """Checks an ONNX export's target before any work; returns it as a str.
+
+    Args:
+        path: The ONNX file to create.
+        argument: How the caller names `path` in errors (the CLI: "--onnx").
+
+    Raises:
+        ValueError: for a backend that cannot export ONNX (see `_backends`),
+            an empty path or one ending in a separator.
+        FileExistsError: if `path` exists.
+    """
+    _backends.require_backend(_backends.ONNX)
+    path = _files.check_path(argument, path)
+    if path.endswith(("/", os.sep)):
+        raise ValueError(
+            f"`{argument}` must name a file, not a folder. "
+            f"Received: {argument}={path!r}"
+        )
+    _files.refuse_existing(path, "Output file")
+    return path
+
+
+@contextlib.contextmanager
+def stage_onnx(
+    model: keras.Model,
+    path: str | os.PathLike,
+    opset: int | None = None,
+    *,
+    attention_outputs: str | Mapping[str, str] | None = None,
+    fuse_attention: bool = False,
+) -> Iterator[_files.Staged]:
+    """Converts and writes the file beside `path`, linked in after the block.
+
+    Arguments as in `export_onnx`. The model passes `onnx.checker` before it
+    is written; the block sees the file at `staged.path` (e.g. to `verify`
+    it), and an exception in the block removes it.
+
+    Example:
+
+    >>> with stage_onnx(model, "model.onnx") as staged:  # doctest: +SKIP
+    ...     verify(model, onnx_path=staged.path)
+    """
+    opset = check_opset(opset)
+    fuse_attention = _checks.boolean("fuse_attention", fuse_attention)
+    path = check_target(path)
+    endpoint = build_endpoint(model, attention_outputs)
+    proto = convert_to_onnx(endpoint, opset)
+    proto = name_dynamic_axes(proto)
+    if fuse_attention:
+        proto, _ = fused_attention.fuse_attention(proto, endpoint)
+    onnx.checker.check_model(proto, full_check=True)
+    with _files.atomic_file(path) as tmp:
+        _write_onnx(proto, tmp)
+        yield _files.Staged(tmp, path)
 
 
 def export_onnx(
@@ -117,7 +172,8 @@ def export_onnx(
     the file appears at `path`, the model passes `onnx.checker` and (with
     `check`) runs in onnxruntime on several shapes, compared with Keras. The
     file is written beside `path` and linked into place, so a failure leaves
-    nothing at `path`; an existing file is never replaced.
+    nothing at `path`; an existing file is never replaced. Needs the
+    TensorFlow backend.
 
     Args:
         model: A Functional or Sequential model with named `keras.Input`s.
@@ -136,7 +192,8 @@ def export_onnx(
         `path`, as a string.
 
     Raises:
-        ValueError: for an unsupported opset or an invalid model input name.
+        ValueError: for an unsupported opset, an invalid model input name,
+            or a backend other than TensorFlow.
         FileExistsError: if `path` exists (left untouched).
         ParityError: if onnxruntime's results differ from Keras.
 
@@ -146,29 +203,19 @@ def export_onnx(
     >>> export_onnx(model, "artifacts/model.onnx", opset=17)  # doctest: +SKIP
     'artifacts/model.onnx'
     """
-    opset = check_opset(opset)
-    fuse_attention = _checks.boolean("fuse_attention", fuse_attention)
-    path = _files.check_path("path", path)
-    if path.endswith(("/", os.sep)):
-        raise ValueError(
-            f"`path` must name a file, not a folder. Received: path={path!r}"
-        )
-    _files.refuse_existing(path, "Output file")
-    endpoint = build_endpoint(model, attention_outputs)
-    proto = convert_to_onnx(endpoint, opset)
-    proto = name_dynamic_axes(proto)
-    if fuse_attention:
-        proto, _ = fused_attention.fuse_attention(proto, endpoint)
-    onnx.checker.check_model(proto, full_check=True)
-    with _files.atomic_file(path) as tmp:
-        _write_onnx(proto, tmp)
+    with stage_onnx(
+        model,
+        path,
+        opset,
+        attention_outputs=attention_outputs,
+        fuse_attention=fuse_attention,
+    ) as staged:
         if check:
-            compare_runtimes(
-                endpoint,
-                {"onnx": onnx_runner(tmp, endpoint)},
-                DEFAULT_SHAPES,
-                atol,
-                rtol,
-                seed=0,
+            verify(
+                model,
+                onnx_path=staged.path,
+                attention_outputs=attention_outputs,
+                atol=atol,
+                rtol=rtol,
             )
-    return path
+    return staged.target

@@ -1,33 +1,44 @@
-"""Export to a TF Serving SavedModel: `base_dir/name/VERSION/`."""
+"""Export to a TF Serving SavedModel: `base_dir/name/VERSION/`.
+
+`export_saved_model` = `stage_saved_model` (write into a hidden temporary)
++ `verify` (against Keras) + move into place. The CLI stages every export
+first and verifies them all in one step; `check_target` is the argument
+check both run before any work.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import keras
-import tensorflow as tf
 
-from keras_selfattn.export import _files
+from keras_selfattn.export import _backends, _files
 from keras_selfattn.export._endpoint import Endpoint, build_endpoint
 from keras_selfattn.export._inputs import example_inputs
-from keras_selfattn.export.verify import (
-    DEFAULT_ATOL,
-    DEFAULT_RTOL,
-    DEFAULT_SHAPES,
-    compare_runtimes,
-    saved_model_runner,
-)
+from keras_selfattn.export.verify import DEFAULT_ATOL, DEFAULT_RTOL, verify
+from keras_selfattn.serving import layout
 
 SIGNATURE_NAME = "serving_default"
-WARMUP_PATH = os.path.join("assets.extra", "tf_serving_warmup_requests")
 # Warmup requests: batch 1 and a few short lengths, the traces TF Serving
 # would otherwise build on the first real requests.
 WARMUP_TIMES = (1, 8, 32)
 
 
+def _polymorphic_shape(shape: tuple[int | str, ...]) -> str:
+    return "(" + ", ".join(str(dim) for dim in shape) + ")"
+
+
 def _write_saved_model(endpoint: Endpoint, directory: str) -> None:
-    """Writes the SavedModel with one `serving_default` signature."""
+    """Writes the SavedModel with one `serving_default` signature.
+
+    On JAX (through jax2tf) every dynamic axis after the batch is the one
+    symbol "time", as in ONNX's axis names: inputs of one sequence have one
+    length, which the signature then checks.
+    """
+    import tensorflow as tf
+
     archive = keras.export.ExportArchive()
     archive.track(endpoint.model)
     names = endpoint.output_names
@@ -36,6 +47,10 @@ def _write_saved_model(endpoint: Endpoint, directory: str) -> None:
         outputs = endpoint.model(list(tensors), training=False)
         return dict(zip(names, keras.tree.flatten(outputs), strict=True))
 
+    options = {}
+    if keras.backend.backend() == "jax":
+        shapes = [_polymorphic_shape(spec.axis_names()) for spec in endpoint.inputs]
+        options["jax2tf_kwargs"] = {"polymorphic_shapes": shapes}
     archive.add_endpoint(
         SIGNATURE_NAME,
         serve,
@@ -43,6 +58,7 @@ def _write_saved_model(endpoint: Endpoint, directory: str) -> None:
             tf.TensorSpec(spec.shape, tf.as_dtype(spec.dtype), name=spec.name)
             for spec in endpoint.inputs
         ],
+        **options,
     )
     archive.write_out(directory, verbose=False)
 
@@ -55,21 +71,82 @@ def _write_warmup(endpoint: Endpoint, directory: str, model_name: str) -> None:
         example = example_inputs(endpoint, batch=1, time=time, seed=time)
         examples.setdefault(tuple(a.shape for a in example.values()), example)
     write_warmup_file(
-        os.path.join(directory, WARMUP_PATH),
+        os.path.join(directory, layout.WARMUP_PATH),
         model_name,
         list(examples.values()),
         SIGNATURE_NAME,
     )
 
 
-def _served_models(base_dir: str) -> list[str]:
-    """Names of the folders of `base_dir` holding at least one version."""
-    return sorted(
-        entry
-        for entry in os.listdir(base_dir)
-        if not entry.startswith(".")
-        and _files.existing_versions(os.path.join(base_dir, entry))
-    )
+def check_target(
+    base_dir: str | os.PathLike,
+    name: str,
+    version: int | None = None,
+    *,
+    argument: str = "base_dir",
+) -> str:
+    """Checks a SavedModel export's target; returns its version folder.
+
+    Runs before any work: the backend (see `_backends`), the model name, the
+    version and `base_dir`, and whether the version is taken.
+
+    Args:
+        base_dir: The export base dir.
+        name: The model name (`layout.check_model_name`).
+        version: A positive integer, or None for the next free version.
+        argument: How the caller names `base_dir` in errors (the CLI:
+            "--saved-model").
+
+    Returns:
+        The version folder `base_dir/name/VERSION` an export would write now.
+
+    Raises:
+        ValueError: for a backend that cannot export a SavedModel, or an
+            invalid name, version or base dir.
+        layout.VersionExistsError: if the explicit `version` is taken.
+    """
+    _backends.require_backend(_backends.SAVED_MODEL)
+    name = layout.check_model_name(name, "name")
+    version = layout.check_version(version)
+    model_dir = os.path.join(_files.check_path(argument, base_dir), name)
+    return os.path.join(model_dir, str(layout.new_version(model_dir, name, version)))
+
+
+@contextlib.contextmanager
+def stage_saved_model(
+    model: keras.Model,
+    base_dir: str | os.PathLike,
+    name: str,
+    version: int | None = None,
+    *,
+    attention_outputs: str | Mapping[str, str] | None = None,
+    warmup: bool = False,
+    models_config: bool = True,
+) -> Iterator[_files.Staged]:
+    """Writes the export into a hidden folder, moved into place after the block.
+
+    Arguments as in `export_saved_model`. The block sees the export at
+    `staged.path` (e.g. to `verify` it); an exception in the block removes
+    it, and `staged.target` never appears. After the move, `models.config`
+    is rewritten when `models_config` is True.
+
+    Example:
+
+    >>> with stage_saved_model(model, "serving", "clf") as staged:  # doctest: +SKIP
+    ...     verify(model, staged.path)
+    """
+    target = check_target(base_dir, name, version)
+    endpoint = build_endpoint(model, attention_outputs)
+    with _files.atomic_directory(target) as tmp:
+        _write_saved_model(endpoint, tmp)
+        if warmup:
+            _write_warmup(endpoint, tmp, name)
+        yield _files.Staged(tmp, target)
+    if models_config:
+        from keras_selfattn.serving.model_config import write_models_config
+
+        base_dir = os.fspath(base_dir)
+        write_models_config(base_dir, layout.served_model_names(base_dir))
 
 
 def export_saved_model(
@@ -103,8 +180,8 @@ def export_saved_model(
             model and `models.config`). Created when missing.
         name: The model's name: a single folder name (no path separators,
             not "." or "..", not starting with ".").
-        version: A positive integer, or None for the highest existing
-            version plus one (1 for a new model).
+        version: A positive integer, or None for the highest taken version
+            plus one (1 for a new model; see `serving.layout`).
         attention_outputs: None, the name of a top-level SelfAttention layer
             whose attention weights `(batch, heads, time, time)` become an
             extra output "attention_weights", or a dict
@@ -113,7 +190,7 @@ def export_saved_model(
             (PredictionLog records read with `--enable_model_warmup`):
             batch 1, times 1, 8 and 32.
         models_config: Whether to (re)write `base_dir/models.config` listing
-            every model folder of `base_dir`.
+            every model folder of `base_dir` with a served version.
         check: Whether to load the written SavedModel and compare it with
             Keras (see `verify`) before moving it into place.
         atol, rtol: Tolerances of that check.
@@ -123,7 +200,8 @@ def export_saved_model(
 
     Raises:
         FileExistsError: if the version folder exists (left untouched).
-        ValueError: for an invalid name, version, or model input name.
+        ValueError: for an invalid name, version, or model input name, or
+            a backend that cannot export a SavedModel (torch).
         ParityError: if the check finds the SavedModel differs from Keras
             (nothing is left on disk).
 
@@ -133,35 +211,21 @@ def export_saved_model(
     >>> export_saved_model(model, "artifacts/serving", "classifier")  # doctest: +SKIP
     'artifacts/serving/classifier/1'
     """
-    name = _files.check_name(name)
-    if version is not None:
-        version = _files.check_version(version)
-    base_dir = _files.check_path("base_dir", base_dir)
-    endpoint = build_endpoint(model, attention_outputs)
-    model_dir = os.path.join(base_dir, name)
-    if version is None:
-        version = _files.next_version(model_dir)
-    elif version in _files.existing_versions(model_dir):
-        raise FileExistsError(
-            f"Version {version} of model {name!r} already exists in {model_dir} "
-            "and is never overwritten; pass another `version` or None"
-        )
-    target = os.path.join(model_dir, str(version))
-    with _files.atomic_directory(target) as tmp:
-        _write_saved_model(endpoint, tmp)
-        if warmup:
-            _write_warmup(endpoint, tmp, name)
+    with stage_saved_model(
+        model,
+        base_dir,
+        name,
+        version,
+        attention_outputs=attention_outputs,
+        warmup=warmup,
+        models_config=models_config,
+    ) as staged:
         if check:
-            compare_runtimes(
-                endpoint,
-                {"saved_model": saved_model_runner(tmp, endpoint)},
-                DEFAULT_SHAPES,
-                atol,
-                rtol,
-                seed=0,
+            verify(
+                model,
+                staged.path,
+                attention_outputs=attention_outputs,
+                atol=atol,
+                rtol=rtol,
             )
-    if models_config:
-        from keras_selfattn.serving.model_config import write_models_config
-
-        write_models_config(base_dir, _served_models(base_dir))
-    return target
+    return staged.target

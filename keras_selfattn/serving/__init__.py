@@ -1,34 +1,38 @@
-"""TF Serving support: warmup files, `models.config` and REST/gRPC clients."""
+"""TF Serving support: folder layout, warmup files, `models.config`, clients.
 
-from keras_selfattn.serving.client import (
-    GrpcClient,
-    RestClient,
-    ServingError,
-    build_predict_request,
-    build_rest_request,
-    parse_predict_response,
-    parse_rest_response,
-)
-from keras_selfattn.serving.model_config import (
-    build_models_config,
-    models_config_text,
-    served_model_names,
-    write_models_config,
-)
-from keras_selfattn.serving.warmup import read_warmup_file, write_warmup_file
+Each name is imported from its module on first use, so importing this
+package loads neither TensorFlow nor gRPC: `RestClient` and the layout rules
+need neither, warmup files and `PredictRequest`s need TensorFlow (TF
+Serving's protos are built on it) and `GrpcClient` also gRPC.
+"""
 
-__all__ = [
-    "GrpcClient",
-    "RestClient",
-    "ServingError",
-    "build_models_config",
-    "build_predict_request",
-    "build_rest_request",
-    "models_config_text",
-    "parse_predict_response",
-    "parse_rest_response",
-    "read_warmup_file",
-    "served_model_names",
-    "write_models_config",
-    "write_warmup_file",
-]
+import importlib
+
+_MODULES = {
+    "GrpcClient": "grpc_client",
+    "RestClient": "rest_client",
+    "ServingError": "_tensors",
+    "build_models_config": "model_config",
+    "build_predict_request": "predict",
+    "build_rest_request": "rest_client",
+    "models_config_text": "model_config",
+    "parse_predict_response": "predict",
+    "parse_rest_response": "rest_client",
+    "read_warmup_file": "warmup",
+    "served_model_names": "layout",
+    "write_models_config": "model_config",
+    "write_warmup_file": "warmup",
+}
+
+__all__ = sorted(_MODULES)
+
+
+def __getattr__(name: str):
+    if name not in _MODULES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f"{__name__}.{_MODULES[name]}")
+    return getattr(module, name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

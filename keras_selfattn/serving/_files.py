@@ -1,4 +1,8 @@
-"""Atomic file writes: a reader sees the old file or the new one, never half."""
+"""File modes and atomic replacement: a reader sees the old file or the new one.
+
+`umask_mode` is the one rule for the modes of everything this package and
+`keras_selfattn.export` write through temporaries.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,11 @@ from collections.abc import Callable
 
 
 def umask_mode(mode: int) -> int:
-    """`mode` under the process umask: what `open` would give."""
+    """`mode` under the process umask: what `os.mkdir` or `open` would give.
+
+    `tempfile` makes private (0700 / 0600) entries; renamed into place they
+    would stay unreadable to a server running as another user.
+    """
     umask = os.umask(0o022)
     os.umask(umask)
     return mode & ~umask

@@ -1,4 +1,4 @@
-"""Shared checks for the tensors a client sends, and the client error type."""
+"""Checks of what a request carries (tensors, signature), and the client error."""
 
 from __future__ import annotations
 
@@ -38,18 +38,6 @@ def check_inputs(inputs) -> dict[str, np.ndarray]:
             )
         arrays[name] = array
     return arrays
-
-
-def check_version(version) -> int | None:
-    """Returns `version` if it is a positive int or None; else ValueError."""
-    if version is not None and (
-        isinstance(version, bool) or not isinstance(version, int) or version < 1
-    ):
-        raise ValueError(
-            "`version` must be a positive integer or None. "
-            f"Received: version={version!r}"
-        )
-    return version
 
 
 def check_signature_name(signature_name) -> str:

@@ -1,11 +1,8 @@
 """Clients for a running TF Serving: REST (port 8501) and gRPC (port 8500)."""
 
 from keras_selfattn.serving._tensors import ServingError
-from keras_selfattn.serving.grpc_client import (
-    GrpcClient,
-    build_predict_request,
-    parse_predict_response,
-)
+from keras_selfattn.serving.grpc_client import GrpcClient
+from keras_selfattn.serving.predict import build_predict_request, parse_predict_response
 from keras_selfattn.serving.rest_client import (
     RestClient,
     build_rest_request,

@@ -2,7 +2,9 @@
 
 `tensorflow_model_server --model_config_file=models.config` serves every
 model listed; each `base_path` holds numbered version folders (`1/`, `2/`,
-...) and, with the default policy, the highest version is served.
+...) and, with the default policy, the highest version is served (see
+`layout` for which folders count and `layout.served_model_names` for the
+models worth listing).
 
 A `base_path` must be the path the server sees. By default it is
 `/models/NAME`, for the `tensorflow/serving` Docker image with the base dir
@@ -19,34 +21,11 @@ from google.protobuf import text_format
 from tensorflow_serving.config import model_server_config_pb2
 
 from keras_selfattn.serving._files import atomic_write_text
+from keras_selfattn.serving.layout import check_model_name
 
 CONFIG_FILE_NAME = "models.config"
 LOCAL_CONFIG_FILE_NAME = "models.local.config"
 DOCKER_MODELS_DIR = "/models"
-
-
-def check_model_name(value) -> str:
-    """Returns `value` if it is a valid model name (a plain folder name).
-
-    Args:
-        value: Candidate model name.
-
-    Returns:
-        `value`, unchanged.
-    """
-    if (
-        not isinstance(value, str)
-        or not value
-        or value in (".", "..")
-        or "/" in value
-        or "\\" in value
-        or "\x00" in value
-    ):
-        raise ValueError(
-            "A model name must be a non-empty folder name without path "
-            f"separators, '.' or '..'. Received: model_name={value!r}"
-        )
-    return value
 
 
 def _check_names(model_names) -> list[str]:
@@ -64,38 +43,6 @@ def _check_names(model_names) -> list[str]:
             f"`model_names` has duplicates {duplicates}. Received: "
             f"model_names={model_names!r}"
         )
-    return names
-
-
-def served_model_names(base_dir: str) -> list[str]:
-    """Names of the model folders of `base_dir` that TF Serving can serve.
-
-    A model folder qualifies when it holds at least one numbered version
-    folder containing `saved_model.pb`; hidden folders (temporary exports)
-    are skipped.
-
-    Args:
-        base_dir: The export base dir.
-
-    Returns:
-        The model names, sorted.
-    """
-    base_dir = os.fspath(base_dir)
-    if not os.path.isdir(base_dir):
-        raise FileNotFoundError(
-            f"`base_dir` is not an existing folder. Received: base_dir={base_dir!r}"
-        )
-    names = []
-    for entry in sorted(os.listdir(base_dir)):
-        model_dir = os.path.join(base_dir, entry)
-        if entry.startswith(".") or not os.path.isdir(model_dir):
-            continue
-        if any(
-            version.isdigit()
-            and os.path.isfile(os.path.join(model_dir, version, "saved_model.pb"))
-            for version in os.listdir(model_dir)
-        ):
-            names.append(entry)
     return names
 
 

@@ -21,9 +21,8 @@ from keras_selfattn.serving._tensors import (
     ServingError,
     check_inputs,
     check_signature_name,
-    check_version,
 )
-from keras_selfattn.serving.model_config import check_model_name
+from keras_selfattn.serving.layout import check_model_name, check_version
 
 REST_FORMATS = ("instances", "inputs")
 

@@ -1,4 +1,4 @@
-"""TF Serving warmup files: `assets.extra/tf_serving_warmup_requests`.
+"""TF Serving warmup files (`layout.WARMUP_PATH` in a version folder).
 
 TF Serving started with `--enable_model_warmup=true` reads this TFRecord file
 of `PredictionLog` records when it loads a version and runs every request
@@ -16,10 +16,8 @@ from google.protobuf.message import DecodeError
 from tensorflow_serving.apis import predict_pb2, prediction_log_pb2
 
 from keras_selfattn.serving._files import atomic_write
-from keras_selfattn.serving.grpc_client import build_predict_request
+from keras_selfattn.serving.predict import build_predict_request
 
-WARMUP_FILE_NAME = "tf_serving_warmup_requests"
-WARMUP_DIR_NAME = "assets.extra"
 # TF Serving refuses a warmup file with more records (WarmupConsts).
 MAX_WARMUP_RECORDS = 1000
 
@@ -73,8 +71,9 @@ def write_warmup_file(
 ) -> str:
     """Writes a TF Serving warmup file of PredictRequests, atomically.
 
-    Put it at `VERSION_DIR/assets.extra/tf_serving_warmup_requests`; the
-    folder is created when missing. The file appears whole or not at all.
+    Put it at `os.path.join(VERSION_DIR, layout.WARMUP_PATH)`, i.e.
+    `VERSION_DIR/assets.extra/tf_serving_warmup_requests`; the folder is
+    created when missing. The file appears whole or not at all.
 
     Args:
         path: Destination file.
