@@ -23,6 +23,8 @@ from keras_selfattn.cli import main
 from tests import model_zoo
 from tests.files import tree_digest
 
+pytestmark = pytest.mark.tensorflow_only("the CLI fixture exports ONNX through tf2onnx")
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Lines TensorFlow's native logging prints while it is imported (before main).
 _TF_NATIVE_LOG = re.compile(

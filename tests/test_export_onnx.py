@@ -20,6 +20,8 @@ from keras_selfattn.export import ParityError, export_onnx
 from keras_selfattn.export import onnx_export as onnx_module
 from tests import model_zoo
 
+pytestmark = pytest.mark.tensorflow_only("ONNX export through tf2onnx")
+
 SHAPES = [(1, 1), (2, 33), (3, 128), (2, 512), (4, 20)]
 MODELS = [*model_zoo.ALL, "attention_with_mask_input"]
 

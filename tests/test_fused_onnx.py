@@ -23,6 +23,10 @@ from keras_selfattn.export.fused_attention import FUSED_OPSET, collect_log
 from keras_selfattn.self_attention import FUSABLE_CORE_SCOPE
 from tests import model_zoo
 
+pytestmark = pytest.mark.tensorflow_only(
+    "ONNX export through tf2onnx, rewritten by TensorFlow op names"
+)
+
 # onnxruntime 1.31 loads IR versions up to 13.
 MAX_IR_VERSION = 13
 ATOL = 1e-5

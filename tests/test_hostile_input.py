@@ -47,6 +47,8 @@ import pytest
 from keras_selfattn import SelfAttention, cli
 from keras_selfattn.export import export_onnx, export_saved_model
 
+pytestmark = pytest.mark.tensorflow_only("the fixtures export ONNX through tf2onnx")
+
 SCRIPT = shutil.which("keras-selfattn", path=os.path.dirname(sys.executable))
 TIMEOUT = 180  # seconds per CLI subprocess; a normal export takes 15-25 s here
 ERROR_PREFIX = "keras-selfattn: error: "

@@ -45,6 +45,10 @@ from keras_selfattn.serving import (
 )
 from tests import model_zoo
 
+pytestmark = pytest.mark.tensorflow_only(
+    "exports under TensorFlow; other backends in test_export_backends"
+)
+
 ATOL = 1e-5
 RTOL = 1e-5
 REPO = Path(__file__).resolve().parents[1]
