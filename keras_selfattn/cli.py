@@ -6,8 +6,10 @@
     keras-selfattn verify MODEL.keras [--saved-model VERSION_DIR] [--onnx PATH]
 
 Every step is printed as it runs, then a parity table (each runtime against
-Keras). Any failure prints one line, `keras-selfattn: error: ...`, on stderr
-and exits with status 1 (2 for usage errors, 130 when interrupted, 143 when
+Keras). `export` writes each export beside its target, verifies them all in
+one step and moves them into place only when every one matched. Any
+failure prints one line, `keras-selfattn: error: ...`, on stderr and exits
+with status 1 (2 for usage errors, 130 when interrupted, 143 when
 terminated by SIGTERM).
 While a command runs, TensorFlow's native (C++) log lines, which it writes
 straight to file descriptor 2, are discarded so they cannot bury that line.

@@ -393,3 +393,49 @@ def test_console_script_runs_in_a_subprocess(work, tmp_path):
         "path separators. Received: name='../x'"
     ]
     assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------------- staged, verified once
+def test_export_verifies_every_export_once_before_moving_them_in(
+    work, tmp_path, capsys
+):
+    root, _, _ = work
+    argv = ["export", root / "clf.keras", "--saved-model", tmp_path / "serving"]
+    status, out, _ = run(argv + ["--onnx", tmp_path / "clf.onnx"], capsys)
+    assert status == 0
+    steps = [line.split(" ... ")[0] for line in out.splitlines() if " ... " in line]
+    assert [step.split()[0] for step in steps] == [
+        "Loading",
+        "Exporting",
+        "Exporting",
+        "Verifying",
+    ]
+    wrote = [line.split()[1] for line in out.splitlines() if line.startswith("  wrote")]
+    assert wrote == [
+        str(tmp_path / "serving" / "clf" / "1"),
+        str(tmp_path / "clf.onnx"),
+    ]
+    assert out.index("Verifying") < out.index("  wrote")
+    table = [
+        line.split() for line in out.splitlines() if line.startswith(("saved", "onnx"))
+    ]
+    assert len(table) == 8 and all(row[-1] == "yes" for row in table)
+
+
+def test_a_failed_export_step_leaves_no_export_at_all(
+    work, tmp_path, capsys, monkeypatch
+):
+    """The SavedModel is staged, the ONNX step fails: neither appears."""
+    from keras_selfattn.export import onnx_export
+
+    def disk_full(proto, path):
+        raise OSError(28, "No space left on device", path)
+
+    monkeypatch.setattr(onnx_export, "_write_onnx", disk_full)
+    root, _, _ = work
+    argv = ["export", root / "clf.keras", "--saved-model", tmp_path / "serving"]
+    status, out, err = run(argv + ["--onnx", tmp_path / "clf.onnx"], capsys)
+    assert status == 1
+    assert_one_line_error(err, "No space left on device")
+    assert "wrote" not in out
+    assert os.listdir(tmp_path) == []
