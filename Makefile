@@ -1,15 +1,34 @@
-# One entry point. Every target creates .venv when it is missing.
+# One entry point. Every target creates its virtualenv when it is missing.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The tested version of every package `make test` and `make demo` install;
+# `make lock` rewrites it. pyproject.toml keeps ranges for users.
+LOCK := requirements/test.lock
+# Constraints beyond pyproject.toml (torch's CPU build), for the lock and for
+# the newest-release install alike.
+CONSTRAINTS := requirements/constraints.txt
+LATEST_VENV := .venv-latest
+TOOLS_VENV := .venv-tools
+PIP_TOOLS := pip-tools==7.6.2
+BACKENDS := tensorflow
+PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: install demo test test-slow lint bench clean
+.PHONY: install demo test test-slow lint bench clean lock test-latest \
+	$(BACKENDS:%=test-%)
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test]"
+# A new virtualenv, git-ignored from the inside (Python < 3.13 does not).
+define new_venv
+test -x $(1)/bin/python || { $(PYTHON) -m venv $(1) && echo '*' > $(1)/.gitignore; }
+$(1)/bin/python -m pip install --quiet --upgrade pip
+endef
+
+# The locked versions, then the package itself built by the locked setuptools.
+$(STAMP): pyproject.toml $(LOCK)
+	$(call new_venv,$(VENV))
+	$(PY) -m pip install --quiet -r $(LOCK)
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -21,14 +40,42 @@ lint: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# The fast suite on every Keras backend, as parallel processes; each
+# backend's output is printed as one block when it ends.
 test: lint
-	$(PY) -m pytest -m "not slow"
+	$(MAKE) --no-print-directory -j3 --output-sync=target $(BACKENDS:%=test-%)
+
+$(BACKENDS:%=test-%): test-%: install
+	@echo "=== KERAS_BACKEND=$* ==="
+	KERAS_BACKEND=$* $(PYTEST) -m "not slow"
 
 test-slow: install
-	$(PY) -m pytest -m slow || [ $$? -eq 5 ]  # 5: no slow tests collected
+	$(PYTEST) -m slow || [ $$? -eq 5 ]  # 5: no slow tests collected
+
+# Newest releases allowed by pyproject.toml (and the constraints), no lock,
+# in their own virtualenv: a refresh that fails here shows what `make lock`
+# would bring in, while main stays on the lock.
+test-latest:
+	$(call new_venv,$(LATEST_VENV))
+	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade \
+		--upgrade-strategy eager -c $(CONSTRAINTS) -e ".[test]"
+	touch $(LATEST_VENV)/.installed
+	$(MAKE) --no-print-directory test VENV=$(LATEST_VENV)
+
+# Rewrites the lock with the newest versions allowed by pyproject.toml and
+# the constraints, resolved by pip-tools with pip's own configuration (its
+# indexes and find-links stay out of the file). "Unsafe" keras-selfattn: the
+# package itself, which its test extra names, is not pinned.
+lock:
+	$(call new_venv,$(TOOLS_VENV))
+	$(TOOLS_VENV)/bin/python -m pip install --quiet "$(PIP_TOOLS)"
+	CUSTOM_COMPILE_COMMAND="make lock" $(TOOLS_VENV)/bin/pip-compile --quiet \
+		--upgrade --extra test --strip-extras --unsafe-package keras-selfattn \
+		--no-emit-index-url --no-emit-find-links --constraint $(CONSTRAINTS) \
+		--output-file $(LOCK) pyproject.toml
 
 bench: install
 	$(PY) -m benchmarks.run
 
 clean:
-	rm -rf $(VENV) artifacts .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(LATEST_VENV) $(TOOLS_VENV) artifacts .pytest_cache .ruff_cache

@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 
 import keras
+import numpy as np
+import onnx
 import pytest
+from onnx import numpy_helper
 
 from keras_selfattn import SelfAttention
 from keras_selfattn.export import (
@@ -118,15 +121,45 @@ def test_export_that_ignores_padding_fails_only_on_padded_shapes(tmp_path):
     }
 
 
-def test_tolerance_is_applied(classifier_exports):
-    model, _, onnx_path = classifier_exports
-    loose = verify(model, onnx_path=onnx_path, shapes=[(3, 40)])
+def _shift_initializer(source, target, value: np.ndarray, delta: float) -> str:
+    """Copies ONNX file `source` to `target` with the initializer equal to
+    `value` shifted by `delta`: an export that is wrong by a known amount."""
+    proto = onnx.load(os.fspath(source))
+    matches = [
+        init
+        for init in proto.graph.initializer
+        if np.array_equal(numpy_helper.to_array(init), value)
+    ]
+    assert len(matches) == 1, f"{len(matches)} initializers equal {value}"
+    (init,) = matches
+    shifted = (numpy_helper.to_array(init) + delta).astype(value.dtype)
+    init.CopyFrom(numpy_helper.from_array(shifted, init.name))
+    onnx.save(proto, os.fspath(target))
+    return os.fspath(target)
+
+
+def test_tolerance_is_applied(tmp_path):
+    # The output bias is added last (no mask, no activation): shifting it by
+    # DELTA in the ONNX file shifts every output element by DELTA, so verify
+    # must see DELTA itself, whatever either runtime rounds.
+    delta = 2.0**-10
+    model = model_zoo.causal_multihead(seed=0)
+    path = export_onnx(model, tmp_path / "exact.onnx", check=False)
+    bias = keras.ops.convert_to_numpy(model.get_layer("causal_attention").output_bias)
+    shifted = _shift_initializer(path, tmp_path / "shifted.onnx", bias, delta)
+    shapes = [(3, 40)]
+
+    loose = verify(model, onnx_path=shifted, shapes=shapes, atol=2 * delta, rtol=0)
     (row,) = loose.rows
-    assert 0 < row.max_abs_err  # onnxruntime's float32 rounding differs
-    with pytest.raises(ParityError) as caught:
-        verify(model, onnx_path=onnx_path, shapes=[(3, 40)], atol=0.0, rtol=0.0)
-    (strict,) = caught.value.report.rows
-    assert not strict.ok and strict.max_abs_err == row.max_abs_err
+    assert row.ok and abs(row.max_abs_err - delta) < 1e-6, row
+    for atol, rtol in ((delta / 2, 0.0), (0.0, 0.0)):
+        with pytest.raises(ParityError, match="differ from Keras") as caught:
+            verify(model, onnx_path=shifted, shapes=shapes, atol=atol, rtol=rtol)
+        (strict,) = caught.value.report.rows
+        assert not strict.ok and strict.max_abs_err == row.max_abs_err
+    # The unshifted export is within the default tolerance, far below DELTA.
+    (exact,) = verify(model, onnx_path=path, shapes=shapes).rows
+    assert exact.ok and exact.max_abs_err < delta / 100
 
 
 def test_attention_outputs_are_compared(tmp_path):
