@@ -1,4 +1,10 @@
-"""Shared pytest setup: quiet TensorFlow, float32 policy reset per test."""
+"""Shared pytest setup: the Keras backend, quiet TensorFlow, float32 policy.
+
+KERAS_BACKEND is used as given (tensorflow, jax or torch) and defaults to
+tensorflow. Tests marked `tensorflow_only("why")` need TensorFlow itself
+(SavedModel, tf2onnx, tf.distribute, TF Serving, tf.function graphs): on other
+backends they are skipped with that reason.
+"""
 
 import os
 
@@ -7,6 +13,29 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import keras  # noqa: E402
 import pytest  # noqa: E402
+
+from tests.backend import BACKEND  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skips `tensorflow_only` tests off TensorFlow, saying why."""
+    for item in items:
+        marker = item.get_closest_marker("tensorflow_only")
+        if marker is None:
+            continue
+        reason = marker.args[0] if marker.args else marker.kwargs.get("reason")
+        if not reason:
+            raise pytest.UsageError(
+                f"{item.nodeid}: give tensorflow_only a reason, e.g. "
+                '@pytest.mark.tensorflow_only("SavedModel export")'
+            )
+        if BACKEND != "tensorflow":
+            item.add_marker(
+                pytest.mark.skip(
+                    reason=f"needs TensorFlow itself: {reason} "
+                    f"(KERAS_BACKEND={BACKEND})"
+                )
+            )
 
 
 @pytest.fixture(autouse=True)
