@@ -1,0 +1,182 @@
+"""`python -m benchmarks.gpu` runs end to end on the current backend, tiny shapes.
+
+The suite runs under each Keras backend, so this runs the GPU benchmark on
+CPU with the `tiny` rows (every mask, both dtype policies, the training step
+and the peak-RSS child processes) once per backend, in a fresh interpreter.
+No timing is asserted: benchmarks are not tests. On JAX and torch that
+interpreter has TensorFlow blocked (`import tensorflow` fails, as on a
+machine with only keras + jax or keras + torch), and no TensorFlow module may
+be loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+
+from benchmarks import gpu_cases
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BACKEND = keras.backend.backend()
+MARKER = "TENSORFLOW_MODULES="
+# Runs benchmarks.gpu as __main__. With "block", sys.modules["tensorflow"] is
+# None: `import tensorflow` raises ModuleNotFoundError and
+# importlib.util.find_spec("tensorflow") returns None, as when it is not
+# installed. Prints the TensorFlow modules loaded at the end.
+RUNNER = textwrap.dedent(
+    f"""
+    import json, runpy, sys
+
+    if sys.argv[1] == "block":
+        sys.modules["tensorflow"] = None
+    sys.argv = ["benchmarks.gpu", *sys.argv[2:]]
+    try:
+        runpy.run_module("benchmarks.gpu", run_name="__main__", alter_sys=True)
+    finally:
+        loaded = [
+            name
+            for name, module in list(sys.modules.items())
+            if name.split(".")[0] == "tensorflow" and module is not None
+        ]
+        print({MARKER!r} + json.dumps(sorted(loaded)))
+    """
+)
+
+
+def _expected_rows() -> set[tuple[str, str]]:
+    return {
+        (row.name, dtype)
+        for row in gpu_cases.TINY_ROWS
+        for dtype in gpu_cases.DTYPES
+        if row.dtypes is None or dtype in row.dtypes
+    }
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """(completed process, loaded JSON) of one tiny run on this backend."""
+    path = tmp_path_factory.mktemp("gpu") / "gpu.json"
+    mode = "allow" if BACKEND == "tensorflow" else "block"
+    args = ["--shapes", "tiny", "--repeats", "1", "--min-round-s", "0"]
+    args += ["--rss-runs", "1", "--json", str(path)]
+    completed = subprocess.run(
+        [sys.executable, "-c", RUNNER, mode, *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        cwd=REPO,
+        env={**os.environ, "KERAS_BACKEND": BACKEND},
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    with open(path, encoding="utf-8") as handle:
+        return completed, json.load(handle)
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def test_every_row_is_in_the_json_and_the_table(smoke):
+    completed, results = smoke
+    assert results["machine"]["backend"] == BACKEND
+    assert results["machine"]["device"]
+    found = {(row["name"], row["dtype"]) for row in results["rows"]}
+    assert found == _expected_rows()
+    table = [line for line in completed.stdout.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| backend | device | dtype | row | SA fwd ms")
+    for row in results["rows"]:
+        assert any(f"| {row['dtype']} | {row['label']} |" in line for line in table)
+    assert len(table) == 1 + len(results["rows"])
+
+
+def test_times_ratios_and_flops_are_finite_and_positive(smoke):
+    _, results = smoke
+    for row in results["rows"]:
+        assert not row.get("status") and not row["errors"], row
+        modes = ("forward", "train") if row["train"] else ("forward",)
+        for mode in modes:
+            for layer in ("sa", "mha"):
+                assert _positive(row[f"{layer}_{mode}_ms"]), (row["name"], mode)
+                assert _positive(row[f"{layer}_{mode}_tflops"]), (row["name"], mode)
+            assert _positive(row[f"{mode}_ratio"]), (row["name"], mode)
+        if not row["train"]:
+            assert "sa_train_ms" not in row
+
+
+def test_peak_rss_comes_from_child_processes(smoke):
+    _, results = smoke
+    rss_rows = [row for row in results["rows"] if row["rss"]]
+    assert rss_rows
+    for row in rss_rows:
+        for layer in ("self_attention", "mha"):
+            measured = row["peak_rss"][layer]
+            assert measured["peak_mib"] >= measured["baseline_mib"] > 0, measured
+            assert len(measured["peak_mib_runs"]) == 1
+
+
+def test_the_two_layers_compute_the_same_function(smoke):
+    _, results = smoke
+    checks = results["checks"]
+    assert sorted(c["mask"] for c in checks) == sorted(gpu_cases.MASKS)
+    for check in checks:
+        assert check["passed"], check
+        assert check["max_abs_difference"] < 1e-4, check
+
+
+@pytest.mark.skipif(BACKEND == "tensorflow", reason="TensorFlow is the backend")
+def test_no_tensorflow_module_is_imported(smoke):
+    completed, _ = smoke
+    line = [x for x in completed.stdout.splitlines() if x.startswith(MARKER)][-1]
+    assert json.loads(line[len(MARKER) :]) == []
+
+
+def test_forward_flops_by_hand():
+    # B1, T4, D8, H2, K3: projections 4 * 2*1*4*8*2*3 = 1536; attention
+    # 4*1*2*16*3 = 384, causal 192.
+    row = gpu_cases.Row("r", 1, 4, features=8, num_heads=2, key_dim=3)
+    assert gpu_cases.forward_flops(row) == 1536 + 384
+    causal = gpu_cases.Row("r", 1, 4, features=8, num_heads=2, key_dim=3, mask="causal")
+    assert gpu_cases.forward_flops(causal) == 1536 + 192
+    assert gpu_cases.train_flops(row) == 3 * (1536 + 384)
+
+
+def test_mha_weights_map_to_self_attention_columns_per_head():
+    row = gpu_cases.Row("r", 1, 4, features=5, num_heads=2, key_dim=3)
+    mha = gpu_cases.mha_weights(row)
+    sa = gpu_cases.to_self_attention(mha, row)
+    assert [w.shape for w in sa] == [(5, 6), (6,)] * 3 + [(6, 5), (5,)]
+    # head h of the query kernel: columns [h*K:(h+1)*K]
+    np.testing.assert_array_equal(sa[0][:, 3:6], mha[0][:, 1, :])
+    np.testing.assert_array_equal(sa[1][3:6], mha[1][1])
+    # output kernel: rows [h*K:(h+1)*K] read head h
+    np.testing.assert_array_equal(sa[6][3:6], mha[6][1])
+
+
+def test_shapes_accept_rows_and_groups_only():
+    names = [row.name for row in gpu_cases.select_rows(["tiny", "tiny-none"])]
+    assert names == [row.name for row in gpu_cases.TINY_ROWS]
+    assert len(gpu_cases.select_rows(["gpu"])) == 5
+    with pytest.raises(ValueError, match="Unknown shape"):
+        gpu_cases.select_rows(["b9-t1"])
+
+
+def test_flash_is_passed_to_self_attention_only_when_accepted():
+    # Today's layer has no flash_attention argument (base Layer would raise
+    # on it); after the fused-kernel change it has: both must build.
+    row = gpu_cases.TINY_ROWS[0]
+    for flash in gpu_cases.FLASH:
+        layer = gpu_cases.build_layer(gpu_cases.SA, row, "float32", flash=flash)
+        assert layer.built
+    assert gpu_cases._flash_kwargs("auto", True) == {}
+    assert gpu_cases._flash_kwargs("on", False) == {}
+    assert gpu_cases._flash_kwargs("on", True) == {"flash_attention": True}
+    assert gpu_cases._flash_kwargs("off", True) == {"flash_attention": False}
