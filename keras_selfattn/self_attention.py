@@ -8,14 +8,12 @@ import keras
 from keras import constraints, initializers, ops, regularizers
 
 from keras_selfattn import _checks
-from keras_selfattn import attention_ops as aops
-from keras_selfattn.chunked_attention import chunked_attention
+from keras_selfattn.attention import FUSABLE_CORE_SCOPE, Masks, SeededDropout, choose
+from keras_selfattn.attention import heads as heads_lib
+from keras_selfattn.attention import masks as masks_lib
+from keras_selfattn.attention.fused import on_gpu
 
-# Name scope around the full attention core: (B, H, T, K) query and key,
-# (B, H, T, V) value and the bool mask in, (B, H, T, V) heads out.
-# `export_onnx(fuse_attention=True)` replaces the ops under it with ONNX's
-# Attention operator; a name scope adds no computation.
-FUSABLE_CORE_SCOPE = "fusable_attention_core"
+__all__ = ["FUSABLE_CORE_SCOPE", "SelfAttention"]
 
 
 def _fresh_initializer(initializer, offset: int):
@@ -45,9 +43,21 @@ class SelfAttention(keras.layers.Layer):
 
     Unlike `keras.layers.MultiHeadAttention` it takes a single input, so it
     fits in a `keras.Sequential` model, and it honours Keras masks: padded
-    keys get exactly zero weight, padded query positions output exactly zero,
-    and a query whose keys are all masked outputs zeros (never NaN). Softmax
-    always runs in float32, so `mixed_float16` cannot overflow.
+    keys get exactly zero weight, and a query with nothing to attend (a
+    padded position, or a row of `attention_mask` that allows no key after
+    the other masks) outputs exactly zero, after the output projection and
+    its bias too; never NaN, and its gradients are finite. Softmax always
+    runs in float32, and float16 scores are formed in float32, so
+    `mixed_float16` cannot overflow.
+
+    Each call takes one of three implementations, chosen from the call's
+    static facts: the fused path (the backend's attention kernel:
+    `jax.nn.dot_product_attention`, cuDNN flash attention on a GPU, or
+    PyTorch's `scaled_dot_product_attention`) when nothing needs the weights
+    (no returned scores, no dropout in training, no `attention_mask`; and on
+    PyTorch no `sliding_window`); else the chunked path with `chunk_size`;
+    else the explicit path, which builds the weights. All give the same
+    numbers up to float rounding. TensorFlow has no fused kernel.
 
     Args:
         num_heads: Number of attention heads. Defaults to 1.
@@ -71,12 +81,21 @@ class SelfAttention(keras.layers.Layer):
             and with `causal` or `sliding_window` the key blocks those masks
             rule out are skipped (with `sliding_window=w` the work is
             `O(time * (chunk_size + 2 * w))`). Training memory is linear in
-            time too (the backward pass recomputes each block), except with
-            `dropout`, whose blocks keep their weights for the backward pass.
+            time too: the backward pass recomputes each block, on every
+            backend.
             It cannot return the weights: `return_attention_scores=True`
-            raises a ValueError.
+            raises a ValueError. Where the fused path applies it is taken
+            on a GPU (it bounds memory there too), the chunked path on a CPU.
         dropout: Dropout rate on the attention weights, in training only.
         seed: Seed of the dropout.
+        flash_attention: As in `keras.layers.MultiHeadAttention`. None
+            (default): use the fused kernel whenever the call allows it,
+            unless `keras.config.disable_flash_attention()` was called
+            (`keras.config.enable_flash_attention()` restores automatic);
+            True: require it, and raise a ValueError saying why when a call
+            cannot use it (TensorFlow, returned scores, dropout in training,
+            `attention_mask`, on JAX a `value_dim` other than `key_dim`);
+            False: never use it.
         kernel_initializer, bias_initializer: Initializers of the kernels and
             biases.
         kernel_regularizer, bias_regularizer, activity_regularizer:
@@ -125,6 +144,7 @@ class SelfAttention(keras.layers.Layer):
         chunk_size: int | None = None,
         dropout: float = 0.0,
         seed: int | None = None,
+        flash_attention: bool | None = None,
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
         kernel_regularizer=None,
@@ -154,13 +174,20 @@ class SelfAttention(keras.layers.Layer):
         self.chunk_size = _checks.positive_int(
             "chunk_size", chunk_size, allow_none=True
         )
-        # Causal blocks without a window read key ranges of growing length,
-        # which XLA cannot compile: Keras then runs `fit` without jit_compile.
+        # On TensorFlow, causal blocks without a window read key ranges of
+        # growing length, which XLA cannot compile: Keras then runs `fit`
+        # without jit_compile.
         self.supports_jit = not (
-            self.chunk_size is not None and self.causal and self.sliding_window is None
+            keras.backend.backend() == "tensorflow"
+            and self.chunk_size is not None
+            and self.causal
+            and self.sliding_window is None
         )
         self.dropout = _checks.rate("dropout", dropout)
         self.seed = _checks.optional_int("seed", seed)
+        if flash_attention is not None:
+            _checks.boolean("flash_attention", flash_attention)
+        self.flash_attention = flash_attention
         for name, value, module in (
             ("kernel_initializer", kernel_initializer, initializers),
             ("bias_initializer", bias_initializer, initializers),
@@ -267,6 +294,33 @@ class SelfAttention(keras.layers.Layer):
         bias = getattr(self, f"{prefix}_bias")
         return y if bias is None else ops.add(y, bias)
 
+    def _check_inputs(self, inputs) -> None:
+        """The ValueErrors of a bad `inputs`, the same built or not, symbolic
+        or eager."""
+        if isinstance(inputs, (list, tuple, dict)) or not hasattr(inputs, "shape"):
+            received = (
+                f"a {type(inputs).__name__} of {len(inputs)} items"
+                if isinstance(inputs, (list, tuple, dict))
+                else repr(inputs)
+            )
+            raise ValueError(
+                f"SelfAttention '{self.name}' expects `inputs` to be one float "
+                f"tensor of rank 3 (batch, time, features). Received: "
+                f"inputs={received}"
+            )
+        self._check_input_shape(inputs.shape)
+        dtype = keras.backend.standardize_dtype(inputs.dtype)
+        if not keras.backend.is_float_dtype(dtype):
+            raise ValueError(
+                f"SelfAttention '{self.name}' expects float `inputs` (embed "
+                f"token ids first, e.g. with keras.layers.Embedding). Received: "
+                f"inputs.dtype={dtype}"
+            )
+
+    def __call__(self, *args, **kwargs):
+        self._check_inputs(args[0] if args else kwargs.get("inputs"))
+        return super().__call__(*args, **kwargs)
+
     def _check_masks(self, inputs_shape, mask, attention_mask) -> None:
         batch, time = tuple(inputs_shape)[:2]
         for name, value, rank in (
@@ -277,8 +331,10 @@ class SelfAttention(keras.layers.Layer):
                 continue
             shape = tuple(value.shape)
             expected = (batch,) + (time,) * (rank - 1)
+            # Only known sizes are compared: a dynamic size may be None or a
+            # symbol of its own (jax2tf gives the mask's time axis one).
             compatible = len(shape) == rank and all(
-                a is None or b is None or a == b
+                not (isinstance(a, int) and isinstance(b, int)) or a == b
                 for a, b in zip(shape, expected, strict=False)
             )
             if not compatible:
@@ -299,6 +355,58 @@ class SelfAttention(keras.layers.Layer):
                 "Received: return_attention_scores=True"
             )
 
+    @property
+    def effective_scale(self) -> float:
+        """The multiplier of the raw scores: `scale`, or 1 / sqrt(key_dim)."""
+        if not self.built:
+            raise ValueError(
+                f"SelfAttention '{self.name}' is not built, so its key_dim (and "
+                "default scale) is not known yet. Call it on an input first."
+            )
+        return self._scale
+
+    def _masks(self, mask, attention_mask) -> Masks:
+        return Masks(
+            padding=mask,
+            attention=attention_mask,
+            causal=self.causal,
+            sliding_window=self.sliding_window,
+        )
+
+    def implementation(
+        self,
+        inputs,
+        mask=None,
+        attention_mask=None,
+        training=None,
+        return_attention_scores: bool = False,
+    ) -> str:
+        """The name of the implementation a call with these arguments takes:
+        "fused", "chunked" or "explicit" (see the class docstring).
+
+        Raises the ValueError the call would raise if `flash_attention=True`
+        and the call cannot use the fused kernel.
+        """
+        return self._choose(
+            ops.convert_to_tensor(inputs),
+            self._masks(mask, attention_mask),
+            training,
+            return_attention_scores,
+        ).name
+
+    def _choose(self, inputs, masks: Masks, training, return_attention_scores: bool):
+        return choose(
+            masks,
+            query_on_gpu=on_gpu(inputs),
+            same_head_dims=len(set(self._resolve_dims(int(inputs.shape[-1])))) == 1,
+            dtype=self.compute_dtype,
+            flash_attention=self.flash_attention,
+            chunk_size=self.chunk_size,
+            dropout=self._dropout_layer is not None and bool(training),
+            return_weights=return_attention_scores,
+            layer_name=self.name,
+        )
+
     def call(
         self,
         inputs,
@@ -307,61 +415,54 @@ class SelfAttention(keras.layers.Layer):
         training=None,
         return_attention_scores: bool = False,
     ):
-        self._check_input_shape(inputs.shape)
         self._check_masks(inputs.shape, mask, attention_mask)
         self._check_scores_request(return_attention_scores)
-        heads = self.num_heads
-        query = aops.split_heads(self._project(inputs, "query"), heads)
-        key = aops.split_heads(self._project(inputs, "key"), heads)
-        value = aops.split_heads(self._project(inputs, "value"), heads)
+        masks = self._masks(mask, attention_mask)
+        implementation = self._choose(inputs, masks, training, return_attention_scores)
+        query, key, value = (
+            heads_lib.split(
+                self._project(inputs, name), self.num_heads, implementation.layout
+            )
+            for name in ("query", "key", "value")
+        )
         dropout = None
-        if self._dropout_layer is not None:
-
-            def dropout(w):
-                return self._dropout_layer(w, training=training)
-
-        if self.chunk_size is None:
-            combined = aops.combine_masks(
-                ops.shape(inputs)[1],
-                padding_mask=mask,
-                attention_mask=attention_mask,
-                causal=self.causal,
-                sliding_window=self.sliding_window,
+        if self._dropout_layer is not None and training:
+            dropout = SeededDropout(
+                self.dropout, self._dropout_layer.seed_generator.next()
             )
-            with keras.name_scope(FUSABLE_CORE_SCOPE):
-                # Without an attention_mask every real query may attend
-                # itself, and padded queries are zeroed below.
-                heads_out, weights = aops.scaled_dot_product_attention(
-                    query,
-                    key,
-                    value,
-                    self._scale,
-                    combined,
-                    dropout,
-                    zero_empty_rows=attention_mask is not None,
-                )
-        else:
-            heads_out = chunked_attention(
-                query,
-                key,
-                value,
-                self._scale,
-                self.chunk_size,
-                padding_mask=mask,
-                attention_mask=attention_mask,
-                causal=self.causal,
-                sliding_window=self.sliding_window,
-                dropout=dropout,
-            )
-        output = aops.merge_heads(heads_out, heads, self._value_dim)
+        heads_out, weights = implementation.fn(
+            query,
+            key,
+            value,
+            masks,
+            scale=self._scale,
+            dropout=dropout,
+            return_weights=return_attention_scores,
+        )
+        output = heads_lib.merge(heads_out, implementation.layout)
         if self.output_dim is not None:
             output = self._project(output, "output")
-        if mask is not None:
-            query_mask = ops.cast(mask, output.dtype)
-            output = ops.multiply(output, ops.expand_dims(query_mask, -1))
+        # Queries with nothing to attend output exactly zero, also after the
+        # output projection's bias: padded positions, and attention_mask rows
+        # that allow no key.
+        time = ops.shape(inputs)[1]
+        keep = masks_lib.all_of(
+            [
+                m
+                for m in (
+                    None if mask is None else ops.cast(mask, "bool"),
+                    masks_lib.rows_with_keys(masks, time, time),
+                )
+                if m is not None
+            ]
+        )
+        if keep is not None:
+            output = ops.where(
+                ops.expand_dims(keep, -1), output, ops.zeros_like(output)
+            )
             if return_attention_scores:
-                weights = ops.multiply(
-                    weights, ops.cast(ops.expand_dims(mask, (1, 3)), weights.dtype)
+                weights = ops.where(
+                    ops.expand_dims(keep, (1, 3)), weights, ops.zeros_like(weights)
                 )
         if return_attention_scores:
             return output, weights
@@ -392,6 +493,7 @@ class SelfAttention(keras.layers.Layer):
         training=None,
         return_attention_scores: bool = False,
     ):
+        self._check_inputs(inputs)
         self._check_masks(inputs.shape, mask, attention_mask)
         self._check_scores_request(return_attention_scores)
         output = keras.KerasTensor(
@@ -421,6 +523,7 @@ class SelfAttention(keras.layers.Layer):
                 "chunk_size": self.chunk_size,
                 "dropout": self.dropout,
                 "seed": self.seed,
+                "flash_attention": self.flash_attention,
                 "kernel_initializer": initializers.serialize(self.kernel_initializer),
                 "bias_initializer": initializers.serialize(self.bias_initializer),
                 "kernel_regularizer": regularizers.serialize(self.kernel_regularizer),

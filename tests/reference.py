@@ -89,8 +89,9 @@ def self_attention(
         out = out @ weights["wo"].astype(np.float64)
         if "bo" in weights:
             out = out + weights["bo"]
-    if padding_mask is not None:
-        out = out * padding_mask[:, :, None]
+    # A query with nothing to attend (padded, or no allowed key) outputs
+    # zeros, after the output projection and its bias too.
+    out = out * attn.any(axis=(1, 3))[:, :, None]
     return out, attn
 
 

@@ -1,0 +1,146 @@
+"""The fused path: the backend's own attention kernel.
+
+- JAX: `jax.nn.dot_product_attention`, which is cuDNN's flash attention on
+  a GPU (in half precision) and XLA's attention elsewhere. A Keras padding
+  mask is passed as sequence lengths, which cuDNN takes without building a
+  (T, T) mask, when the batch is right-padded; a batch that is not takes the
+  same function with a boolean key mask (`lax.cond`, decided per batch at
+  run time, so every batch gets exact masking). `sliding_window` is
+  `local_window_size`.
+- PyTorch: `torch.nn.functional.scaled_dot_product_attention`, whose flash
+  and memory-efficient kernels run on a GPU, and a flash kernel on the CPU.
+
+Query, key and value stay in the compute dtype: the kernels accumulate in
+float32. Masked keys get weight exactly 0. No row handed to a kernel has all
+its keys masked (such rows are padded queries, which the layer zeroes; they
+are given every key instead), so no kernel produces NaN, in the forward or
+the backward pass.
+
+Shapes use B = batch, T = time, H = heads, K = key_dim, V = value_dim.
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import ops
+
+from keras_selfattn.attention.masks import Masks
+
+# What each backend's kernel takes, beyond no mask and `causal`.
+SUPPORTS_SLIDING_WINDOW = {"jax": True, "torch": False}
+
+
+def on_gpu(query) -> bool:
+    """Whether `query` lives on an accelerator (where the kernels are flash)."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        return jax.devices()[0].platform in ("gpu", "cuda", "rocm", "tpu")
+    if backend == "torch":
+        return query.device.type != "cpu"
+    return False
+
+
+def _nonempty_rows(mask):
+    """`mask` (..., Tq, Tk) with rows that allow no key allowed every key."""
+    return ops.logical_or(mask, ops.logical_not(ops.any(mask, axis=-1, keepdims=True)))
+
+
+def _jax_attention(query, key, value, masks: Masks, scale: float):
+    import jax
+    import jax.numpy as jnp
+
+    window = None
+    if masks.sliding_window is not None:
+        window = (masks.sliding_window - 1, masks.sliding_window - 1)
+    half = keras.backend.standardize_dtype(query.dtype) in ("float16", "bfloat16")
+    implementations = ["cudnn", None] if half and on_gpu(query) else [None]
+
+    def attend(**extra):
+        def run(implementation):
+            return jax.nn.dot_product_attention(
+                query,
+                key,
+                value,
+                scale=scale,
+                is_causal=masks.causal,
+                local_window_size=window,
+                implementation=implementation,
+                **extra,
+            )
+
+        for implementation in implementations[:-1]:
+            try:
+                return run(implementation)
+            except Exception:  # cuDNN refuses this shape or dtype: use XLA.
+                continue
+        return run(implementations[-1])
+
+    if masks.padding is None:
+        return attend()
+    padding = jnp.asarray(masks.padding).astype(bool)
+    time = padding.shape[1]
+    lengths = jnp.sum(padding, axis=1, dtype="int32")
+    right_padded = jnp.all(padding == (jnp.arange(time)[None, :] < lengths[:, None]))
+
+    def by_lengths():
+        lengths_or_one = jnp.maximum(lengths, 1)
+        return attend(
+            query_seq_lengths=lengths_or_one, key_value_seq_lengths=lengths_or_one
+        )
+
+    def by_mask():
+        return attend(mask=_nonempty_rows(padding[:, None, None, :]))
+
+    return jax.lax.cond(right_padded, by_lengths, by_mask)
+
+
+def _torch_attention(query, key, value, masks: Masks, scale: float):
+    import torch
+
+    query, key, value = (t.transpose(1, 2) for t in (query, key, value))
+    mask, causal = None, masks.causal
+    if masks.padding is not None:
+        mask = masks.padding.bool()[:, None, None, :]
+        if causal:  # SDPA takes a mask or is_causal, not both.
+            query_len, key_len = query.shape[2], key.shape[2]
+            lower = torch.ones(query_len, key_len, dtype=torch.bool, device=mask.device)
+            mask, causal = mask & torch.tril(lower), False
+        mask = _nonempty_rows(mask)
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, is_causal=causal, scale=scale
+    )
+    return output.transpose(1, 2)
+
+
+def fused_attention(
+    query, key, value, masks, *, scale, dropout=None, return_weights=False
+):
+    """Attention through the backend's fused kernel.
+
+    Args:
+        query: (B, Tq, H, K).
+        key: (B, Tk, H, K).
+        value: (B, Tk, H, V).
+        masks: A `Masks` with no `attention` mask (and, on PyTorch, no
+            `sliding_window`).
+        scale: Multiplier of the raw scores.
+        dropout: Must be None: the kernels do not expose their weights.
+        return_weights: Must be False, likewise.
+
+    Returns:
+        Tuple (output (B, Tq, H, V) in the inputs' dtype, None).
+    """
+    if dropout is not None or return_weights or masks.attention is not None:
+        raise ValueError(
+            "The fused path takes no dropout, returned weights or attention_mask."
+        )
+    backend = keras.backend.backend()
+    if backend == "jax":
+        return _jax_attention(query, key, value, masks, scale), None
+    if backend == "torch":
+        if masks.sliding_window is not None:
+            raise ValueError("PyTorch's fused kernel takes no sliding_window.")
+        return _torch_attention(query, key, value, masks, scale), None
+    raise ValueError(f"The {backend} backend has no fused attention kernel.")

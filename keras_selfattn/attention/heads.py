@@ -1,0 +1,49 @@
+"""Splitting projections into heads and merging them back.
+
+Each implementation declares the layout it computes in: `(B, T, H, D)`, the
+layout of `keras.ops.dot_product_attention` and the fused kernels, or
+`(B, H, T, D)`, where the explicit and chunked paths' batched matmuls need
+no transposes (B = batch, T = time, H = heads, D = head size).
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import ops
+
+TIME_FIRST = "BTHD"
+HEADS_FIRST = "BHTD"
+
+
+def split(x, num_heads: int, layout: str):
+    """(B, T, H*D) -> (B, T, H, D) or (B, H, T, D), as `layout` says.
+
+    On TensorFlow, split and stack rather than reshape: x usually comes from a
+    projection whose kernel ends in a reshape, and Grappler folds two
+    reshapes into one, so with time 0 a -1 batch was resolved from an empty
+    tensor and came out as 1 instead of B (and tf2onnx miscompiles reshapes
+    whose batch size is read from the tensor's dynamic shape). Elsewhere a
+    reshape, which XLA's sharding propagation follows (heads split over
+    devices stay local).
+    """
+    heads_axis = 1 if layout == HEADS_FIRST else 2
+    if keras.backend.backend() == "tensorflow":
+        if num_heads == 1:
+            return ops.expand_dims(x, heads_axis)
+        return ops.stack(ops.split(x, num_heads, axis=-1), axis=heads_axis)
+    batch, time, width = ops.shape(x)
+    x = ops.reshape(x, (batch, time, num_heads, width // num_heads))
+    return ops.transpose(x, (0, 2, 1, 3)) if layout == HEADS_FIRST else x
+
+
+def merge(x, layout: str):
+    """(B, T, H, D) or (B, H, T, D), as `layout` says -> (B, T, H*D)."""
+    if layout == HEADS_FIRST:
+        if keras.backend.backend() == "tensorflow" and x.shape[1] == 1:
+            return ops.squeeze(x, 1)
+        x = ops.transpose(x, (0, 2, 1, 3))
+    batch, time, heads, depth = ops.shape(x)
+    if keras.backend.backend() == "tensorflow":
+        # -1 batch: see `split`.
+        return ops.reshape(x, (-1, time, heads * depth))
+    return ops.reshape(x, (batch, time, heads * depth))

@@ -1,0 +1,132 @@
+"""One description of what each query may attend, and its formulas.
+
+Every implementation (explicit, chunked, fused) reads the same `Masks`; the
+causal and sliding-window rules are written once, in `band`, and `block`
+builds the mask of any block of queries and keys from them, so the full
+(T, T) mask is just the block that starts at 0 and spans everything.
+
+Shapes use B = batch, Tq = queries, Tk = keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from keras import ops
+
+
+@dataclasses.dataclass(frozen=True)
+class Masks:
+    """What each query may attend.
+
+    Attributes:
+        padding: None or bool `(B, Tk)`, True for real keys. Padded queries
+            are computed as usual; the layer zeroes their outputs.
+        attention: None or bool `(B, Tq, Tk)`, True where a query may attend
+            a key.
+        causal: Whether a query sees only itself and earlier keys.
+        sliding_window: If set, a query sees only keys closer than this.
+    """
+
+    padding: Any = None
+    attention: Any = None
+    causal: bool = False
+    sliding_window: int | None = None
+
+    @property
+    def has_band(self) -> bool:
+        """Whether causal or sliding-window positions are excluded."""
+        return self.causal or self.sliding_window is not None
+
+
+def band(masks: Masks, query_pos, key_pos):
+    """The causal and sliding-window rule for positions, or None.
+
+    Args:
+        masks: The description; only `causal` and `sliding_window` are read.
+        query_pos: int32 positions of the queries, broadcastable against
+            `key_pos` (e.g. shape `(..., Tq, 1)`).
+        key_pos: int32 positions of the keys (e.g. shape `(..., 1, Tk)`).
+
+    Returns:
+        Bool, True where the query may see the key, or None if both are off.
+    """
+    rules = []
+    if masks.causal:
+        rules.append(ops.less_equal(key_pos, query_pos))
+    if masks.sliding_window is not None:
+        distance = ops.abs(ops.subtract(query_pos, key_pos))
+        rules.append(ops.less(distance, masks.sliding_window))
+    return all_of(rules)
+
+
+def all_of(masks: list):
+    """The logical AND of broadcastable bool masks, or None for no mask."""
+    if not masks:
+        return None
+    combined = masks[0]
+    for mask in masks[1:]:
+        combined = ops.logical_and(combined, mask)
+    return combined
+
+
+def _cut(x, axis: int, start, length):
+    """`x[..., start:start + length, ...]` along `axis`; x itself when the
+    window is the whole axis (start 0, length None)."""
+    if length is None:
+        if isinstance(start, int) and start == 0:
+            return x
+        length = ops.shape(x)[axis] - start
+    starts = [0] * len(x.shape)
+    sizes = list(ops.shape(x))
+    starts[axis], sizes[axis] = start, length
+    return ops.slice(x, starts, sizes)
+
+
+def block(masks: Masks, query_start=0, key_start=0, query_len=None, key_len=None):
+    """The mask of one block of queries and keys.
+
+    Args:
+        masks: The description.
+        query_start, key_start: Position of the block's first query and key
+            (ints or scalar int32 tensors).
+        query_len, key_len: The block's size; None for "to the end" (the
+            band then needs the size, so pass it when masks has a band).
+
+    Returns:
+        Bool broadcastable to `(B, 1, query_len, key_len)`, True where a
+        query may attend a key, or None when nothing is masked. The band
+        alone has a static leading 1 (the explicit path applies such masks
+        with `where` rather than a bias broadcast over the batch).
+    """
+    rules = []
+    if masks.has_band:
+        query_pos = ops.reshape(
+            query_start + ops.arange(query_len, dtype="int32"), (1, 1, -1, 1)
+        )
+        key_pos = ops.reshape(
+            key_start + ops.arange(key_len, dtype="int32"), (1, 1, 1, -1)
+        )
+        rules.append(band(masks, query_pos, key_pos))
+    if masks.padding is not None:
+        keys = _cut(ops.cast(masks.padding, "bool"), 1, key_start, key_len)
+        rules.append(ops.expand_dims(keys, (1, 2)))
+    if masks.attention is not None:
+        rows = _cut(ops.cast(masks.attention, "bool"), 1, query_start, query_len)
+        rows = _cut(rows, 2, key_start, key_len)
+        rules.append(ops.expand_dims(rows, 1))
+    return all_of(rules)
+
+
+def rows_with_keys(masks: Masks, query_len, key_len):
+    """Bool `(B, Tq)`: which queries may attend at least one key, or None.
+
+    Without an `attention` mask every query may attend itself (the band
+    always allows it, padding only removes padded keys and a real query is
+    its own key), so no real query is empty and this returns None.
+    """
+    if masks.attention is None:
+        return None
+    dense = block(masks, query_len=query_len, key_len=key_len)
+    return ops.any(ops.squeeze(dense, 1), axis=-1)

@@ -1,0 +1,276 @@
+"""Every implementation path against the numpy reference, on every backend.
+
+The paths are forced with the layer's own arguments (`flash_attention`,
+`chunk_size`), and each test checks with `layer.implementation` that the
+forced path is the one taken. The fused path does not exist on TensorFlow.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+from keras_selfattn import SelfAttention
+from tests.backend import BACKEND, compiled, to_numpy, value_and_grad
+from tests.reference import for_layer
+
+PATHS = {
+    "explicit": {"flash_attention": False},
+    "chunked": {"flash_attention": False, "chunk_size": 3},
+    "fused": {"flash_attention": True},
+}
+needs_fused = pytest.mark.skipif(
+    BACKEND == "tensorflow", reason="TensorFlow has no fused attention kernel"
+)
+PATH_PARAMS = [
+    pytest.param("explicit"),
+    pytest.param("chunked"),
+    pytest.param("fused", marks=needs_fused),
+]
+CONFIGS = {
+    "plain": {},
+    "causal": {"causal": True},
+    "window": {"sliding_window": 2},
+    "causal_window": {"causal": True, "sliding_window": 3},
+    "bias_out": {"use_bias": True, "output_dim": 5, "bias_initializer": "ones"},
+    "unscaled_dims": {"scale": 1.0, "key_dim": 3, "value_dim": 2},
+}
+RNG = np.random.default_rng(7)
+X = RNG.normal(size=(3, 8, 6)).astype("float32")
+RIGHT_PADDED = np.arange(8)[None, :] < np.array([[8], [5], [1]])
+LEFT_PADDED = ~RIGHT_PADDED[:, ::-1]
+ATTENTION = RNG.random((3, 8, 8)) > 0.5
+ATTENTION[1, 2] = False  # a row with nothing to attend
+
+
+def _skip_unfusable(path: str, config: dict, policy: str = "float32") -> None:
+    """Skips the configurations a backend's kernel cannot take (the layer
+    raises for them with flash_attention=True: see the tests below)."""
+    if path != "fused":
+        return
+    if "sliding_window" in config and BACKEND == "torch":
+        pytest.skip("PyTorch's fused kernel takes no sliding_window")
+    if config.get("value_dim", config.get("key_dim")) != config.get("key_dim"):
+        if BACKEND == "jax":
+            pytest.skip("JAX's kernel needs value_dim equal to key_dim")
+    if policy == "mixed_float16" and BACKEND == "jax":
+        pytest.skip("JAX's kernel takes float16 only on a GPU")
+
+
+def _layer(path: str, heads: int = 2, **config) -> SelfAttention:
+    _skip_unfusable(path, config)
+    layer = SelfAttention(num_heads=heads, **PATHS[path], **config)
+    layer.build(X.shape)
+    return layer
+
+
+def _masks(kind: str) -> dict:
+    return {
+        "none": {},
+        "right_padded": {"mask": RIGHT_PADDED},
+        "left_padded": {"mask": LEFT_PADDED},
+        "attention": {"attention_mask": ATTENTION},
+        "padding_and_attention": {"mask": LEFT_PADDED, "attention_mask": ATTENTION},
+    }[kind]
+
+
+def _reference(layer, masks: dict) -> np.ndarray:
+    return for_layer(
+        layer,
+        X,
+        padding_mask=masks.get("mask"),
+        attention_mask=masks.get("attention_mask"),
+    )[0]
+
+
+@pytest.mark.parametrize("path", PATH_PARAMS)
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize(
+    "mask_kind",
+    ["none", "right_padded", "left_padded", "attention", "padding_and_attention"],
+)
+def test_path_matches_reference(path, config, heads, mask_kind):
+    masks = _masks(mask_kind)
+    if path == "fused" and "attention_mask" in masks:
+        pytest.skip("the fused path takes no attention_mask (covered below)")
+    layer = _layer(path, heads, **CONFIGS[config])
+    assert layer.implementation(X, **masks) == path
+    output = to_numpy(layer(X, **masks))
+    np.testing.assert_allclose(output, _reference(layer, masks), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("path", PATH_PARAMS)
+@pytest.mark.parametrize("mask_kind", ["right_padded", "left_padded"])
+def test_path_under_jit_with_masks(path, mask_kind):
+    masks = _masks(mask_kind)
+    layer = _layer(path, causal=True)
+    run = compiled(lambda x, mask: layer(x, mask=mask))
+    output = to_numpy(run(X, masks["mask"]))
+    np.testing.assert_allclose(output, _reference(layer, masks), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("path", PATH_PARAMS)
+def test_gradients_finite_with_fully_padded_sequence(path):
+    mask = RIGHT_PADDED.copy()
+    mask[2] = False  # nothing real in the third sequence
+    layer = _layer(path, causal=True, use_bias=True, output_dim=4)
+
+    def loss(x):
+        return keras.ops.sum(keras.ops.square(layer(x, mask=mask)))
+
+    _, grads = value_and_grad(loss, layer.trainable_variables, [X])
+    for grad in grads:
+        assert grad is not None and np.isfinite(grad).all()
+    output = to_numpy(layer(X, mask=mask))
+    assert (output[2] == 0).all()
+    np.testing.assert_allclose(
+        output, _reference(layer, {"mask": mask}), atol=2e-5, rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize("path", PATH_PARAMS)
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_half_precision_scores_beyond_float16_range(path, policy):
+    """Scores of about 4.6e7 (float16's largest is 65504) stay finite."""
+    _skip_unfusable(path, {}, policy)
+    keras.mixed_precision.set_global_policy(policy)
+    layer = SelfAttention(kernel_initializer="ones", **PATHS[path])
+    x = np.full((1, 5, 8), 300.0, "float32")
+    x[0, 0] = 299.0
+    assert layer.implementation(x) == path
+    output = to_numpy(keras.ops.cast(layer(x), "float32"))
+    assert np.isfinite(output).all()
+    # Every value row is 8 * x (the kernels are ones), and so is the output.
+    np.testing.assert_allclose(output[0, 1:], 2400.0, rtol=1e-2)
+
+
+@pytest.mark.parametrize("path", PATH_PARAMS)
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_half_precision_close_to_float32(path, policy):
+    _skip_unfusable(path, {}, policy)
+    reference = _layer(path, causal=True, use_bias=True, output_dim=6)
+    expected = _reference(reference, {"mask": RIGHT_PADDED})
+    keras.mixed_precision.set_global_policy(policy)
+    layer = _layer(path, causal=True, use_bias=True, output_dim=6)
+    layer.set_weights(reference.get_weights())
+    output = layer(X, mask=RIGHT_PADDED)
+    assert keras.backend.standardize_dtype(output.dtype) == policy.split("_")[1]
+    output = to_numpy(keras.ops.cast(output, "float32"))
+    np.testing.assert_allclose(output, expected, atol=5e-2, rtol=5e-2)
+
+
+def test_automatic_choice():
+    """flash_attention=None takes the fused path where it can on JAX and
+    PyTorch, and the explicit path whenever the call needs the weights."""
+    layer = SelfAttention(num_heads=2, dropout=0.5)
+    layer.build(X.shape)
+    automatic = "explicit" if BACKEND == "tensorflow" else "fused"
+    assert layer.implementation(X) == automatic
+    assert layer.implementation(X, mask=RIGHT_PADDED) == automatic
+    assert layer.implementation(X, return_attention_scores=True) == "explicit"
+    assert layer.implementation(X, training=True) == "explicit"
+    assert layer.implementation(X, attention_mask=ATTENTION) == "explicit"
+    chunked = SelfAttention(chunk_size=4)
+    chunked.build(X.shape)
+    assert chunked.implementation(X) == "chunked"  # the CPU: bounded memory
+
+
+def test_keras_flash_attention_switches():
+    """disable_flash_attention() turns the automatic choice off;
+    enable_flash_attention() restores it; the layer's own True wins."""
+    layer = SelfAttention(num_heads=2)
+    layer.build(X.shape)
+    required = SelfAttention(num_heads=2, flash_attention=True)
+    required.build(X.shape)
+    try:
+        keras.config.disable_flash_attention()
+        assert layer.implementation(X) == "explicit"
+        if BACKEND != "tensorflow":
+            assert required.implementation(X) == "fused"
+    finally:
+        keras.config.enable_flash_attention()
+    assert layer.implementation(X) == (
+        "explicit" if BACKEND == "tensorflow" else "fused"
+    )
+    if BACKEND == "tensorflow":
+        with pytest.raises(ValueError, match="tensorflow backend has no fused"):
+            required.implementation(X)
+
+
+@pytest.mark.parametrize(
+    ("call", "reason"),
+    [
+        ({"return_attention_scores": True}, "return_attention_scores=True"),
+        ({"training": True}, "dropout on the weights"),
+        ({"attention_mask": ATTENTION}, "attention_mask"),
+    ],
+)
+def test_flash_attention_true_says_why_it_cannot(call, reason):
+    layer = SelfAttention(num_heads=2, dropout=0.1, flash_attention=True)
+    layer.build(X.shape)
+    with pytest.raises(ValueError, match="flash_attention=True") as caught:
+        layer(X, **call)
+    assert reason in str(caught.value)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="a limit of JAX's kernel")
+def test_jax_flash_attention_true_needs_equal_head_dims():
+    layer = SelfAttention(key_dim=4, value_dim=3, flash_attention=True)
+    with pytest.raises(ValueError, match="value_dim equal to key_dim"):
+        layer(X)
+    automatic = SelfAttention(key_dim=4, value_dim=3)
+    assert automatic.implementation(X) == "explicit"
+
+
+def test_flash_attention_argument_is_validated_and_serialized():
+    with pytest.raises(ValueError, match="flash_attention"):
+        SelfAttention(flash_attention="yes")
+    for value in (None, True, False):
+        config = SelfAttention(flash_attention=value).get_config()
+        assert config["flash_attention"] is value
+        assert SelfAttention.from_config(config).flash_attention is value
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="checks JAX's attention function")
+def test_jax_fused_path_calls_jax_attention(monkeypatch):
+    import jax
+
+    calls = []
+    original = jax.nn.dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+    layer = _layer("fused", causal=True)
+    run = jax.jit(lambda x, mask: layer(x, mask=mask))
+    np.testing.assert_allclose(
+        to_numpy(run(X, RIGHT_PADDED)),
+        _reference(layer, {"mask": RIGHT_PADDED}),
+        atol=2e-5,
+    )
+    # Right-padded batches pass sequence lengths (cuDNN's padding mask); the
+    # other branch, for any other padding, passes a boolean mask.
+    assert any("key_value_seq_lengths" in call for call in calls)
+    assert any("mask" in call for call in calls)
+    assert all(call["is_causal"] for call in calls)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="checks PyTorch's SDPA")
+def test_torch_fused_path_calls_sdpa(monkeypatch):
+    import torch
+
+    calls = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    layer = _layer("fused", causal=True)
+    np.testing.assert_allclose(to_numpy(layer(X)), _reference(layer, {}), atol=2e-5)
+    assert calls and calls[0]["is_causal"] and calls[0]["attn_mask"] is None
