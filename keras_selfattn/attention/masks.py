@@ -27,12 +27,16 @@ class Masks:
             a key.
         causal: Whether a query sees only itself and earlier keys.
         sliding_window: If set, a query sees only keys closer than this.
+        query_offset: The position of the first query among the keys (an
+            int or scalar int32 tensor): 0 when queries and keys are the same
+            sequence, the cache index when decoding with a key/value cache.
     """
 
     padding: Any = None
     attention: Any = None
     causal: bool = False
     sliding_window: int | None = None
+    query_offset: Any = 0
 
     @property
     def has_band(self) -> bool:
@@ -102,8 +106,11 @@ def block(masks: Masks, query_start=0, key_start=0, query_len=None, key_len=None
     """
     rules = []
     if masks.has_band:
+        first_query = query_start
+        if not (isinstance(masks.query_offset, int) and masks.query_offset == 0):
+            first_query = ops.add(masks.query_offset, query_start)
         query_pos = ops.reshape(
-            query_start + ops.arange(query_len, dtype="int32"), (1, 1, -1, 1)
+            first_query + ops.arange(query_len, dtype="int32"), (1, 1, -1, 1)
         )
         key_pos = ops.reshape(
             key_start + ops.arange(key_len, dtype="int32"), (1, 1, 1, -1)
@@ -124,7 +131,8 @@ def rows_with_keys(masks: Masks, query_len, key_len):
 
     Without an `attention` mask every query may attend itself (the band
     always allows it, padding only removes padded keys and a real query is
-    its own key), so no real query is empty and this returns None.
+    its own key, in the cache too), so no real query is empty and this
+    returns None.
     """
     if masks.attention is None:
         return None
