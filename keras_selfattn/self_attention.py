@@ -8,7 +8,13 @@ import keras
 from keras import constraints, initializers, ops, regularizers
 
 from keras_selfattn import _checks
-from keras_selfattn.attention import FUSABLE_CORE_SCOPE, Masks, SeededDropout, choose
+from keras_selfattn.attention import (
+    FUSABLE_CORE_SCOPE,
+    Masks,
+    SeededDropout,
+    choose,
+    rotary,
+)
 from keras_selfattn.attention import heads as heads_lib
 from keras_selfattn.attention import masks as masks_lib
 from keras_selfattn.attention.fused import on_gpu
@@ -96,6 +102,26 @@ class SelfAttention(keras.layers.Layer):
             cannot use it (TensorFlow, returned scores, dropout in training,
             `attention_mask`, on JAX a `value_dim` other than `key_dim`);
             False: never use it.
+        num_key_value_heads: Number of key and value heads (grouped-query
+            attention). None (default) means `num_heads`; it must divide
+            `num_heads`. Query head h uses key and value head
+            `h // (num_heads // num_key_value_heads)`, as in
+            `keras.layers.GroupQueryAttention`; the key and value kernels
+            are `(features, num_key_value_heads * key_dim)` and
+            `(features, num_key_value_heads * value_dim)`.
+        use_gate: If True, the concatenated heads are multiplied by
+            `sigmoid(X Wg (+ bg))` (weights `gate_kernel`, `gate_bias`, of
+            width `num_heads * value_dim`) before the output projection, as
+            in `keras.layers.MultiHeadAttention(use_gate=True)`. Defaults
+            to False.
+        rope_max_wavelength: If set (a number > 0), rotary position
+            embedding is applied to each head of the projected queries and
+            keys, the rotation of keras-hub's `RotaryEmbedding` (in halves,
+            inverse frequencies `1 / rope_max_wavelength ** (2i / key_dim)`),
+            with positions 0 .. time-1; `key_dim` must then be even. None
+            (default): no rotary embedding.
+        rope_scaling_factor: Positions are divided by this number > 0 before
+            the rotation. Defaults to 1.0.
         kernel_initializer, bias_initializer: Initializers of the kernels and
             biases.
         kernel_regularizer, bias_regularizer, activity_regularizer:
@@ -145,6 +171,10 @@ class SelfAttention(keras.layers.Layer):
         dropout: float = 0.0,
         seed: int | None = None,
         flash_attention: bool | None = None,
+        num_key_value_heads: int | None = None,
+        use_gate: bool = False,
+        rope_max_wavelength: float | None = None,
+        rope_scaling_factor: float = 1.0,
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
         kernel_regularizer=None,
@@ -188,6 +218,28 @@ class SelfAttention(keras.layers.Layer):
         if flash_attention is not None:
             _checks.boolean("flash_attention", flash_attention)
         self.flash_attention = flash_attention
+        self.num_key_value_heads = _checks.positive_int(
+            "num_key_value_heads", num_key_value_heads, allow_none=True
+        )
+        if (
+            self.num_key_value_heads is not None
+            and self.num_heads % self.num_key_value_heads
+        ):
+            raise ValueError(
+                "`num_key_value_heads` must divide `num_heads` (each key and "
+                "value head serves a group of query heads). Received: "
+                f"num_key_value_heads={self.num_key_value_heads}, "
+                f"num_heads={self.num_heads}"
+            )
+        self.use_gate = _checks.boolean("use_gate", use_gate)
+        self.rope_max_wavelength = _checks.positive_float(
+            "rope_max_wavelength", rope_max_wavelength, allow_none=True
+        )
+        self.rope_scaling_factor = _checks.positive_float(
+            "rope_scaling_factor", rope_scaling_factor
+        )
+        if self.key_dim is not None:
+            self._check_rope_key_dim(self.key_dim)
         for name, value, module in (
             ("kernel_initializer", kernel_initializer, initializers),
             ("bias_initializer", bias_initializer, initializers),
@@ -206,6 +258,20 @@ class SelfAttention(keras.layers.Layer):
         self._input_dim = None
 
     # ------------------------------------------------------------------ build
+    def _check_rope_key_dim(self, key_dim: int) -> None:
+        if self.rope_max_wavelength is not None and key_dim % 2:
+            raise ValueError(
+                "Rotary position embedding (rope_max_wavelength="
+                f"{self.rope_max_wavelength}) rotates pairs of query and key "
+                f"features, so `key_dim` must be even. Received: key_dim={key_dim}"
+            )
+
+    @property
+    def _kv_heads(self) -> int:
+        if self.num_key_value_heads is None:
+            return self.num_heads
+        return self.num_key_value_heads
+
     def _resolve_dims(self, input_dim: int) -> tuple[int, int]:
         key_dim = self.key_dim
         if key_dim is None:
@@ -217,6 +283,7 @@ class SelfAttention(keras.layers.Layer):
                     f"Received: key_dim=None, num_heads={self.num_heads}"
                 )
             key_dim = input_dim // self.num_heads
+        self._check_rope_key_dim(key_dim)
         value_dim = self.value_dim if self.value_dim is not None else key_dim
         return key_dim, value_dim
 
@@ -242,10 +309,12 @@ class SelfAttention(keras.layers.Layer):
     def build(self, input_shape):
         input_dim = self._check_input_shape(input_shape)
         self._key_dim, self._value_dim = self._resolve_dims(input_dim)
-        heads = self.num_heads
+        heads, kv_heads = self.num_heads, self._kv_heads
         self._add_projection("query", (input_dim, heads * self._key_dim))
-        self._add_projection("key", (input_dim, heads * self._key_dim))
-        self._add_projection("value", (input_dim, heads * self._value_dim))
+        self._add_projection("key", (input_dim, kv_heads * self._key_dim))
+        self._add_projection("value", (input_dim, kv_heads * self._value_dim))
+        if self.use_gate:
+            self._add_projection("gate", (input_dim, heads * self._value_dim))
         if self.output_dim is not None:
             self._add_projection("output", (heads * self._value_dim, self.output_dim))
         self._scale = (
@@ -419,12 +488,22 @@ class SelfAttention(keras.layers.Layer):
         self._check_scores_request(return_attention_scores)
         masks = self._masks(mask, attention_mask)
         implementation = self._choose(inputs, masks, training, return_attention_scores)
-        query, key, value = (
-            heads_lib.split(
-                self._project(inputs, name), self.num_heads, implementation.layout
-            )
-            for name in ("query", "key", "value")
+        layout = implementation.layout
+        query = heads_lib.split(self._project(inputs, "query"), self.num_heads, layout)
+        key, value = (
+            heads_lib.split(self._project(inputs, name), self._kv_heads, layout)
+            for name in ("key", "value")
         )
+        if self.rope_max_wavelength is not None:
+            query, key = (
+                rotary.rotate(
+                    x, layout, self.rope_max_wavelength, self.rope_scaling_factor
+                )
+                for x in (query, key)
+            )
+        if not implementation.grouped_key_value:
+            repeats = self.num_heads // self._kv_heads
+            key, value = (heads_lib.repeat(x, repeats, layout) for x in (key, value))
         dropout = None
         if self._dropout_layer is not None and training:
             dropout = SeededDropout(
@@ -439,7 +518,10 @@ class SelfAttention(keras.layers.Layer):
             dropout=dropout,
             return_weights=return_attention_scores,
         )
-        output = heads_lib.merge(heads_out, implementation.layout)
+        output = heads_lib.merge(heads_out, layout)
+        if self.use_gate:
+            gate = ops.sigmoid(self._project(inputs, "gate"))
+            output = ops.multiply(output, ops.cast(gate, output.dtype))
         if self.output_dim is not None:
             output = self._project(output, "output")
         # Queries with nothing to attend output exactly zero, also after the
@@ -524,6 +606,10 @@ class SelfAttention(keras.layers.Layer):
                 "dropout": self.dropout,
                 "seed": self.seed,
                 "flash_attention": self.flash_attention,
+                "num_key_value_heads": self.num_key_value_heads,
+                "use_gate": self.use_gate,
+                "rope_max_wavelength": self.rope_max_wavelength,
+                "rope_scaling_factor": self.rope_scaling_factor,
                 "kernel_initializer": initializers.serialize(self.kernel_initializer),
                 "bias_initializer": initializers.serialize(self.bias_initializer),
                 "kernel_regularizer": regularizers.serialize(self.kernel_regularizer),

@@ -15,6 +15,28 @@ def _softmax(row: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def rotary(
+    x: np.ndarray, max_wavelength: float, scaling_factor: float = 1.0
+) -> np.ndarray:
+    """(T, D) rows of one head rotated by position, pair by pair: for i < D/2
+    the pair (x[t, i], x[t, i + D/2]) turns by the angle
+    (t / scaling_factor) / max_wavelength ** (2i / D)."""
+    time, depth = x.shape
+    half = depth // 2
+    out = np.zeros_like(x)
+    for t in range(time):
+        for i in range(half):
+            angle = (t / scaling_factor) / max_wavelength ** (2 * i / depth)
+            c, s = np.cos(angle), np.sin(angle)
+            out[t, i] = x[t, i] * c - x[t, i + half] * s
+            out[t, i + half] = x[t, i + half] * c + x[t, i] * s
+    return out
+
+
 def allowed(
     time: int,
     padding_mask: np.ndarray | None = None,
@@ -49,11 +71,19 @@ def self_attention(
     attention_mask: np.ndarray | None = None,
     causal: bool = False,
     sliding_window: int | None = None,
+    num_key_value_heads: int | None = None,
+    rope_max_wavelength: float | None = None,
+    rope_scaling_factor: float = 1.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Returns (output (B, T, W), attention weights (B, H, T, T)) in float64.
 
-    `weights` has keys wq, wk, wv and optionally bq, bk, bv, wo, bo, with the
-    layer's layout: head h uses columns [h*key_dim:(h+1)*key_dim].
+    `weights` has keys wq, wk, wv and optionally bq, bk, bv, wg, bg, wo, bo,
+    with the layer's layout: head h uses columns [h*key_dim:(h+1)*key_dim].
+    With `num_key_value_heads` G, wk and wv have G heads, and query head h
+    uses key and value head h // (num_heads // G). With wg, the heads are
+    multiplied by sigmoid(x wg + bg) before the output projection. With
+    `rope_max_wavelength`, each head's queries and keys are rotated by
+    position (`rotary`).
     """
     x = x.astype(np.float64)
     batch, time, _ = x.shape
@@ -66,14 +96,20 @@ def self_attention(
         return y
 
     q, k, v = proj("q"), proj("k"), proj("v")
+    kv_heads = num_heads if num_key_value_heads is None else num_key_value_heads
+    group = num_heads // kv_heads
     heads_out = np.zeros((batch, time, num_heads * value_dim))
     attn = np.zeros((batch, num_heads, time, time))
     for b in range(batch):
         ok = allowed(time, padding_mask, attention_mask, causal, sliding_window, b)
         for h in range(num_heads):
+            g = h // group  # the key and value head of query head h
             qh = q[b, :, h * key_dim : (h + 1) * key_dim]
-            kh = k[b, :, h * key_dim : (h + 1) * key_dim]
-            vh = v[b, :, h * value_dim : (h + 1) * value_dim]
+            kh = k[b, :, g * key_dim : (g + 1) * key_dim]
+            vh = v[b, :, g * value_dim : (g + 1) * value_dim]
+            if rope_max_wavelength is not None:
+                qh = rotary(qh, rope_max_wavelength, rope_scaling_factor)
+                kh = rotary(kh, rope_max_wavelength, rope_scaling_factor)
             for i in range(time):
                 if padding_mask is not None and not padding_mask[b, i]:
                     continue  # padded query: zero weights, zero output
@@ -85,6 +121,8 @@ def self_attention(
                 attn[b, h, i] = w
                 heads_out[b, i, h * value_dim : (h + 1) * value_dim] = w @ vh
     out = heads_out
+    if "wg" in weights:
+        out = out * _sigmoid(proj("g"))
     if "wo" in weights:
         out = out @ weights["wo"].astype(np.float64)
         if "bo" in weights:
@@ -111,6 +149,9 @@ def for_layer(layer, x: np.ndarray, **masks) -> tuple[np.ndarray, np.ndarray]:
         scale=layer.scale,
         causal=layer.causal,
         sliding_window=layer.sliding_window,
+        num_key_value_heads=layer.num_key_value_heads,
+        rope_max_wavelength=layer.rope_max_wavelength,
+        rope_scaling_factor=layer.rope_scaling_factor,
         **masks,
     )
 
@@ -120,6 +161,8 @@ def layer_weights(layer) -> dict[str, np.ndarray]:
     names = ["wq"] + (["bq"] if layer.use_bias else [])
     names += ["wk"] + (["bk"] if layer.use_bias else [])
     names += ["wv"] + (["bv"] if layer.use_bias else [])
+    if layer.use_gate:
+        names += ["wg"] + (["bg"] if layer.use_bias else [])
     if layer.output_dim is not None:
         names += ["wo"] + (["bo"] if layer.use_bias else [])
     values = layer.get_weights()

@@ -8,7 +8,8 @@ Every implementation has one signature,
 with query, key, value and output in the head layout the implementation
 declares (`heads.TIME_FIRST` or `heads.HEADS_FIRST`), weights
 `(B, H, Tq, Tk)` and `masks` a `Masks`; `IMPLEMENTATIONS` says what each
-supports. `choose` picks one
+supports (an implementation with `grouped_key_value` takes key and value
+with fewer heads than query, H a multiple of theirs). `choose` picks one
 from the call's static facts only (backend, device, masks present, dropout
 in training, returned weights, `chunk_size`, `flash_attention`), never from
 tensor values, so a traced or exported call takes one fixed path.
@@ -39,6 +40,9 @@ class Implementation:
     dropout: bool
     attention_mask: bool
     memory: str  # how its peak memory grows with time T
+    # Whether key and value may have fewer heads than query (each shared by
+    # a group of consecutive query heads); else the layer repeats them.
+    grouped_key_value: bool = False
 
 
 IMPLEMENTATIONS = {
@@ -68,6 +72,7 @@ IMPLEMENTATIONS = {
         False,
         False,
         "O(T) on a GPU",
+        grouped_key_value=True,
     ),
 }
 

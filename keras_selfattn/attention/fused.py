@@ -109,7 +109,13 @@ def _torch_attention(query, key, value, masks: Masks, scale: float):
             mask, causal = mask & torch.tril(lower), False
         mask = _nonempty_rows(mask)
     output = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, is_causal=causal, scale=scale
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=key.shape[1] != query.shape[1],
     )
     return output.transpose(1, 2)
 
@@ -121,8 +127,10 @@ def fused_attention(
 
     Args:
         query: (B, Tq, H, K).
-        key: (B, Tk, H, K).
-        value: (B, Tk, H, V).
+        key: (B, Tk, G, K), G dividing H: query head h uses key and value
+            head h // (H / G) (JAX's kernel takes fewer key heads as they
+            are; PyTorch's with `enable_gqa`).
+        value: (B, Tk, G, V).
         masks: A `Masks` with no `attention` mask (and, on PyTorch, no
             `sliding_window`).
         scale: Multiplier of the raw scores.

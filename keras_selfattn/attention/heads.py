@@ -47,3 +47,22 @@ def merge(x, layout: str):
         # -1 batch: see `split`.
         return ops.reshape(x, (-1, time, heads * depth))
     return ops.reshape(x, (batch, time, heads * depth))
+
+
+def repeat(x, repeats: int, layout: str):
+    """Each head of x repeated `repeats` times in place, along the heads axis:
+    head g becomes heads g * repeats .. (g + 1) * repeats - 1 (the grouping
+    of `keras.layers.GroupQueryAttention`).
+
+    On TensorFlow, split and concatenate rather than `tf.repeat`, which
+    reshapes (see `split`).
+    """
+    if repeats == 1:
+        return x
+    heads_axis = 1 if layout == HEADS_FIRST else 2
+    if keras.backend.backend() == "tensorflow":
+        parts = ops.split(x, x.shape[heads_axis], axis=heads_axis)
+        return ops.concatenate(
+            [part for part in parts for _ in range(repeats)], axis=heads_axis
+        )
+    return ops.repeat(x, repeats, axis=heads_axis)
