@@ -344,7 +344,7 @@ def fuse_attention(
     for prefix, nodes in _groups(graph).items():
         label = _layer_for(prefix, layers) or prefix[: -len(_MARKER)]
         try:
-            layer_scale = layers[label]._scale if label in layers else None
+            layer_scale = layers[label].effective_scale if label in layers else None
             core = _analyse(graph, nodes, types, readers, graph_outputs, layer_scale)
         except _NotFusable as error:
             reasons[label] = str(error)
