@@ -15,6 +15,7 @@ from keras_selfattn.attention import (
     choose,
     rotary,
 )
+from keras_selfattn.attention import cache as cache_lib
 from keras_selfattn.attention import heads as heads_lib
 from keras_selfattn.attention import masks as masks_lib
 from keras_selfattn.attention.fused import on_gpu
@@ -434,12 +435,13 @@ class SelfAttention(keras.layers.Layer):
             )
         return self._scale
 
-    def _masks(self, mask, attention_mask) -> Masks:
+    def _masks(self, mask, attention_mask, query_offset=None) -> Masks:
         return Masks(
             padding=mask,
             attention=attention_mask,
             causal=self.causal,
             sliding_window=self.sliding_window,
+            query_offset=query_offset,
         )
 
     def implementation(
@@ -483,24 +485,40 @@ class SelfAttention(keras.layers.Layer):
         attention_mask=None,
         training=None,
         return_attention_scores: bool = False,
+        cache=None,
+        cache_update_index=None,
     ):
-        self._check_masks(inputs.shape, mask, attention_mask)
-        self._check_scores_request(return_attention_scores)
-        masks = self._masks(mask, attention_mask)
+        decoding = self._check_call(
+            inputs,
+            mask,
+            attention_mask,
+            return_attention_scores,
+            cache,
+            cache_update_index,
+        )
+        offset = cache_update_index if decoding else None
+        masks = self._masks(mask, attention_mask, offset)
         implementation = self._choose(inputs, masks, training, return_attention_scores)
         layout = implementation.layout
+        # The cache holds keys and values time-first.
+        kv_layout = heads_lib.TIME_FIRST if decoding else layout
         query = heads_lib.split(self._project(inputs, "query"), self.num_heads, layout)
         key, value = (
-            heads_lib.split(self._project(inputs, name), self._kv_heads, layout)
+            heads_lib.split(self._project(inputs, name), self._kv_heads, kv_layout)
             for name in ("key", "value")
         )
         if self.rope_max_wavelength is not None:
-            query, key = (
-                rotary.rotate(
-                    x, layout, self.rope_max_wavelength, self.rope_scaling_factor
-                )
-                for x in (query, key)
+            rope = (
+                self.rope_max_wavelength,
+                self.rope_scaling_factor,
+                0 if offset is None else offset,
             )
+            query = rotary.rotate(query, layout, *rope)
+            key = rotary.rotate(key, kv_layout, *rope)
+        if decoding:
+            cache, key, value = cache_lib.update(cache, key, value, offset)
+            if layout != kv_layout:
+                key, value = (heads_lib.transpose(x) for x in (key, value))
         if not implementation.grouped_key_value:
             repeats = self.num_heads // self._kv_heads
             key, value = (heads_lib.repeat(x, repeats, layout) for x in (key, value))
@@ -527,17 +545,7 @@ class SelfAttention(keras.layers.Layer):
         # Queries with nothing to attend output exactly zero, also after the
         # output projection's bias: padded positions, and attention_mask rows
         # that allow no key.
-        time = ops.shape(inputs)[1]
-        keep = masks_lib.all_of(
-            [
-                m
-                for m in (
-                    None if mask is None else ops.cast(mask, "bool"),
-                    masks_lib.rows_with_keys(masks, time, time),
-                )
-                if m is not None
-            ]
-        )
+        keep = self._queries_to_keep(inputs, masks)
         if keep is not None:
             output = ops.where(
                 ops.expand_dims(keep, -1), output, ops.zeros_like(output)
@@ -546,9 +554,100 @@ class SelfAttention(keras.layers.Layer):
                 weights = ops.where(
                     ops.expand_dims(keep, (1, 3)), weights, ops.zeros_like(weights)
                 )
+        if decoding:
+            return output, cache
         if return_attention_scores:
             return output, weights
         return output
+
+    def _queries_to_keep(self, inputs, masks: Masks):
+        """Bool (B, Tq): queries with something to attend, or None (all)."""
+        time = ops.shape(inputs)[1]
+        query_padding = masks.padding
+        if query_padding is not None:
+            query_padding = ops.cast(query_padding, "bool")
+            if not masks_lib.aligned(masks):  # the new positions' own mask
+                batch = ops.shape(query_padding)[0]
+                start = ops.cast(masks.query_offset, "int32")
+                query_padding = ops.slice(query_padding, (0, start), (batch, time))
+        rows = (
+            None
+            if masks.attention is None
+            else masks_lib.rows_with_keys(masks, time, time)
+        )
+        return masks_lib.all_of([m for m in (query_padding, rows) if m is not None])
+
+    def _check_call(
+        self, inputs, mask, attention_mask, return_attention_scores, cache, index
+    ) -> bool:
+        """Raises the call's ValueErrors; returns whether it decodes."""
+        if cache is None:
+            if index is not None:
+                raise ValueError(
+                    f"SelfAttention '{self.name}': `cache_update_index` goes with "
+                    f"`cache`. Received: cache=None, cache_update_index={index!r}"
+                )
+            self._check_masks(inputs.shape, mask, attention_mask)
+            self._check_scores_request(return_attention_scores)
+            return False
+        problems = {
+            "causal": not self.causal,
+            "attention_mask": attention_mask is not None,
+            "return_attention_scores": return_attention_scores,
+            "cache_update_index": index is None,
+        }
+        if any(problems.values()):
+            raise ValueError(
+                f"SelfAttention '{self.name}': a key/value cache is for causal "
+                "decoding: the layer needs causal=True, and the call "
+                "`cache_update_index` and no attention_mask or "
+                "return_attention_scores. Received: causal="
+                f"{self.causal}, attention_mask="
+                f"{'given' if attention_mask is not None else None}, "
+                f"return_attention_scores={return_attention_scores}, "
+                f"cache_update_index={index!r}"
+            )
+        if self._key_dim != self._value_dim:
+            raise ValueError(
+                f"SelfAttention '{self.name}': the cache stores keys and values "
+                "in one tensor, so value_dim must equal key_dim. Received: "
+                f"key_dim={self._key_dim}, value_dim={self._value_dim}"
+            )
+        cache_lib.check(cache, self._kv_heads, self._key_dim, self.name)
+        max_length = tuple(cache.shape)[2]
+        if isinstance(index, int) and isinstance(max_length, int):
+            new = tuple(inputs.shape)[1]
+            if index < 0 or (isinstance(new, int) and index + new > max_length):
+                raise ValueError(
+                    f"SelfAttention '{self.name}': {new} new positions from "
+                    f"cache_update_index={index} do not fit a cache of "
+                    f"max_length={max_length}. Received: cache_update_index={index}"
+                )
+        if mask is not None:
+            batch = tuple(inputs.shape)[0]
+            self._check_masks((batch, max_length), mask, None)
+        return True
+
+    def empty_cache(self, batch_size: int, max_length: int):
+        """A key/value cache of zeros for `layer(x, cache=..., cache_update_index=...)`.
+
+        Args:
+            batch_size: The batch size of the decoded sequences.
+            max_length: How many positions the cache holds.
+
+        Returns:
+            Zeros of shape `(batch_size, 2, max_length, num_key_value_heads,
+            key_dim)` in the layer's compute dtype.
+        """
+        if not self.built:
+            raise ValueError(
+                f"SelfAttention '{self.name}' is not built, so its key_dim is not "
+                "known yet. Build it (or call it once) before empty_cache()."
+            )
+        batch_size = _checks.positive_int("batch_size", batch_size)
+        max_length = _checks.positive_int("max_length", max_length)
+        shape = cache_lib.shape(batch_size, max_length, self._kv_heads, self._key_dim)
+        return ops.zeros(shape, self.compute_dtype)
 
     def compute_mask(self, inputs, mask=None):
         return mask
@@ -574,13 +673,23 @@ class SelfAttention(keras.layers.Layer):
         attention_mask=None,
         training=None,
         return_attention_scores: bool = False,
+        cache=None,
+        cache_update_index=None,
     ):
         self._check_inputs(inputs)
-        self._check_masks(inputs.shape, mask, attention_mask)
-        self._check_scores_request(return_attention_scores)
+        decoding = self._check_call(
+            inputs,
+            mask,
+            attention_mask,
+            return_attention_scores,
+            cache,
+            cache_update_index,
+        )
         output = keras.KerasTensor(
             self.compute_output_shape(inputs.shape), dtype=self.compute_dtype
         )
+        if decoding:
+            return output, keras.KerasTensor(cache.shape, dtype=cache.dtype)
         if not return_attention_scores:
             return output
         batch, time = inputs.shape[0], inputs.shape[1]

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 import keras
 
 from keras_selfattn.attention import chunked, explicit, fused, heads
+from keras_selfattn.attention import masks as masks_lib
 from keras_selfattn.attention.masks import Masks
 
 
@@ -183,10 +184,14 @@ def choose(
     blockers = _fused_blockers(
         masks, dropout, return_weights, same_head_dims, float16_on_cpu
     )
+    if not masks_lib.aligned(masks):
+        # Decoding with a cache: a few new queries against the cached keys;
+        # the chunked path blocks the queries of a whole sequence.
+        chunk_size = None
     preference = _PREFERRED.get()
     if preference == "fused" and not blockers:
         return IMPLEMENTATIONS["fused"]
-    if preference == "chunked" and not return_weights:
+    if preference == "chunked" and not return_weights and masks_lib.aligned(masks):
         return _chunked(chunk_size or PREFERRED_CHUNK_SIZE)
     if preference == "explicit":
         return IMPLEMENTATIONS["explicit"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from keras_selfattn.attention import masks as masks_lib
 from keras_selfattn.attention.masks import Masks
 
 # What each backend's kernel takes, beyond no mask and `causal`.
@@ -120,6 +121,30 @@ def _torch_attention(query, key, value, masks: Masks, scale: float):
     return output.transpose(1, 2)
 
 
+def _dense_mask_attention(query, key, value, masks: Masks, scale: float):
+    """The kernel with the call's whole mask as a boolean (B, 1, Tq, Tk) mask:
+    for queries that do not start at key 0 (decoding with a cache, where Tq
+    is a few new positions), which `is_causal` would misplace."""
+    query_len, key_len = ops.shape(query)[1], ops.shape(key)[1]
+    mask = _nonempty_rows(masks_lib.block(masks, query_len=query_len, key_len=key_len))
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return jax.nn.dot_product_attention(query, key, value, mask=mask, scale=scale)
+    import torch
+
+    query, key, value = (t.transpose(1, 2) for t in (query, key, value))
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
+    return output.transpose(1, 2)
+
+
 def fused_attention(
     query, key, value, masks, *, scale, dropout=None, return_weights=False
 ):
@@ -145,6 +170,8 @@ def fused_attention(
             "The fused path takes no dropout, returned weights or attention_mask."
         )
     backend = keras.backend.backend()
+    if backend in ("jax", "torch") and not masks_lib.aligned(masks):
+        return _dense_mask_attention(query, key, value, masks, scale), None
     if backend == "jax":
         return _jax_attention(query, key, value, masks, scale), None
     if backend == "torch":

@@ -49,6 +49,11 @@ def merge(x, layout: str):
     return ops.reshape(x, (batch, time, heads * depth))
 
 
+def transpose(x):
+    """(B, T, H, D) <-> (B, H, T, D)."""
+    return ops.transpose(x, (0, 2, 1, 3))
+
+
 def repeat(x, repeats: int, layout: str):
     """Each head of x repeated `repeats` times in place, along the heads axis:
     head g becomes heads g * repeats .. (g + 1) * repeats - 1 (the grouping

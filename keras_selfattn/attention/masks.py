@@ -27,21 +27,26 @@ class Masks:
             a key.
         causal: Whether a query sees only itself and earlier keys.
         sliding_window: If set, a query sees only keys closer than this.
-        query_offset: The position of the first query among the keys (an
-            int or scalar int32 tensor): 0 when queries and keys are the same
-            sequence, the cache index when decoding with a key/value cache.
+        query_offset: None when queries and keys are the same sequence;
+            when decoding with a key/value cache, the position of the first
+            query among the cached keys (an int or scalar int32 tensor).
     """
 
     padding: Any = None
     attention: Any = None
     causal: bool = False
     sliding_window: int | None = None
-    query_offset: Any = 0
+    query_offset: Any = None
 
     @property
     def has_band(self) -> bool:
         """Whether causal or sliding-window positions are excluded."""
         return self.causal or self.sliding_window is not None
+
+
+def aligned(masks: Masks) -> bool:
+    """Whether query i is key i (not decoding with a cache)."""
+    return masks.query_offset is None
 
 
 def band(masks: Masks, query_pos, key_pos):
@@ -107,7 +112,7 @@ def block(masks: Masks, query_start=0, key_start=0, query_len=None, key_len=None
     rules = []
     if masks.has_band:
         first_query = query_start
-        if not (isinstance(masks.query_offset, int) and masks.query_offset == 0):
+        if not aligned(masks):
             first_query = ops.add(masks.query_offset, query_start)
         query_pos = ops.reshape(
             first_query + ops.arange(query_len, dtype="int32"), (1, 1, -1, 1)

@@ -8,8 +8,8 @@ for a head of size D, position p and i < D/2, the pair
     out = x * cos + rotate_half(x) * sin,  rotate_half(x) = concat(-x2, x1)
 
 with `x1 = x[..., :D/2]`, `x2 = x[..., D/2:]` and the (T, D/2) angle table
-tiled to D by concatenating it with itself. Positions are 0 .. T-1 along
-the time axis of the layout (`heads.HEADS_FIRST` or `heads.TIME_FIRST`).
+tiled to D by concatenating it with itself. Positions are offset .. offset
++ T - 1 along the time axis of the layout (`heads.HEADS_FIRST` or `heads.TIME_FIRST`).
 The angles, their cosines and the rotation run in float32; the result is
 cast back to the input's dtype.
 """
@@ -22,7 +22,9 @@ from keras import ops
 from keras_selfattn.attention import heads
 
 
-def rotate(x, layout: str, max_wavelength: float, scaling_factor: float = 1.0):
+def rotate(
+    x, layout: str, max_wavelength: float, scaling_factor: float = 1.0, offset=0
+):
     """`x` (B, H, T, D) or (B, T, H, D), as `layout` says, rotated by position.
 
     Args:
@@ -31,6 +33,8 @@ def rotate(x, layout: str, max_wavelength: float, scaling_factor: float = 1.0):
         max_wavelength: The longest wavelength (keras-hub's `max_wavelength`).
         scaling_factor: Positions are divided by it (keras-hub's
             `scaling_factor`).
+        offset: The position of x's first step (an int or a scalar int
+            tensor): the cache index when decoding.
 
     Returns:
         The rotated tensor, of x's shape and dtype.
@@ -41,7 +45,10 @@ def rotate(x, layout: str, max_wavelength: float, scaling_factor: float = 1.0):
     time = ops.shape(x)[time_axis]
     exponents = ops.arange(0, depth, 2, dtype="float32") / float(depth)
     inverse_freq = 1.0 / ops.power(float(max_wavelength), exponents)
-    positions = ops.arange(time, dtype="float32") / float(scaling_factor)
+    positions = ops.arange(time, dtype="float32")
+    if not (isinstance(offset, int) and offset == 0):
+        positions = positions + ops.cast(offset, "float32")
+    positions = positions / float(scaling_factor)
     angles = ops.multiply(
         ops.expand_dims(positions, 1), ops.expand_dims(inverse_freq, 0)
     )

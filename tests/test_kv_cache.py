@@ -1,0 +1,136 @@
+"""Decoding with a key/value cache equals the full causal forward.
+
+Each test decodes a sequence a few positions at a time with
+`layer(x, cache=..., cache_update_index=...)` and compares with the layer's
+own full causal call, which the other suites compare with the numpy
+reference; the first test also compares with the reference directly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from keras_selfattn import SelfAttention
+from tests.backend import BACKEND, compiled, to_numpy
+from tests.reference import for_layer
+
+RNG = np.random.default_rng(5)
+X = RNG.normal(size=(2, 9, 8)).astype("float32")
+LEFT_PADDED = np.ones((2, 9), bool)
+LEFT_PADDED[1, :3] = False
+CONFIGS = {
+    "plain": {},
+    "gqa": {"num_key_value_heads": 2},
+    "mqa_rope_gate": {
+        "num_key_value_heads": 1,
+        "rope_max_wavelength": 50.0,
+        "use_gate": True,
+        "output_dim": 6,
+        "use_bias": True,
+    },
+    "rope_scaled": {"rope_max_wavelength": 100.0, "rope_scaling_factor": 2.0},
+    "window": {"sliding_window": 3, "num_key_value_heads": 2},
+}
+PATHS = {"explicit": False, "fused": True}
+
+
+def _decode(layer, x, step, run=None, **masks):
+    run = run or (
+        lambda x, cache, index: layer(x, cache=cache, cache_update_index=index, **masks)
+    )
+    cache = layer.empty_cache(x.shape[0], x.shape[1])
+    outputs = []
+    for index in range(0, x.shape[1], step):
+        output, cache = run(x[:, index : index + step], cache, index)
+        outputs.append(to_numpy(output))
+    return np.concatenate(outputs, axis=1), to_numpy(cache)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("step", [1, 4])
+@pytest.mark.parametrize("padded", [False, True])
+def test_cached_decoding_equals_full_forward(path, config, step, padded):
+    if PATHS[path] and BACKEND == "tensorflow":
+        pytest.skip("TensorFlow has no fused attention kernel")
+    if PATHS[path] and BACKEND == "torch" and "sliding_window" in CONFIGS[config]:
+        pytest.skip("PyTorch's fused kernel takes no sliding_window")
+    layer = SelfAttention(
+        num_heads=4,
+        key_dim=4,
+        causal=True,
+        flash_attention=PATHS[path],
+        **CONFIGS[config],
+    )
+    masks = {"mask": LEFT_PADDED} if padded else {}
+    full = to_numpy(layer(X, **masks))
+    decoded, cache = _decode(layer, X, step, **masks)
+    np.testing.assert_allclose(decoded, full, atol=1e-5, rtol=1e-5)
+    assert cache.shape == (2, 2, 9, layer.num_key_value_heads or 4, 4)
+    if config == "plain" and not padded:
+        np.testing.assert_allclose(full, for_layer(layer, X)[0], atol=2e-5)
+
+
+def test_cached_decoding_under_jit_with_a_tensor_index():
+    layer = SelfAttention(num_heads=2, key_dim=4, causal=True, rope_max_wavelength=10.0)
+    full = to_numpy(layer(X))
+    step = compiled(
+        lambda x, cache, index: layer(x, cache=cache, cache_update_index=index)
+    )
+
+    def run(x, cache, index):
+        return step(x, cache, np.int32(index))
+
+    decoded, _ = _decode(layer, X, 1, run=run)
+    np.testing.assert_allclose(decoded, full, atol=1e-5, rtol=1e-5)
+
+
+def test_cache_is_grouped_query_sized():
+    gqa = SelfAttention(num_heads=8, key_dim=4, num_key_value_heads=2, causal=True)
+    mha = SelfAttention(num_heads=8, key_dim=4, causal=True)
+    for layer in (gqa, mha):
+        layer.build(X.shape)
+    assert (
+        to_numpy(gqa.empty_cache(2, 16)).nbytes * 4
+        == to_numpy(mha.empty_cache(2, 16)).nbytes
+    )
+
+
+@pytest.mark.parametrize(
+    ("layer_kwargs", "call_kwargs", "message"),
+    [
+        ({"causal": False}, {"cache_update_index": 0}, "needs causal=True"),
+        ({"causal": True}, {}, "cache_update_index=None"),
+        (
+            {"causal": True},
+            {"cache_update_index": 0, "return_attention_scores": True},
+            "return_attention_scores=True",
+        ),
+        ({"causal": True}, {"cache_update_index": 8}, "do not fit a cache"),
+        ({"causal": True, "value_dim": 2}, {"cache_update_index": 0}, "value_dim"),
+    ],
+)
+def test_bad_cache_calls(layer_kwargs, call_kwargs, message):
+    layer = SelfAttention(num_heads=2, key_dim=4, **layer_kwargs)
+    layer.build(X.shape)
+    cache = np.zeros((2, 2, 9, 2, 4), "float32")
+    with pytest.raises(ValueError, match=message):
+        layer(X[:, :3], cache=cache, **call_kwargs)
+
+
+def test_bad_cache_shape_and_unbuilt_empty_cache():
+    layer = SelfAttention(num_heads=2, key_dim=4, causal=True)
+    with pytest.raises(ValueError, match="not built"):
+        layer.empty_cache(2, 9)
+    layer.build(X.shape)
+    with pytest.raises(ValueError, match=r"cache.shape=\(2, 2, 9, 3, 4\)"):
+        layer(
+            X[:, :1], cache=np.zeros((2, 2, 9, 3, 4), "float32"), cache_update_index=0
+        )
+    with pytest.raises(ValueError, match="max_length"):
+        layer.empty_cache(2, 0)
+    with pytest.raises(
+        ValueError, match="cache_update_index goes with|goes with `cache`"
+    ):
+        layer(X, cache_update_index=0)
