@@ -4,6 +4,9 @@
                    [--version N] [--warmup] [--onnx OUT.onnx] [--opset N]
                    [--fuse-attention]
     keras-selfattn verify MODEL.keras [--saved-model VERSION_DIR] [--onnx PATH]
+    keras-selfattn export-decode-step MODEL.keras --max-length N
+                   [--saved-model BASE_DIR [--name NAME] [--version N]]
+                   [--onnx OUT.onnx [--opset N]]
 
 Every step is printed as it runs, then a parity table (each runtime against
 Keras). `export` writes each export beside its target, verifies them all in
@@ -265,6 +268,87 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_decode_step(args: argparse.Namespace) -> int:
+    """Like `_export`, for the decoding step (`export.decode_step`)."""
+    from keras_selfattn.export import decode_step, onnx_export_module, saved_model
+    from keras_selfattn.serving.layout import VersionExistsError
+
+    if args.saved_model is None and args.onnx is None:
+        raise CLIError(
+            "export-decode-step needs --saved-model BASE_DIR, --onnx OUT.onnx or both"
+        )
+    if args.saved_model is None and (args.name or args.version):
+        raise CLIError("--name and --version need --saved-model")
+    if args.onnx is None and args.opset is not None:
+        raise CLIError("--opset needs --onnx")
+    decode_step.require_tensorflow()
+    name = args.name or os.path.splitext(os.path.basename(args.model))[0]
+    if args.saved_model is not None:
+        try:
+            saved_model.check_target(
+                args.saved_model, name, args.version, argument="--saved-model"
+            )
+        except VersionExistsError as error:
+            raise CLIError(
+                f"version {error.version} of {error.name!r} already exists in "
+                f"{error.model_dir}; it is never overwritten (pass another "
+                "--version or omit it)"
+            ) from None
+    if args.onnx is not None:
+        onnx_export = onnx_export_module()
+        opset = onnx_export.check_opset(args.opset)
+        onnx_export.check_target(args.onnx, argument="--onnx")
+
+    model = _load_model(args.model)
+    _describe(model)
+    step = decode_step.build_decode_step(model, args.max_length)
+    print(
+        f"  decode step: caches {', '.join(step.cache_names)} "
+        f"(max_length {args.max_length})",
+        flush=True,
+    )
+    with contextlib.ExitStack() as staging:
+        staged = {}
+        if args.saved_model is not None:
+            staged["saved_model"] = _step(
+                f"Exporting SavedModel {name!r} (signature "
+                f"{decode_step.SIGNATURE_NAME!r}) under {args.saved_model}",
+                lambda: staging.enter_context(
+                    decode_step.stage_saved_model(
+                        model,
+                        args.saved_model,
+                        name,
+                        args.version,
+                        max_length=args.max_length,
+                    )
+                ),
+            )
+        if args.onnx is not None:
+            staged["onnx"] = _step(
+                f"Exporting ONNX (opset {opset}) to {args.onnx}",
+                lambda: staging.enter_context(
+                    decode_step.stage_onnx(
+                        model, args.onnx, max_length=args.max_length, opset=opset
+                    )
+                ),
+            )
+        report = _step(
+            "Decoding step by step against Keras",
+            lambda: decode_step.verify_decode_step(
+                model,
+                staged["saved_model"].path if "saved_model" in staged else None,
+                staged["onnx"].path if "onnx" in staged else None,
+                max_length=args.max_length,
+                atol=args.atol,
+                rtol=args.rtol,
+            ),
+        )
+    for export in staged.values():
+        print(f"  wrote {export.target}", flush=True)
+    print(report, flush=True)
+    return 0
+
+
 def _verify(args: argparse.Namespace) -> int:
     if args.saved_model is None and args.onnx is None:
         raise CLIError("verify needs --saved-model VERSION_DIR, --onnx PATH or both")
@@ -372,6 +456,36 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--onnx", metavar="PATH", help="an ONNX file")
     add_tolerances(verify)
     verify.set_defaults(run=_verify)
+
+    step = commands.add_parser(
+        "export-decode-step",
+        help="export the decoding step (inputs + key/value caches + index), "
+        "then verify it step by step",
+    )
+    step.add_argument(
+        "model", metavar="MODEL.keras", help="model saved with model.save"
+    )
+    step.add_argument(
+        "--max-length",
+        type=_positive_int,
+        required=True,
+        help="the caches' length (longest sequence decoded)",
+    )
+    step.add_argument(
+        "--saved-model",
+        metavar="BASE_DIR",
+        help="write BASE_DIR/NAME/VERSION/ (signature decode_step)",
+    )
+    step.add_argument("--name", help="model name (default: MODEL file name)")
+    step.add_argument(
+        "--version",
+        type=_positive_int,
+        help="version number (default: highest existing + 1)",
+    )
+    step.add_argument("--onnx", metavar="OUT.onnx", help="write an ONNX file")
+    step.add_argument("--opset", type=int, help="ONNX opset, 13 to 18 (default 17)")
+    add_tolerances(step)
+    step.set_defaults(run=_export_decode_step)
     return parser
 
 

@@ -6,6 +6,11 @@
 - `export_onnx`: an ONNX file through tf2onnx, checked in onnxruntime (needs
   the `onnx` extra: `pip install 'keras_selfattn[onnx]'`; imported on first
   use, so SavedModel export works without it).
+- `export_decode_step_saved_model`, `export_decode_step_onnx`,
+  `verify_decode_step`: a decoding step (new positions + one key/value
+  cache per causal SelfAttention + index -> output + updated caches), checked
+  step by step over whole sequences (`keras_selfattn.export.decode_step`;
+  TensorFlow backend only).
 - `verify`: compares either or both with Keras on several shapes and returns a
   `ParityReport`, raising `ParityError` beyond tolerance.
 
@@ -18,6 +23,11 @@ the exporters raise a one-line ValueError saying how to export (see
 
 from types import ModuleType
 
+from keras_selfattn.export.decode_step import (
+    export_decode_step_onnx,
+    export_decode_step_saved_model,
+    verify_decode_step,
+)
 from keras_selfattn.export.saved_model import export_saved_model
 from keras_selfattn.export.verify import ParityError, ParityReport, ParityRow, verify
 
@@ -25,9 +35,12 @@ __all__ = [
     "ParityError",
     "ParityReport",
     "ParityRow",
+    "export_decode_step_onnx",
+    "export_decode_step_saved_model",
     "export_onnx",
     "export_saved_model",
     "verify",
+    "verify_decode_step",
 ]
 
 
