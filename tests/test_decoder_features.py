@@ -14,21 +14,9 @@ import pytest
 
 from keras_selfattn import SelfAttention
 from tests.backend import BACKEND, compiled, to_numpy, value_and_grad
+from tests.paths import PATH_PARAMS, PATHS
 from tests.reference import for_layer, rotary
 
-PATHS = {
-    "explicit": {"flash_attention": False},
-    "chunked": {"flash_attention": False, "chunk_size": 3},
-    "fused": {"flash_attention": True},
-}
-needs_fused = pytest.mark.skipif(
-    BACKEND == "tensorflow", reason="TensorFlow has no fused attention kernel"
-)
-PATH_PARAMS = [
-    pytest.param("explicit"),
-    pytest.param("chunked"),
-    pytest.param("fused", marks=needs_fused),
-]
 FEATURES = {
     "gqa": {"num_heads": 4, "num_key_value_heads": 2},
     "mqa": {"num_heads": 4, "num_key_value_heads": 1},

@@ -97,18 +97,12 @@ def _jax_attention(query, key, value, masks: Masks, scale: float):
     return jax.lax.cond(right_padded, by_lengths, by_mask)
 
 
-def _torch_attention(query, key, value, masks: Masks, scale: float):
+def _sdpa(query, key, value, scale: float, mask=None, causal: bool = False):
+    """torch's scaled_dot_product_attention on (B, T, H, D) tensors; key and
+    value may have fewer heads (grouped-query attention)."""
     import torch
 
     query, key, value = (t.transpose(1, 2) for t in (query, key, value))
-    mask, causal = None, masks.causal
-    if masks.padding is not None:
-        mask = masks.padding.bool()[:, None, None, :]
-        if causal:  # SDPA takes a mask or is_causal, not both.
-            query_len, key_len = query.shape[2], key.shape[2]
-            lower = torch.ones(query_len, key_len, dtype=torch.bool, device=mask.device)
-            mask, causal = mask & torch.tril(lower), False
-        mask = _nonempty_rows(mask)
     output = torch.nn.functional.scaled_dot_product_attention(
         query,
         key,
@@ -121,6 +115,20 @@ def _torch_attention(query, key, value, masks: Masks, scale: float):
     return output.transpose(1, 2)
 
 
+def _torch_attention(query, key, value, masks: Masks, scale: float):
+    import torch
+
+    mask, causal = None, masks.causal
+    if masks.padding is not None:
+        mask = masks.padding.bool()[:, None, None, :]
+        if causal:  # SDPA takes a mask or is_causal, not both.
+            query_len, key_len = query.shape[1], key.shape[1]
+            lower = torch.ones(query_len, key_len, dtype=torch.bool, device=mask.device)
+            mask, causal = mask & torch.tril(lower), False
+        mask = _nonempty_rows(mask)
+    return _sdpa(query, key, value, scale, mask, causal)
+
+
 def _dense_mask_attention(query, key, value, masks: Masks, scale: float):
     """The kernel with the call's whole mask as a boolean (B, 1, Tq, Tk) mask:
     for queries that do not start at key 0 (decoding with a cache, where Tq
@@ -131,18 +139,7 @@ def _dense_mask_attention(query, key, value, masks: Masks, scale: float):
         import jax
 
         return jax.nn.dot_product_attention(query, key, value, mask=mask, scale=scale)
-    import torch
-
-    query, key, value = (t.transpose(1, 2) for t in (query, key, value))
-    output = torch.nn.functional.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=key.shape[1] != query.shape[1],
-    )
-    return output.transpose(1, 2)
+    return _sdpa(query, key, value, scale, mask)
 
 
 def fused_attention(
