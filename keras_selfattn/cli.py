@@ -30,7 +30,8 @@ import sys
 import threading
 import time
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 PROG = "keras-selfattn"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -182,6 +183,55 @@ def _describe(model) -> None:
     print(f"  model {model.name!r}: inputs {inputs}", flush=True)
 
 
+def _check_targets(args: argparse.Namespace, name: str) -> int | None:
+    """The exporters' target checks, before the model is loaded.
+
+    Checks `--saved-model` (with model `name` and `--version`) and `--onnx`
+    (with `--opset`) when given.
+
+    Returns:
+        The ONNX opset to use, or None without `--onnx`.
+
+    Raises:
+        CLIError: if the SavedModel version exists.
+    """
+    from keras_selfattn.export import onnx_export_module, saved_model
+    from keras_selfattn.serving.layout import VersionExistsError
+
+    if args.saved_model is not None:
+        try:
+            saved_model.check_target(
+                args.saved_model, name, args.version, argument="--saved-model"
+            )
+        except VersionExistsError as error:
+            raise CLIError(
+                f"version {error.version} of {error.name!r} already exists in "
+                f"{error.model_dir}; it is never overwritten (pass another "
+                "--version or omit it)"
+            ) from None
+    if args.onnx is None:
+        return None
+    onnx_export = onnx_export_module()
+    opset = onnx_export.check_opset(args.opset)
+    onnx_export.check_target(args.onnx, argument="--onnx")
+    return opset
+
+
+def _staged_paths(staged: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """The staged SavedModel's and ONNX file's paths (None when not staged)."""
+    saved = staged["saved_model"].path if "saved_model" in staged else None
+    onnx = staged["onnx"].path if "onnx" in staged else None
+    return saved, onnx
+
+
+def _print_written(staged: Mapping[str, Any], report: object) -> int:
+    """Prints the moved-in exports and the parity report; returns status 0."""
+    for export in staged.values():
+        print(f"  wrote {export.target}", flush=True)
+    print(report, flush=True)
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     """Stages each export, verifies them in one step, then moves them in.
 
@@ -189,7 +239,6 @@ def _export(args: argparse.Namespace) -> int:
     export appears only once every export of the command matched Keras.
     """
     from keras_selfattn.export import onnx_export_module, saved_model, verify
-    from keras_selfattn.serving.layout import VersionExistsError
 
     if args.saved_model is None and args.onnx is None:
         raise CLIError("export needs --saved-model BASE_DIR, --onnx OUT.onnx or both")
@@ -202,21 +251,7 @@ def _export(args: argparse.Namespace) -> int:
     name = args.name
     if name is None:
         name = os.path.splitext(os.path.basename(args.model))[0]
-    if args.saved_model is not None:
-        try:
-            saved_model.check_target(
-                args.saved_model, name, args.version, argument="--saved-model"
-            )
-        except VersionExistsError as error:
-            raise CLIError(
-                f"version {error.version} of {error.name!r} already exists in "
-                f"{error.model_dir}; it is never overwritten (pass another "
-                "--version or omit it)"
-            ) from None
-    if args.onnx is not None:
-        onnx_export = onnx_export_module()
-        opset = onnx_export.check_opset(args.opset)
-        onnx_export.check_target(args.onnx, argument="--onnx")
+    opset = _check_targets(args, name)
 
     model = _load_model(args.model)
     _describe(model)
@@ -234,6 +269,8 @@ def _export(args: argparse.Namespace) -> int:
             )
         if args.onnx is not None:
             from keras_selfattn.export.fused_attention import FUSED_OPSET, collect_log
+
+            onnx_export = onnx_export_module()
 
             fused = f" -> {FUSED_OPSET}, fused Attention" if args.fuse_attention else ""
             with collect_log() as fusion_log:
@@ -256,22 +293,17 @@ def _export(args: argparse.Namespace) -> int:
             "Verifying against Keras",
             lambda: verify(
                 model,
-                staged["saved_model"].path if "saved_model" in staged else None,
-                staged["onnx"].path if "onnx" in staged else None,
+                *_staged_paths(staged),
                 atol=args.atol,
                 rtol=args.rtol,
             ),
         )
-    for export in staged.values():
-        print(f"  wrote {export.target}", flush=True)
-    print(report, flush=True)
-    return 0
+    return _print_written(staged, report)
 
 
 def _export_decode_step(args: argparse.Namespace) -> int:
     """Like `_export`, for the decoding step (`export.decode_step`)."""
-    from keras_selfattn.export import decode_step, onnx_export_module, saved_model
-    from keras_selfattn.serving.layout import VersionExistsError
+    from keras_selfattn.export import decode_step
 
     if args.saved_model is None and args.onnx is None:
         raise CLIError(
@@ -283,21 +315,7 @@ def _export_decode_step(args: argparse.Namespace) -> int:
         raise CLIError("--opset needs --onnx")
     decode_step.require_tensorflow()
     name = args.name or os.path.splitext(os.path.basename(args.model))[0]
-    if args.saved_model is not None:
-        try:
-            saved_model.check_target(
-                args.saved_model, name, args.version, argument="--saved-model"
-            )
-        except VersionExistsError as error:
-            raise CLIError(
-                f"version {error.version} of {error.name!r} already exists in "
-                f"{error.model_dir}; it is never overwritten (pass another "
-                "--version or omit it)"
-            ) from None
-    if args.onnx is not None:
-        onnx_export = onnx_export_module()
-        opset = onnx_export.check_opset(args.opset)
-        onnx_export.check_target(args.onnx, argument="--onnx")
+    opset = _check_targets(args, name)
 
     model = _load_model(args.model)
     _describe(model)
@@ -336,17 +354,13 @@ def _export_decode_step(args: argparse.Namespace) -> int:
             "Decoding step by step against Keras",
             lambda: decode_step.verify_decode_step(
                 model,
-                staged["saved_model"].path if "saved_model" in staged else None,
-                staged["onnx"].path if "onnx" in staged else None,
+                *_staged_paths(staged),
                 max_length=args.max_length,
                 atol=args.atol,
                 rtol=args.rtol,
             ),
         )
-    for export in staged.values():
-        print(f"  wrote {export.target}", flush=True)
-    print(report, flush=True)
-    return 0
+    return _print_written(staged, report)
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -412,30 +426,38 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"relative tolerance (default {DEFAULT_RTOL:g})",
         )
 
+    def add_saved_model_target(sub: argparse.ArgumentParser, what: str) -> None:
+        """Adds --saved-model BASE_DIR (`what` is written), --name, --version."""
+        sub.add_argument(
+            "--saved-model",
+            metavar="BASE_DIR",
+            help=f"write BASE_DIR/NAME/VERSION/ ({what})",
+        )
+        sub.add_argument("--name", help="model name (default: MODEL file name)")
+        sub.add_argument(
+            "--version",
+            type=_positive_int,
+            help="version number (default: highest existing + 1)",
+        )
+
+    def add_onnx_target(sub: argparse.ArgumentParser) -> None:
+        """--onnx OUT.onnx and --opset."""
+        sub.add_argument("--onnx", metavar="OUT.onnx", help="write an ONNX file")
+        sub.add_argument("--opset", type=int, help="ONNX opset, 13 to 18 (default 17)")
+
     export = commands.add_parser(
         "export", help="export to a TF Serving SavedModel and/or ONNX, then verify"
     )
     export.add_argument(
         "model", metavar="MODEL.keras", help="model saved with model.save"
     )
-    export.add_argument(
-        "--saved-model",
-        metavar="BASE_DIR",
-        help="write BASE_DIR/NAME/VERSION/ (TF Serving layout)",
-    )
-    export.add_argument("--name", help="model name (default: MODEL file name)")
-    export.add_argument(
-        "--version",
-        type=_positive_int,
-        help="version number (default: highest existing + 1)",
-    )
+    add_saved_model_target(export, "TF Serving layout")
     export.add_argument(
         "--warmup",
         action="store_true",
         help="add assets.extra/tf_serving_warmup_requests",
     )
-    export.add_argument("--onnx", metavar="OUT.onnx", help="write an ONNX file")
-    export.add_argument("--opset", type=int, help="ONNX opset, 13 to 18 (default 17)")
+    add_onnx_target(export)
     export.add_argument(
         "--fuse-attention",
         action="store_true",
@@ -471,19 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="the caches' length (longest sequence decoded)",
     )
-    step.add_argument(
-        "--saved-model",
-        metavar="BASE_DIR",
-        help="write BASE_DIR/NAME/VERSION/ (signature decode_step)",
-    )
-    step.add_argument("--name", help="model name (default: MODEL file name)")
-    step.add_argument(
-        "--version",
-        type=_positive_int,
-        help="version number (default: highest existing + 1)",
-    )
-    step.add_argument("--onnx", metavar="OUT.onnx", help="write an ONNX file")
-    step.add_argument("--opset", type=int, help="ONNX opset, 13 to 18 (default 17)")
+    add_saved_model_target(step, "signature decode_step")
+    add_onnx_target(step)
     add_tolerances(step)
     step.set_defaults(run=_export_decode_step)
     return parser

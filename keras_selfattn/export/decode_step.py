@@ -42,13 +42,7 @@ import keras
 import numpy as np
 
 from keras_selfattn.export import _files
-from keras_selfattn.export._endpoint import (
-    BATCH_AXIS,
-    TIME_AXIS,
-    NamedInput,
-    _output_names,
-    model_inputs,
-)
+from keras_selfattn.export._endpoint import NamedInput, _output_names, model_inputs
 from keras_selfattn.export._inputs import vocabulary_size
 from keras_selfattn.export.verify import (
     DEFAULT_ATOL,
@@ -59,6 +53,9 @@ from keras_selfattn.export.verify import (
     _brief,
     _check_tolerance,
     _compare,
+    require_saved_model_pb,
+    session_runner,
+    signature_runner,
 )
 from keras_selfattn.self_attention import SelfAttention
 
@@ -374,43 +371,20 @@ def keras_runner(step: DecodeStep) -> Runner:
     return run
 
 
-def _check_names(what: str, kind: str, found, wanted) -> None:
-    missing = [name for name in wanted if name not in found]
-    if missing:
-        raise ParityError(
-            f"{what} lacks the decode step's {kind} {missing}; it has {sorted(found)}",
-            ParityReport((), 0.0, 0.0),
-        )
-
-
 def saved_model_runner(directory: str, step: DecodeStep) -> Runner:
     """The SavedModel's "decode_step" signature (`tf.saved_model.load`)."""
     import tensorflow as tf
 
-    if not os.path.isfile(os.path.join(directory, "saved_model.pb")):
-        raise FileNotFoundError(
-            f"No saved_model.pb in {directory}: pass a version folder "
-            "(BASE_DIR/NAME/VERSION)"
-        )
+    require_saved_model_pb(directory)
     loaded = tf.saved_model.load(directory)
-    what = f"SavedModel {directory}"
-    if SIGNATURE_NAME not in loaded.signatures:
-        raise ParityError(
-            f"{what} has no {SIGNATURE_NAME!r} signature; it has "
-            f"{sorted(loaded.signatures)}",
-            ParityReport((), 0.0, 0.0),
-        )
-    signature = loaded.signatures[SIGNATURE_NAME]
-    _check_names(
-        what, "inputs", list(signature.structured_input_signature[1]), step.input_names
+    return signature_runner(
+        loaded,
+        f"SavedModel {directory}",
+        SIGNATURE_NAME,
+        step.input_names,
+        step.output_names,
+        owner="decode step",
     )
-    _check_names(what, "outputs", list(signature.structured_outputs), step.output_names)
-
-    def run(arrays):
-        outputs = signature(**{k: tf.constant(v) for k, v in arrays.items()})
-        return {name: value.numpy() for name, value in outputs.items()}
-
-    return run
 
 
 def onnx_runner(path: str, step: DecodeStep) -> Runner:
@@ -420,17 +394,13 @@ def onnx_runner(path: str, step: DecodeStep) -> Runner:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"ONNX file not found: {path}")
     session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
-    what = f"ONNX model {path}"
-    _check_names(
-        what, "inputs", [n.name for n in session.get_inputs()], step.input_names
+    return session_runner(
+        session,
+        f"ONNX model {path}",
+        step.input_names,
+        step.output_names,
+        owner="decode step",
     )
-    names = [n.name for n in session.get_outputs()]
-    _check_names(what, "outputs", names, step.output_names)
-
-    def run(arrays):
-        return dict(zip(names, session.run(None, dict(arrays)), strict=True))
-
-    return run
 
 
 def _row(runtime, label, pairs, atol, rtol) -> ParityRow:
@@ -547,20 +517,18 @@ def stage_saved_model(
     Arguments as in `export_decode_step_saved_model`; an exception in the
     block removes the folder (see `saved_model.stage_saved_model`).
     """
-    from keras_selfattn.export.saved_model import check_target
-    from keras_selfattn.serving import layout
+    from keras_selfattn.export.saved_model import check_target, stage_version
 
     require_tensorflow()
     target = check_target(base_dir, name, version)
     step = build_decode_step(model, max_length)
-    with _files.atomic_directory(target) as tmp:
-        write_saved_model(step, tmp)
-        yield _files.Staged(tmp, target)
-    if models_config:
-        from keras_selfattn.serving.model_config import write_models_config
-
-        base_dir = os.fspath(base_dir)
-        write_models_config(base_dir, layout.served_model_names(base_dir))
+    with stage_version(
+        base_dir,
+        target,
+        lambda tmp: write_saved_model(step, tmp),
+        models_config=models_config,
+    ) as staged:
+        yield staged
 
 
 def export_decode_step_saved_model(
@@ -629,55 +597,21 @@ def write_saved_model(step: DecodeStep, directory: str) -> None:
     archive.write_out(directory, verbose=False)
 
 
-def _dynamic_update_slice(ctx, node, name, args):
-    """tf2onnx handler of XlaDynamicUpdateSlice (the cache write on TF).
-
-    `operand` with `update` written at `start` (clamped into the operand as
-    XLA does): Where(Pad(ones, pads), Pad(update, pads), operand), with pads
-    (start, operand.shape - update.shape - start) on every axis.
-    """
-    from onnx import TensorProto, helper
-    from tf2onnx.utils import make_name
-
-    operand, update, indices = node.input
-    start = ctx.make_node("Cast", [indices], attr={"to": TensorProto.INT64})
-    operand_shape = ctx.make_node("Shape", [operand])
-    update_shape = ctx.make_node("Shape", [update])
-    limit = ctx.make_node("Sub", [operand_shape.output[0], update_shape.output[0]])
-    zero = ctx.make_const(make_name(f"{name}_zero"), np.zeros(1, np.int64))
-    start = ctx.make_node("Min", [start.output[0], limit.output[0]])
-    start = ctx.make_node("Max", [start.output[0], zero.output[0]])
-    end = ctx.make_node("Sub", [limit.output[0], start.output[0]])
-    pads = ctx.make_node("Concat", [start.output[0], end.output[0]], attr={"axis": 0})
-    padded = ctx.make_node("Pad", [update, pads.output[0]])
-    ones = ctx.make_node(
-        "ConstantOfShape",
-        [update_shape.output[0]],
-        attr={"value": helper.make_tensor("one", TensorProto.UINT8, [1], [1])},
-    )
-    mask = ctx.make_node("Pad", [ones.output[0], pads.output[0]])
-    mask = ctx.make_node("Cast", [mask.output[0]], attr={"to": TensorProto.BOOL})
-    node.type = "Where"
-    node.attr.clear()
-    ctx.replace_inputs(node, [mask.output[0], padded.output[0], operand])
-
-
 def convert_to_onnx(step: DecodeStep, opset: int):
     """Converts the step's `tf.function` with tf2onnx; names dynamic axes."""
     import tf2onnx
+
+    from keras_selfattn.export import onnx_export_module
+    from keras_selfattn.export._xla_update_slice import CUSTOM_OP_HANDLERS
 
     function = step.tf_function()
     proto, _ = tf2onnx.convert.from_function(
         function,
         input_signature=step.tensor_specs(),
         opset=opset,
-        custom_op_handlers={"XlaDynamicUpdateSlice": (_dynamic_update_slice, [])},
+        custom_op_handlers=CUSTOM_OP_HANDLERS,
     )
-    for value_info in [*proto.graph.input, *proto.graph.output]:
-        for axis, dim in enumerate(value_info.type.tensor_type.shape.dim):
-            if not dim.HasField("dim_value"):
-                dim.dim_param = BATCH_AXIS if axis == 0 else TIME_AXIS
-    return proto
+    return onnx_export_module().name_dynamic_axes(proto)
 
 
 @contextlib.contextmanager
@@ -692,17 +626,13 @@ def stage_onnx(
     from keras_selfattn.export import onnx_export_module
 
     onnx_export = onnx_export_module()
-    import onnx
 
     require_tensorflow()
     opset = onnx_export.check_opset(opset)
     path = onnx_export.check_target(path)
     step = build_decode_step(model, max_length)
-    proto = convert_to_onnx(step, opset)
-    onnx.checker.check_model(proto, full_check=True)
-    with _files.atomic_file(path) as tmp:
-        onnx.save(proto, tmp)
-        yield _files.Staged(tmp, path)
+    with onnx_export.stage_proto(convert_to_onnx(step, opset), path) as staged:
+        yield staged
 
 
 def export_decode_step_onnx(

@@ -148,6 +148,21 @@ def stage_onnx(
     proto = name_dynamic_axes(proto)
     if fuse_attention:
         proto, _ = fused_attention.fuse_attention(proto, endpoint)
+    with stage_proto(proto, path) as staged:
+        yield staged
+
+
+@contextlib.contextmanager
+def stage_proto(proto: onnx.ModelProto, path: str) -> Iterator[_files.Staged]:
+    """Checks `proto` with `onnx.checker` and writes it beside `path`.
+
+    The block sees the file at `staged.path`; it is linked to `path` after
+    the block, and an exception in the block removes it.
+
+    Args:
+        proto: The converted model.
+        path: The checked target (from `check_target`).
+    """
     onnx.checker.check_model(proto, full_check=True)
     with _files.atomic_file(path) as tmp:
         _write_onnx(proto, tmp)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import keras
 
@@ -137,10 +137,38 @@ def stage_saved_model(
     """
     target = check_target(base_dir, name, version)
     endpoint = build_endpoint(model, attention_outputs)
-    with _files.atomic_directory(target) as tmp:
-        _write_saved_model(endpoint, tmp)
+
+    def write(directory: str) -> None:
+        _write_saved_model(endpoint, directory)
         if warmup:
-            _write_warmup(endpoint, tmp, name)
+            _write_warmup(endpoint, directory, name)
+
+    with stage_version(base_dir, target, write, models_config=models_config) as staged:
+        yield staged
+
+
+@contextlib.contextmanager
+def stage_version(
+    base_dir: str | os.PathLike,
+    target: str,
+    write: Callable[[str], None],
+    *,
+    models_config: bool,
+) -> Iterator[_files.Staged]:
+    """Stages a version folder: `write` fills a hidden folder, moved to `target`.
+
+    The block sees the folder at `staged.path`; an exception in the block
+    removes it. After the move, `base_dir/models.config` is rewritten when
+    `models_config` is True.
+
+    Args:
+        base_dir: The export base dir holding the model folders.
+        target: The version folder (from `check_target`).
+        write: Writes the version's files into the folder it is given.
+        models_config: Whether to rewrite `models.config`.
+    """
+    with _files.atomic_directory(target) as tmp:
+        write(tmp)
         yield _files.Staged(tmp, target)
     if models_config:
         from keras_selfattn.serving.model_config import write_models_config

@@ -119,11 +119,17 @@ def _compare(expected: np.ndarray, actual: np.ndarray, atol: float, rtol: float)
     return float(diff.max()), float(rel.max()) if rel.size else 0.0, ok
 
 
-def _check_names(what: str, kind: str, found: Sequence[str], wanted: Sequence[str]):
+def _check_names(
+    what: str,
+    kind: str,
+    found: Sequence[str],
+    wanted: Sequence[str],
+    owner: str = "model",
+) -> None:
     missing = [name for name in wanted if name not in found]
     if missing:
         raise ParityError(
-            f"{what} lacks the model's {kind} {missing}; it has {sorted(found)}",
+            f"{what} lacks the {owner}'s {kind} {missing}; it has {sorted(found)}",
             ParityReport((), 0.0, 0.0),
         )
 
@@ -134,41 +140,101 @@ def _brief(error: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def saved_model_runner(directory: str, endpoint: Endpoint) -> Runner:
-    import tensorflow as tf
-
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"SavedModel directory not found: {directory}")
+def require_saved_model_pb(directory: str) -> None:
+    """Raises FileNotFoundError unless `directory` holds a saved_model.pb."""
     if not os.path.isfile(os.path.join(directory, "saved_model.pb")):
         raise FileNotFoundError(
             f"No saved_model.pb in {directory}: pass a version folder "
             "(BASE_DIR/NAME/VERSION)"
         )
-    try:
-        loaded = tf.saved_model.load(directory)
-    except Exception as error:
-        raise ValueError(
-            f"Cannot load SavedModel {directory}: {_brief(error)}"
-        ) from error
-    what = f"SavedModel {directory}"
-    if "serving_default" not in loaded.signatures:
+
+
+def signature_runner(
+    loaded: object,
+    what: str,
+    signature_name: str,
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    owner: str = "model",
+) -> Runner:
+    """Runs a loaded SavedModel's signature, once its names are checked.
+
+    Args:
+        loaded: What `tf.saved_model.load` returned.
+        what: The export in errors, e.g. "SavedModel DIR".
+        signature_name: The signature to run.
+        input_names, output_names: Names the signature must take and return.
+        owner: Whose names they are in errors ("model", "decode step").
+
+    Raises:
+        ParityError: if the signature or one of the names is missing.
+    """
+    import tensorflow as tf
+
+    if signature_name not in loaded.signatures:
         raise ParityError(
-            f"{what} has no 'serving_default' signature; it has "
+            f"{what} has no {signature_name!r} signature; it has "
             f"{sorted(loaded.signatures)}",
             ParityReport((), 0.0, 0.0),
         )
-    signature = loaded.signatures["serving_default"]
+    signature = loaded.signatures[signature_name]
     _, input_specs = signature.structured_input_signature
-    _check_names(what, "inputs", list(input_specs), [s.name for s in endpoint.inputs])
-    _check_names(
-        what, "outputs", list(signature.structured_outputs), endpoint.output_names
-    )
+    _check_names(what, "inputs", list(input_specs), input_names, owner)
+    found = list(signature.structured_outputs)
+    _check_names(what, "outputs", found, output_names, owner)
 
     def run(arrays):
         outputs = signature(**{k: tf.constant(v) for k, v in arrays.items()})
         return {name: value.numpy() for name, value in outputs.items()}
 
     return run
+
+
+def session_runner(
+    session: object,
+    what: str,
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    owner: str = "model",
+) -> Runner:
+    """Runs an onnxruntime session, once its names are checked.
+
+    Arguments as in `signature_runner`; `session` is an
+    `onnxruntime.InferenceSession`.
+
+    Raises:
+        ParityError: if one of the names is missing.
+    """
+    found = [node.name for node in session.get_inputs()]
+    _check_names(what, "inputs", found, input_names, owner)
+    names = [node.name for node in session.get_outputs()]
+    _check_names(what, "outputs", names, output_names, owner)
+
+    def run(arrays):
+        return dict(zip(names, session.run(None, dict(arrays)), strict=True))
+
+    return run
+
+
+def saved_model_runner(directory: str, endpoint: Endpoint) -> Runner:
+    import tensorflow as tf
+
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"SavedModel directory not found: {directory}")
+    require_saved_model_pb(directory)
+    try:
+        loaded = tf.saved_model.load(directory)
+    except Exception as error:
+        raise ValueError(
+            f"Cannot load SavedModel {directory}: {_brief(error)}"
+        ) from error
+    return signature_runner(
+        loaded,
+        f"SavedModel {directory}",
+        "serving_default",
+        [s.name for s in endpoint.inputs],
+        endpoint.output_names,
+    )
 
 
 def onnx_runner(path: str, endpoint: Endpoint) -> Runner:
@@ -180,20 +246,12 @@ def onnx_runner(path: str, endpoint: Endpoint) -> Runner:
         session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
     except Exception as error:
         raise ValueError(f"Cannot load ONNX model {path}: {_brief(error)}") from error
-    what = f"ONNX model {path}"
-    _check_names(
-        what,
-        "inputs",
-        [node.name for node in session.get_inputs()],
+    return session_runner(
+        session,
+        f"ONNX model {path}",
         [s.name for s in endpoint.inputs],
+        endpoint.output_names,
     )
-    output_names = [node.name for node in session.get_outputs()]
-    _check_names(what, "outputs", output_names, endpoint.output_names)
-
-    def run(arrays):
-        return dict(zip(output_names, session.run(None, dict(arrays)), strict=True))
-
-    return run
 
 
 def compare_runtimes(
