@@ -12,11 +12,11 @@ CONSTRAINTS := requirements/constraints.txt
 LATEST_VENV := .venv-latest
 TOOLS_VENV := .venv-tools
 PIP_TOOLS := pip-tools==7.6.2
-BACKENDS := tensorflow
+BACKENDS := tensorflow jax torch
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
 .PHONY: install demo test test-slow lint bench clean lock test-latest \
-	$(BACKENDS:%=test-%)
+	$(BACKENDS:%=test-%) $(BACKENDS:%=test-slow-%)
 
 # A new virtualenv, git-ignored from the inside (Python < 3.13 does not).
 define new_venv
@@ -41,7 +41,8 @@ lint: install
 	$(PY) -m ruff format --check .
 
 # The fast suite on every Keras backend, as parallel processes; each
-# backend's output is printed as one block when it ends.
+# backend's output is printed as one block when it ends. Off TensorFlow,
+# tests marked tensorflow_only are skipped with their reason (-rs lists them).
 test: lint
 	$(MAKE) --no-print-directory -j3 --output-sync=target $(BACKENDS:%=test-%)
 
@@ -49,8 +50,13 @@ $(BACKENDS:%=test-%): test-%: install
 	@echo "=== KERAS_BACKEND=$* ==="
 	KERAS_BACKEND=$* $(PYTEST) -m "not slow"
 
+# The long tests, likewise on every backend.
 test-slow: install
-	$(PYTEST) -m slow || [ $$? -eq 5 ]  # 5: no slow tests collected
+	$(MAKE) --no-print-directory -j3 --output-sync=target $(BACKENDS:%=test-slow-%)
+
+$(BACKENDS:%=test-slow-%): test-slow-%: install
+	@echo "=== KERAS_BACKEND=$* (slow) ==="
+	KERAS_BACKEND=$* $(PYTEST) -m slow || [ $$? -eq 5 ]  # 5: none collected
 
 # Newest releases allowed by pyproject.toml (and the constraints), no lock,
 # in their own virtualenv: a refresh that fails here shows what `make lock`

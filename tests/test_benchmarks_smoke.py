@@ -16,6 +16,10 @@ import pytest
 from benchmarks import cases, report, subprocesses, timing
 from benchmarks import run as bench_run
 
+pytestmark = pytest.mark.tensorflow_only(
+    "the benchmark runs tf.function, SavedModel and ONNX"
+)
+
 # Keys every row of a section has (a value, or a "status" saying why not).
 REQUIRED = {
     "forward": {

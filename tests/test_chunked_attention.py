@@ -1,7 +1,9 @@
 """SelfAttention(chunk_size=...) against the numpy reference and the unchunked layer.
 
 Parity runs the chunked layer and an unchunked twin holding the same weights
-on the same inputs, and both against tests/reference.py (float64).
+on the same inputs, and both against tests/reference.py (float64), eagerly
+and compiled (tf.function, jax.jit), on every backend; TensorFlow also in a
+graph of unknown batch and time, through SavedModel and through ONNX.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ import sys
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from keras_selfattn import SelfAttention
-from keras_selfattn.chunked_attention import chunked_attention
+from keras_selfattn.attention.chunked import chunked_attention
+from keras_selfattn.attention.masks import Masks
 from tests import layer_harness
+from tests.backend import BACKEND, compiled, to_numpy, value_and_grad
 from tests.reference import layer_weights, self_attention
 
 # name: (layer kwargs, batch, time, features, chunk_size, masks)
@@ -114,6 +117,8 @@ def _reference(layer, x, padding, attention):
 
 def _in_graph(layer, features: int, padding, attention):
     """The layer in a tf.function with unknown batch and time (masks optional)."""
+    import tensorflow as tf
+
     specs = {"x": tf.TensorSpec((None, None, features))}
     if padding is not None:
         specs["mask"] = tf.TensorSpec((None, None), tf.bool)
@@ -135,31 +140,42 @@ def _in_graph(layer, features: int, padding, attention):
     return call
 
 
-@pytest.mark.parametrize("name", sorted(PARITY_CASES))
-def test_parity_with_reference_and_unchunked(name):
+def _parity_case(name: str):
+    """(chunked layer, unchunked twin, x, padding, attention, reference)."""
     kwargs, batch, time, features, chunk_size, mask_kind = PARITY_CASES[name]
     chunked, plain = _twin_layers(kwargs, features, chunk_size)
     x = _inputs(batch, time, features)
     padding, attention = _masks(mask_kind, batch, time)
     expected = _reference(chunked, x, padding, attention)
-    unchunked = keras.ops.convert_to_numpy(
-        plain(x, mask=padding, attention_mask=attention)
-    )
-    # Eager, then in a graph with unknown batch and time.
-    eager = keras.ops.convert_to_numpy(
-        chunked(x, mask=padding, attention_mask=attention)
-    )
-    graph = _in_graph(chunked, features, padding, attention)(
-        x, padding, attention
-    ).numpy()
+    return chunked, plain, x, padding, attention, expected
+
+
+@pytest.mark.parametrize("name", sorted(PARITY_CASES))
+def test_parity_with_reference_and_unchunked(name):
+    chunked, plain, x, padding, attention, expected = _parity_case(name)
+    assert chunked.implementation(x, padding, attention) == "chunked"
+    unchunked = to_numpy(plain(x, mask=padding, attention_mask=attention))
+    # Eager, then compiled (tf.function, jax.jit; eager on PyTorch).
+    eager = to_numpy(chunked(x, mask=padding, attention_mask=attention))
+    run = compiled(lambda x, m, a: chunked(x, mask=m, attention_mask=a))
+    graph = to_numpy(run(x, padding, attention))
     for out in (eager, graph):
         assert np.all(np.isfinite(out))
         np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
         np.testing.assert_allclose(out, unchunked, atol=1e-5, rtol=1e-5)
     if padding is not None:  # padded queries and a fully padded sequence: zeros
         assert np.all(eager[~padding] == 0)
-    if attention is not None and "output_dim" not in kwargs:
+    if attention is not None:
         assert np.all(eager[:, 0] == 0)  # query 0 has nothing to attend
+
+
+@pytest.mark.tensorflow_only("tf.function traced with unknown batch and time")
+@pytest.mark.parametrize("name", sorted(PARITY_CASES))
+def test_parity_in_a_graph_of_unknown_batch_and_time(name):
+    chunked, _, x, padding, attention, expected = _parity_case(name)
+    features = x.shape[-1]
+    graph = _in_graph(chunked, features, padding, attention)(x, padding, attention)
+    np.testing.assert_allclose(to_numpy(graph), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -203,24 +219,49 @@ def test_mixed_precision_matches_unchunked_and_reference():
     padding, _ = _masks("padding", 2, 19)
     out = chunked(x, mask=padding)
     assert keras.backend.standardize_dtype(out.dtype) == "float16"
-    out = keras.ops.convert_to_numpy(keras.ops.cast(out, "float32"))
+    out = to_numpy(keras.ops.cast(out, "float32"))
     assert np.all(np.isfinite(out))
-    unchunked = keras.ops.convert_to_numpy(
-        keras.ops.cast(plain(x, mask=padding), "float32")
-    )
+    unchunked = to_numpy(keras.ops.cast(plain(x, mask=padding), "float32"))
     np.testing.assert_allclose(out, unchunked, atol=1e-2, rtol=1e-2)
     expected = _reference(chunked, x, padding, None)
     np.testing.assert_allclose(out, expected, atol=0.5, rtol=2e-2)
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        {"num_heads": 2, "use_bias": True, "output_dim": 3},
-        {"num_heads": 2, "use_bias": True, "causal": True, "sliding_window": 3},
-    ],
-)
+GRADIENT_CASES = [
+    {"num_heads": 2, "use_bias": True, "output_dim": 3},
+    {"num_heads": 2, "use_bias": True, "causal": True, "sliding_window": 3},
+]
+
+
+def _check_gradients(got, expected, variables) -> None:
+    assert len(got) == len(variables) == len(expected)
+    for variable, g, e in zip(variables, got, expected, strict=True):
+        assert g is not None, variable.path
+        assert np.any(g != 0), variable.path
+        np.testing.assert_allclose(g, e, atol=1e-5, rtol=1e-4, err_msg=variable.path)
+
+
+@pytest.mark.parametrize("kwargs", GRADIENT_CASES)
 def test_gradients_equal_unchunked(kwargs):
+    chunked, plain = _twin_layers(kwargs, 4, 3)
+    x = _inputs(2, 11, 4)
+    padding, attention = _masks("both", 2, 11)
+
+    def gradients(layer):
+        def loss():
+            y = layer(x, mask=padding, attention_mask=attention, training=True)
+            return keras.ops.sum(keras.ops.sin(y))
+
+        return value_and_grad(loss, layer.trainable_variables)[1]
+
+    _check_gradients(gradients(chunked), gradients(plain), chunked.trainable_variables)
+
+
+@pytest.mark.tensorflow_only("tf.GradientTape in a graph of unknown batch and time")
+@pytest.mark.parametrize("kwargs", GRADIENT_CASES)
+def test_gradients_in_a_graph_of_unknown_batch_and_time(kwargs):
+    import tensorflow as tf
+
     chunked, plain = _twin_layers(kwargs, 4, 3)
     x = _inputs(2, 11, 4)
     padding, attention = _masks("both", 2, 11)
@@ -239,15 +280,9 @@ def test_gradients_equal_unchunked(kwargs):
                 loss = tf.reduce_sum(tf.sin(y))
             return tape.gradient(loss, layer.trainable_variables)
 
-        return step(x, padding, attention)
+        return [to_numpy(g) for g in step(x, padding, attention)]
 
-    expected = gradients(plain)
-    got = gradients(chunked)
-    assert len(got) == len(chunked.trainable_variables) == len(expected)
-    for variable, g, e in zip(chunked.trainable_variables, got, expected, strict=True):
-        assert g is not None, variable.path
-        assert np.any(np.asarray(g) != 0), variable.path
-        np.testing.assert_allclose(g, e, atol=1e-5, rtol=1e-4, err_msg=variable.path)
+    _check_gradients(gradients(chunked), gradients(plain), chunked.trainable_variables)
 
 
 def test_model_fit_trains_every_weight():
@@ -276,12 +311,12 @@ def test_model_fit_trains_every_weight():
         assert np.any(old != new), f"{weight.path} did not change in training"
 
 
-@pytest.mark.parametrize(
-    "kwargs,xla",
-    [({"sliding_window": 3}, True), ({"causal": True}, False)],
-)
-def test_fit_with_jit_compile(kwargs, xla):
-    """Fixed key spans compile with XLA; causal-only blocks opt out of it."""
+@pytest.mark.parametrize("kwargs", [{"sliding_window": 3}, {"causal": True}])
+def test_fit_with_jit_compile(kwargs):
+    """Fixed key spans compile with XLA; on TensorFlow causal-only blocks
+    (key spans that grow with the block) opt out of it, elsewhere they read
+    every key, masked, and compile too."""
+    xla = BACKEND != "tensorflow" or "sliding_window" in kwargs
     keras.utils.set_random_seed(0)
     layer = SelfAttention(num_heads=2, chunk_size=4, **kwargs)
     model = keras.Sequential(
@@ -301,11 +336,10 @@ def test_fit_with_jit_compile(kwargs, xla):
 def test_dropout_applies_in_training_only():
     chunked, plain = _twin_layers({"num_heads": 2, "dropout": 0.5, "seed": 1}, 4, 3)
     x = _inputs(2, 10, 4)
-    inference = keras.ops.convert_to_numpy(chunked(x, training=False))
-    np.testing.assert_allclose(
-        inference, keras.ops.convert_to_numpy(plain(x)), atol=1e-5, rtol=1e-5
-    )
-    trained = keras.ops.convert_to_numpy(chunked(x, training=True))
+    inference = to_numpy(chunked(x, training=False))
+    np.testing.assert_allclose(inference, to_numpy(plain(x)), atol=1e-5, rtol=1e-5)
+    assert chunked.implementation(x, training=True) == "chunked"
+    trained = to_numpy(chunked(x, training=True))
     assert np.all(np.isfinite(trained))
     assert not np.allclose(trained, inference, atol=1e-3)
 
@@ -323,37 +357,44 @@ def test_dropout_masks_differ_between_blocks():
         chunk_size=3,
     )
     x = np.zeros((1, 9, 4), "float32")
-    np.testing.assert_allclose(keras.ops.convert_to_numpy(layer(x)), 1.0, rtol=1e-6)
-    trained = tf.function(lambda x: layer(x, training=True))(x).numpy()[0]
-    blocks = trained.reshape(3, 3, -1)
-    assert not np.array_equal(blocks[0], blocks[1])
-    assert not np.array_equal(blocks[1], blocks[2])
+    np.testing.assert_allclose(to_numpy(layer(x)), 1.0, rtol=1e-6)
+    assert layer.implementation(x, training=True) == "chunked"
+    eager = to_numpy(layer(x, training=True))[0]
+    traced = to_numpy(compiled(lambda x: layer(x, training=True))(x))[0]
+    for trained in (eager, traced):
+        blocks = trained.reshape(3, 3, -1)
+        assert not np.array_equal(blocks[0], blocks[1])
+        assert not np.array_equal(blocks[1], blocks[2])
 
 
-def test_blocks_never_read_keys_outside_their_range():
-    """Skipped key blocks are really skipped, not only masked.
+def _poisoned_rows(masks: Masks) -> list[int]:
+    """Rows of chunked attention (time 64, blocks of 8) that turn NaN when
+    the value at position 40 is NaN.
 
-    A NaN value at one position poisons every output of the unchunked path
-    (0 * NaN = NaN in weights @ values); the chunked path must keep finite
-    every block whose key range excludes that position.
+    A NaN value poisons every output of the unchunked path (0 * NaN = NaN in
+    weights @ values); the chunked path must keep finite every block whose
+    key range excludes that position: skipped key blocks are really skipped,
+    not only masked.
     """
     rng = np.random.default_rng(0)
-    time, chunk, window, poisoned = 64, 8, 3, 40
-    query = rng.normal(size=(1, 1, time, 4)).astype("float32")
-    value = rng.normal(size=(1, 1, time, 4)).astype("float32")
-    value[0, 0, poisoned] = np.nan
-    cases = {
-        # Blocks of 8 with reach 2 read keys [s-2, s+10): block 32 reads 30..41.
-        "window": ({"sliding_window": window}, range(32, 48)),
-        # Causal blocks read keys [0, s+8): blocks before 40 never read 40.
-        "causal": ({"causal": True}, range(40, time)),
-    }
-    for name, (kwargs, poisoned_rows) in cases.items():
-        out = keras.ops.convert_to_numpy(
-            chunked_attention(query, query, value, 0.5, chunk, **kwargs)
-        )[0, 0]
-        nan_rows = np.flatnonzero(np.isnan(out).any(axis=-1))
-        assert list(nan_rows) == list(poisoned_rows), name
+    query = rng.normal(size=(1, 1, 64, 4)).astype("float32")
+    value = rng.normal(size=(1, 1, 64, 4)).astype("float32")
+    value[0, 0, 40] = np.nan
+    out = to_numpy(
+        chunked_attention(query, query, value, masks, scale=0.5, chunk_size=8)[0]
+    )[0, 0]
+    return list(np.flatnonzero(np.isnan(out).any(axis=-1)))
+
+
+def test_window_blocks_never_read_keys_outside_their_range():
+    # Blocks of 8 with reach 2 read keys [s-2, s+10): block 32 reads 30..41.
+    assert _poisoned_rows(Masks(sliding_window=3)) == list(range(32, 48))
+
+
+@pytest.mark.tensorflow_only("key spans of dynamic size (XLA needs static ones)")
+def test_causal_blocks_never_read_later_keys():
+    # Causal blocks read keys [0, s+8): blocks before 40 never read 40.
+    assert _poisoned_rows(Masks(causal=True)) == list(range(40, 64))
 
 
 def test_return_attention_scores_is_refused():
@@ -371,7 +412,10 @@ def test_invalid_chunk_size(bad):
         SelfAttention(chunk_size=bad)
 
 
+@pytest.mark.tensorflow_only("SavedModel export")
 def test_saved_model_signature_matches_keras(tmp_path):
+    import tensorflow as tf
+
     layer = SelfAttention(
         num_heads=2, use_bias=True, causal=True, sliding_window=16, chunk_size=32
     )
@@ -388,6 +432,7 @@ def test_saved_model_signature_matches_keras(tmp_path):
         )
 
 
+@pytest.mark.tensorflow_only("ONNX export through tf2onnx")
 def test_onnx_export_matches_keras(tmp_path):
     """tf2onnx turns the block loop into an ONNX Loop; onnxruntime agrees."""
     import onnxruntime
@@ -449,6 +494,9 @@ def _peak_rss_growth_mib(time: int, chunk: int | None, mode: str) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.tensorflow_only(
+    "tf.function and tf.GradientTape; JAX and PyTorch in test_backend_regressions"
+)
 @pytest.mark.parametrize("mode", ["forward", "train"])
 def test_chunked_peak_memory_is_linear_in_time(mode):
     """At time 8192 one (T, T) float32 copy is 256 MiB; blocks of 256 are 8 MiB.

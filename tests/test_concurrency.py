@@ -23,6 +23,10 @@ import tensorflow as tf
 from keras_selfattn import SelfAttention
 from keras_selfattn.export import export_saved_model
 
+pytestmark = pytest.mark.tensorflow_only(
+    "a loaded SavedModel signature, called from threads"
+)
+
 THREADS = 8
 CALLS_PER_THREAD = 10
 FEATURES = 8

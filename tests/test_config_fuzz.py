@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from keras_selfattn import SelfAttention
+from tests.backend import to_numpy
 from tests.reference import for_layer
 
 FEATURES = 6
@@ -130,10 +131,10 @@ def _check_contract(config) -> None:
     for result in (output, trained):
         assert tuple(result.shape) == (2, 3, width)
         assert keras.backend.is_float_dtype(result.dtype)
-        assert np.isfinite(np.asarray(keras.ops.cast(result, "float32"))).all()
+        assert np.isfinite(to_numpy(keras.ops.cast(result, "float32"))).all()
     if layer.compute_dtype in ("float32", "float64"):
         np.testing.assert_allclose(
-            np.asarray(output), for_layer(layer, x)[0], rtol=1e-4, atol=1e-5
+            to_numpy(output), for_layer(layer, x)[0], rtol=1e-4, atol=1e-5
         )
     clone = SelfAttention.from_config(layer.get_config())
     assert clone.get_config() == layer.get_config()

@@ -32,6 +32,8 @@ import keras_selfattn
 from keras_selfattn.export import export_saved_model, verify
 from tests import _distributed_worker as worker
 
+pytestmark = pytest.mark.tensorflow_only("tf.distribute strategies")
+
 WORKER = str(Path(worker.__file__).resolve())
 ROOT = str(Path(keras_selfattn.__file__).resolve().parents[1])
 ATOL = 1e-6

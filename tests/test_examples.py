@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.tensorflow_only("the examples export SavedModel and ONNX")
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TIMEOUT = 600
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from keras_selfattn import SelfAttention
+from tests.backend import to_numpy
 from tests.reference import layer_weights, self_attention
 
 
@@ -28,8 +29,8 @@ def test_large_scores_do_not_overflow(policy):
     dtype = policy.split("_")[1]
     assert keras.backend.standardize_dtype(out.dtype) == dtype
     assert keras.backend.standardize_dtype(weights.dtype) == dtype
-    out = np.asarray(keras.ops.cast(out, "float32"))
-    weights = np.asarray(keras.ops.cast(weights, "float32"))
+    out = to_numpy(keras.ops.cast(out, "float32"))
+    weights = to_numpy(keras.ops.cast(weights, "float32"))
     assert np.all(np.isfinite(out)) and np.all(np.isfinite(weights))
     expected_out, _ = self_attention(
         x, layer_weights(layer), 1, 16, 16, scale=1.0, padding_mask=mask

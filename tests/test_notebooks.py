@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from keras_selfattn import SelfAttention
+from tests.backend import to_numpy
 
 # Notebooks 000, 001 and 004 share these inputs and weights.
 X = np.array([[1, 0, 1, 0], [0, 2, 0, 2], [1, 1, 1, 1]], dtype="float32")
@@ -23,7 +24,7 @@ def _layer(x, weights, **kwargs):
     layer.build(x.shape)
     layer.set_weights(weights)
     output, attention = layer(x, return_attention_scores=True)
-    return np.asarray(output), np.asarray(attention)
+    return to_numpy(output), to_numpy(attention)
 
 
 def test_notebook_000_scaled_output():

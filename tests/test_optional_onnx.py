@@ -5,8 +5,11 @@ import sys
 import textwrap
 
 import keras
+import pytest
 
 from keras_selfattn import SelfAttention
+
+pytestmark = pytest.mark.tensorflow_only("SavedModel export without the onnx packages")
 
 # Makes `import onnx`, `tf2onnx` and `onnxruntime` fail, as if not installed.
 _BLOCK_ONNX = """

@@ -10,6 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.tensorflow_only(
+    "the README's examples export SavedModel and ONNX"
+)
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 

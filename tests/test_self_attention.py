@@ -6,6 +6,7 @@ import pytest
 
 from keras_selfattn import SelfAttention
 from tests import layer_harness
+from tests.backend import to_numpy
 from tests.reference import layer_weights, self_attention
 
 # (init kwargs, input shape, output width, weight shapes)
@@ -79,7 +80,7 @@ def test_heads_use_contiguous_columns():
     rng = np.random.default_rng(0)
     layer = SelfAttention(num_heads=2, key_dim=3, value_dim=2)
     x = rng.normal(size=(1, 4, 5)).astype("float32")
-    out, weights = layer(x, return_attention_scores=True)
+    out, weights = map(to_numpy, layer(x, return_attention_scores=True))
     wq, wk, wv = layer.get_weights()
     for h in range(2):
         single = SelfAttention(key_dim=3, value_dim=2, scale=1 / np.sqrt(3))
@@ -91,7 +92,7 @@ def test_heads_use_contiguous_columns():
                 wv[:, h * 2 : (h + 1) * 2],
             ]
         )
-        head_out, head_weights = single(x, return_attention_scores=True)
+        head_out, head_weights = map(to_numpy, single(x, return_attention_scores=True))
         np.testing.assert_allclose(out[..., h * 2 : (h + 1) * 2], head_out, atol=1e-6)
         np.testing.assert_allclose(weights[:, h], head_weights[:, 0], atol=1e-6)
 
@@ -142,7 +143,7 @@ def test_stacked_in_sequential_with_other_layers():
     assert model.predict(tokens, verbose=0).shape == (2, 3)
 
 
-def test_dynamic_batch_and_time_inside_tf_function():
+def test_dynamic_batch_and_time_through_compiled_predict():
     layer = SelfAttention(num_heads=2)
     model = keras.Sequential([keras.Input((None, 4), name="x"), layer])
     for batch, time in ((1, 1), (3, 33), (2, 128)):
@@ -165,11 +166,13 @@ def test_dropout_only_in_training():
     plain.build(x.shape)
     plain.set_weights(layer.get_weights())
     _, weights = plain(x, return_attention_scores=True)
-    weights = keras.ops.convert_to_numpy(weights)[0, 0]
+    weights = to_numpy(weights)[0, 0]
 
-    np.testing.assert_allclose(layer(x, training=False)[0], weights, atol=1e-6)
-    np.testing.assert_allclose(layer(x)[0], weights, atol=1e-6)  # default: inference
-    trained = keras.ops.convert_to_numpy(layer(x, training=True))[0]
+    inference = to_numpy(layer(x, training=False))[0]
+    np.testing.assert_allclose(inference, weights, atol=1e-6)
+    default = to_numpy(layer(x))[0]  # default: inference
+    np.testing.assert_allclose(default, weights, atol=1e-6)
+    trained = to_numpy(layer(x, training=True))[0]
     kept = trained != 0
     assert kept.any() and (~kept).any(), trained
     # Kept weights are rescaled by 1 / (1 - rate); dropped ones are exactly 0.
@@ -188,7 +191,7 @@ def test_kernels_are_initialized_independently(initializer):
     for _ in range(2):
         layer = SelfAttention(num_heads=2, output_dim=4, kernel_initializer=initializer)
         layer.build(x_shape)
-        kernels.append([np.asarray(w) for w in layer.get_weights()])
+        kernels.append(layer.get_weights())
     first = kernels[0]
     for i in range(len(first)):
         for j in range(i + 1, len(first)):

@@ -9,16 +9,22 @@ import keras
 import numpy as np
 
 from keras_selfattn import SelfAttention
+from tests.backend import BACKEND
 
 
 def _run_python(script: str) -> subprocess.CompletedProcess:
-    """Runs `script` in a fresh interpreter that has imported nothing."""
+    """Runs `script` in a fresh interpreter that has imported nothing, on
+    this process's Keras backend."""
     return subprocess.run(
         [sys.executable, "-c", script],
         capture_output=True,
         text=True,
         timeout=300,
-        env={"TF_CPP_MIN_LOG_LEVEL": "3", "PATH": "/usr/bin:/bin"},
+        env={
+            "TF_CPP_MIN_LOG_LEVEL": "3",
+            "PATH": "/usr/bin:/bin",
+            "KERAS_BACKEND": BACKEND,
+        },
     )
 
 

@@ -32,6 +32,8 @@ from keras_selfattn.serving.client import (
     parse_rest_response,
 )
 
+pytestmark = pytest.mark.tensorflow_only("TF Serving's protos and tf.make_tensor_proto")
+
 
 def _mixed_inputs(batch: int = 3) -> dict[str, np.ndarray]:
     """Int tokens, a bool mask and float32 features with the same batch."""

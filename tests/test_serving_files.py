@@ -20,6 +20,10 @@ from keras_selfattn.serving import (
 )
 from keras_selfattn.serving.warmup import MAX_WARMUP_RECORDS
 
+pytestmark = pytest.mark.tensorflow_only(
+    "TF Serving's protos and TFRecord warmup files"
+)
+
 
 def _examples() -> list[dict[str, np.ndarray]]:
     rng = np.random.default_rng(3)

@@ -21,6 +21,10 @@ from keras_selfattn.export import (
 )
 from tests import model_zoo
 
+pytestmark = pytest.mark.tensorflow_only(
+    "ONNX export through tf2onnx and SavedModel loading"
+)
+
 DEFAULT_LABELS = ["1x1", "2x33 padded", "3x128 padded", "2x512 padded"]
 
 
