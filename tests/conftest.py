@@ -44,3 +44,16 @@ def _float32_policy():
     keras.mixed_precision.set_global_policy("float32")
     yield
     keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.fixture(params=["explicit", "chunked", "fused"])
+def every_path(request):
+    """Runs a test once per attention path: within it, every call takes that
+    path wherever the path can serve it (`dispatch.preferred`). Modules opt in
+    with `pytestmark = pytest.mark.usefixtures("every_path")`."""
+    from keras_selfattn.attention.dispatch import preferred
+
+    if request.param == "fused" and BACKEND == "tensorflow":
+        pytest.skip("TensorFlow has no fused attention kernel")
+    with preferred(request.param):
+        yield request.param

@@ -8,6 +8,9 @@ from keras_selfattn import SelfAttention
 from tests.backend import to_numpy, value_and_grad
 from tests.reference import layer_weights, self_attention
 
+# The whole module runs once per attention path (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("every_path")
+
 TOKENS = np.array([[5, 3, 8, 2, 0, 0], [7, 1, 0, 0, 0, 0], [4, 4, 4, 4, 4, 9]])
 
 

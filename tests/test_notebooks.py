@@ -10,6 +10,9 @@ import pytest
 from keras_selfattn import SelfAttention
 from tests.backend import to_numpy
 
+# The whole module runs once per attention path (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("every_path")
+
 # Notebooks 000, 001 and 004 share these inputs and weights.
 X = np.array([[1, 0, 1, 0], [0, 2, 0, 2], [1, 1, 1, 1]], dtype="float32")
 W_KEY = np.array([[0, 0, 1], [1, 1, 0], [0, 1, 0], [1, 1, 0]], dtype="float32")

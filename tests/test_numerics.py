@@ -28,6 +28,9 @@ from keras_selfattn import SelfAttention
 from tests.backend import compiled, to_numpy, value_and_grad
 from tests.reference import for_layer
 
+# The whole module runs once per attention path (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("every_path")
+
 HALF_TOLERANCE = {"mixed_float16": 5e-3, "mixed_bfloat16": 3e-2}
 HALF_DTYPE = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}
 

@@ -107,11 +107,22 @@ def chunked_attention(
     """
     if return_weights:
         raise ValueError("The chunked path cannot return the attention weights.")
-    if isinstance(ops.shape(query)[2], int) and ops.shape(query)[2] == 0:
-        # A static empty sequence: nothing to attend.
-        return ops.zeros(
-            ops.shape(query)[:3] + (ops.shape(value)[3],), value.dtype
-        ), None
+    time = ops.shape(query)[2]
+
+    def empty():  # an empty sequence: no block to run
+        return ops.zeros(ops.shape(query)[:3] + (ops.shape(value)[3],), value.dtype)
+
+    def blocks():
+        return _blocks(query, key, value, masks, scale, chunk_size, dropout)
+
+    if isinstance(time, int):
+        return (blocks() if time else empty()), None
+    # Dynamic time (a TensorFlow graph of unknown shape): decided at run time.
+    return ops.cond(ops.greater(time, 0), blocks, empty), None
+
+
+def _blocks(query, key, value, masks, scale, chunk_size, dropout):
+    """`chunked_attention` of a non-empty sequence."""
     batch, num_heads, time, key_dim = ops.shape(query)
     value_dim = ops.shape(value)[3]
     block = _minimum(chunk_size, time)
@@ -154,4 +165,4 @@ def chunked_attention(
 
     starts = ops.minimum(ops.arange(num_blocks, dtype="int32") * block, time - block)
     blocks = _map_sequentially(attend, starts, value.dtype)
-    return _assemble(blocks, time, block, num_blocks), None
+    return _assemble(blocks, time, block, num_blocks)
