@@ -8,6 +8,7 @@ reference; the first test also compares with the reference directly.
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 import pytest
 
@@ -134,3 +135,25 @@ def test_bad_cache_shape_and_unbuilt_empty_cache():
         ValueError, match="cache_update_index goes with|goes with `cache`"
     ):
         layer(X, cache_update_index=0)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_cached_decoding_in_mixed_precision(policy, path):
+    if PATHS[path] and BACKEND == "tensorflow":
+        pytest.skip("TensorFlow has no fused attention kernel")
+    if PATHS[path] and BACKEND == "jax" and policy == "mixed_float16":
+        pytest.skip("JAX's kernel takes float16 only on a GPU")
+    keras.mixed_precision.set_global_policy(policy)
+    layer = SelfAttention(
+        num_heads=4,
+        key_dim=4,
+        causal=True,
+        flash_attention=PATHS[path],
+        **CONFIGS["mqa_rope_gate"],
+    )
+    full = to_numpy(keras.ops.cast(layer(X), "float32"))
+    decoded, cache = _decode(layer, X, 3)
+    assert str(cache.dtype) == policy.split("_")[1]  # the compute dtype
+    assert np.isfinite(decoded.astype("float32")).all()
+    np.testing.assert_allclose(decoded.astype("float32"), full, atol=5e-2, rtol=5e-2)
