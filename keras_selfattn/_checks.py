@@ -27,17 +27,24 @@ def positive_int(name: str, value, allow_none: bool = False):
     return int(value)
 
 
+# Largest finite float32: a multiplier of float32 scores beyond it is inf.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def positive_float(name: str, value, allow_none: bool = False):
-    """Returns `value` as a finite float > 0, or None when allowed."""
+    """Returns `value` as a float in (0, float32's largest], or None when
+    allowed (the layer computes in float32 at most)."""
     if value is None and allow_none:
         return None
     if (
         isinstance(value, bool)
         or not isinstance(value, Real)
         or not math.isfinite(value)
-        or value <= 0
+        or not 0 < value <= FLOAT32_MAX
     ):
-        expected = "a finite number > 0" + (" or None" if allow_none else "")
+        expected = "a number in (0, 3.4e38] (finite in float32)" + (
+            " or None" if allow_none else ""
+        )
         raise ValueError(f"`{name}` must be {expected}. Received: {name}={value!r}")
     return float(value)
 
