@@ -168,3 +168,14 @@ def layer_weights(layer) -> dict[str, np.ndarray]:
     values = layer.get_weights()
     assert len(values) == len(names), (len(values), names)
     return dict(zip(names, values, strict=True))
+
+
+def output_for_call(layer, x: np.ndarray, masks: dict) -> np.ndarray:
+    """The reference output of `layer(x, **masks)`, masks given as the call's
+    keyword arguments (`mask`, `attention_mask`)."""
+    return for_layer(
+        layer,
+        x,
+        padding_mask=masks.get("mask"),
+        attention_mask=masks.get("attention_mask"),
+    )[0]

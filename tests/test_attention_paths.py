@@ -14,7 +14,7 @@ import pytest
 from keras_selfattn import SelfAttention
 from tests.backend import BACKEND, compiled, to_numpy, value_and_grad
 from tests.paths import PATH_PARAMS, PATHS
-from tests.reference import for_layer
+from tests.reference import output_for_call
 
 CONFIGS = {
     "plain": {},
@@ -63,15 +63,6 @@ def _masks(kind: str) -> dict:
     }[kind]
 
 
-def _reference(layer, masks: dict) -> np.ndarray:
-    return for_layer(
-        layer,
-        X,
-        padding_mask=masks.get("mask"),
-        attention_mask=masks.get("attention_mask"),
-    )[0]
-
-
 @pytest.mark.parametrize("path", PATH_PARAMS)
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("heads", [1, 2])
@@ -86,7 +77,9 @@ def test_path_matches_reference(path, config, heads, mask_kind):
     layer = _layer(path, heads, **CONFIGS[config])
     assert layer.implementation(X, **masks) == path
     output = to_numpy(layer(X, **masks))
-    np.testing.assert_allclose(output, _reference(layer, masks), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        output, output_for_call(layer, X, masks), atol=2e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("path", PATH_PARAMS)
@@ -96,7 +89,9 @@ def test_path_under_jit_with_masks(path, mask_kind):
     layer = _layer(path, causal=True)
     run = compiled(lambda x, mask: layer(x, mask=mask))
     output = to_numpy(run(X, masks["mask"]))
-    np.testing.assert_allclose(output, _reference(layer, masks), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        output, output_for_call(layer, X, masks), atol=2e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("path", PATH_PARAMS)
@@ -114,7 +109,7 @@ def test_gradients_finite_with_fully_padded_sequence(path):
     output = to_numpy(layer(X, mask=mask))
     assert (output[2] == 0).all()
     np.testing.assert_allclose(
-        output, _reference(layer, {"mask": mask}), atol=2e-5, rtol=1e-5
+        output, output_for_call(layer, X, {"mask": mask}), atol=2e-5, rtol=1e-5
     )
 
 
@@ -139,7 +134,7 @@ def test_half_precision_scores_beyond_float16_range(path, policy):
 def test_half_precision_close_to_float32(path, policy):
     _skip_unfusable(path, {}, policy)
     reference = _layer(path, causal=True, use_bias=True, output_dim=6)
-    expected = _reference(reference, {"mask": RIGHT_PADDED})
+    expected = output_for_call(reference, X, {"mask": RIGHT_PADDED})
     keras.mixed_precision.set_global_policy(policy)
     layer = _layer(path, causal=True, use_bias=True, output_dim=6)
     layer.set_weights(reference.get_weights())
@@ -237,7 +232,7 @@ def test_jax_fused_path_calls_jax_attention(monkeypatch):
     run = jax.jit(lambda x, mask: layer(x, mask=mask))
     np.testing.assert_allclose(
         to_numpy(run(X, RIGHT_PADDED)),
-        _reference(layer, {"mask": RIGHT_PADDED}),
+        output_for_call(layer, X, {"mask": RIGHT_PADDED}),
         atol=2e-5,
     )
     # Right-padded batches pass sequence lengths (cuDNN's padding mask); the
@@ -260,5 +255,7 @@ def test_torch_fused_path_calls_sdpa(monkeypatch):
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     layer = _layer("fused", causal=True)
-    np.testing.assert_allclose(to_numpy(layer(X)), _reference(layer, {}), atol=2e-5)
+    np.testing.assert_allclose(
+        to_numpy(layer(X)), output_for_call(layer, X, {}), atol=2e-5
+    )
     assert calls and calls[0]["is_causal"] and calls[0]["attn_mask"] is None

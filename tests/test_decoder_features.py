@@ -15,7 +15,7 @@ import pytest
 from keras_selfattn import SelfAttention
 from tests.backend import BACKEND, compiled, to_numpy, value_and_grad
 from tests.paths import PATH_PARAMS, PATHS
-from tests.reference import for_layer, rotary
+from tests.reference import for_layer, output_for_call, rotary
 
 FEATURES = {
     "gqa": {"num_heads": 4, "num_key_value_heads": 2},
@@ -67,15 +67,6 @@ def _layer(path: str, **config) -> SelfAttention:
     return layer
 
 
-def _reference(layer, masks: dict) -> np.ndarray:
-    return for_layer(
-        layer,
-        X,
-        padding_mask=masks.get("mask"),
-        attention_mask=masks.get("attention_mask"),
-    )[0]
-
-
 @pytest.mark.parametrize("path", PATH_PARAMS)
 @pytest.mark.parametrize("feature", list(FEATURES))
 @pytest.mark.parametrize("mask_kind", list(MASKS))
@@ -86,7 +77,9 @@ def test_features_match_reference(path, feature, mask_kind):
     layer = _layer(path, **FEATURES[feature])
     assert layer.implementation(X, **masks) == path
     output = to_numpy(layer(X, **masks))
-    np.testing.assert_allclose(output, _reference(layer, masks), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        output, output_for_call(layer, X, masks), atol=2e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("path", PATH_PARAMS)
@@ -94,7 +87,7 @@ def test_all_features_under_jit_with_gradients(path):
     layer = _layer(path, **FEATURES["all_causal"])
     run = compiled(lambda x, mask: layer(x, mask=mask))
     output = to_numpy(run(X, LEFT_PADDED))
-    expected = _reference(layer, {"mask": LEFT_PADDED})
+    expected = output_for_call(layer, X, {"mask": LEFT_PADDED})
     np.testing.assert_allclose(output, expected, atol=2e-5, rtol=1e-5)
 
     def loss(x):
@@ -112,7 +105,7 @@ def test_all_features_in_mixed_precision(path, policy):
         pytest.skip("JAX's kernel takes float16 only on a GPU")
     config = FEATURES["all"]
     reference = _layer(path, **config)
-    expected = _reference(reference, {"mask": RIGHT_PADDED})
+    expected = output_for_call(reference, X, {"mask": RIGHT_PADDED})
     keras.mixed_precision.set_global_policy(policy)
     layer = _layer(path, **config)
     layer.set_weights(reference.get_weights())
