@@ -4,6 +4,11 @@ KERAS_BACKEND is used as given (tensorflow, jax or torch) and defaults to
 tensorflow. Tests marked `tensorflow_only("why")` need TensorFlow itself
 (SavedModel, tf2onnx, tf.distribute, TF Serving, tf.function graphs): on other
 backends they are skipped with that reason.
+
+Tests marked `one_suite("why")` start their own interpreters for fixed
+backends, so their result does not depend on the suite's backend: they run in
+the KERAS_BACKEND=torch suite only (the lightest of the three), or wherever
+KERAS_SELFATTN_ONE_SUITE=1 is set.
 """
 
 import os
@@ -16,19 +21,42 @@ import pytest  # noqa: E402
 
 from tests.backend import BACKEND  # noqa: E402
 
+ONE_SUITE_BACKEND = "torch"
+
+
+def _reason(item, marker) -> str:
+    reason = marker.args[0] if marker.args else marker.kwargs.get("reason")
+    if not reason:
+        raise pytest.UsageError(
+            f"{item.nodeid}: give {marker.name} a reason, e.g. "
+            f'@pytest.mark.{marker.name}("SavedModel export")'
+        )
+    return reason
+
+
+def _skip_off_the_one_suite(items) -> None:
+    if BACKEND == ONE_SUITE_BACKEND or os.environ.get("KERAS_SELFATTN_ONE_SUITE"):
+        return
+    for item in items:
+        marker = item.get_closest_marker("one_suite")
+        if marker is not None:
+            item.add_marker(
+                pytest.mark.skip(
+                    reason=f"runs in the KERAS_BACKEND={ONE_SUITE_BACKEND} suite "
+                    f"only (its own interpreters): {_reason(item, marker)}"
+                )
+            )
+
 
 def pytest_collection_modifyitems(config, items):
-    """Skips `tensorflow_only` tests off TensorFlow, saying why."""
+    """Skips `tensorflow_only` tests off TensorFlow and `one_suite` tests off
+    the one suite, saying why."""
+    _skip_off_the_one_suite(items)
     for item in items:
         marker = item.get_closest_marker("tensorflow_only")
         if marker is None:
             continue
-        reason = marker.args[0] if marker.args else marker.kwargs.get("reason")
-        if not reason:
-            raise pytest.UsageError(
-                f"{item.nodeid}: give tensorflow_only a reason, e.g. "
-                '@pytest.mark.tensorflow_only("SavedModel export")'
-            )
+        reason = _reason(item, marker)
         if BACKEND != "tensorflow":
             item.add_marker(
                 pytest.mark.skip(
