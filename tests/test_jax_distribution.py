@@ -9,7 +9,7 @@ prints one `RESULT {json}` line that the tests below check.
 - `data_parallel`: one `fit` step of a model (Embedding with padding,
   SelfAttention, Dense) on one device, then the same initial weights and
   batch under `DataParallel` over both devices: same loss, same weights.
-- `model_parallel`: executes the README's "Distributed training (JAX)"
+- `model_parallel`: executes docs/distribution.md's
   Python block (ModelParallel with a LayoutMap that splits the heads), then
   checks that each attention weight is really split across the 2 devices,
   each holding whole heads, and that the loss and weights after its `fit`
@@ -39,13 +39,12 @@ pytestmark = pytest.mark.skipif(
     reason="spawns its own JAX process; run once, from the TensorFlow suite",
 )
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-SECTION = "## Distributed training (JAX)"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "distribution.md"
 XLA_FLAGS = "--xla_force_host_platform_device_count=2"
 LOSS_TOLERANCE = 1e-5
 WEIGHT_TOLERANCE = 1e-6
 TIMEOUT = 300  # seconds per worker; a run takes about 10 s
-# The attention weights the README's layout map splits, and their head axis.
+# The attention weights the documented layout map splits, and their head axis.
 HEAD_AXES = {
     "attention/query_kernel": 1,
     "attention/key_kernel": 1,
@@ -58,18 +57,15 @@ HEAD_AXES = {
 
 
 # ------------------------------------------------------------------ worker
-def readme_block() -> str:
-    """The ```python block of the README's distributed-training section."""
-    text = README.read_text()
-    assert SECTION in text, f"README.md has no {SECTION!r} section"
-    section = text.split(SECTION, 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    assert len(blocks) == 1, f"{SECTION!r} should hold one Python block"
+def documented_block() -> str:
+    """The ```python block of docs/distribution.md."""
+    blocks = re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.S)
+    assert len(blocks) == 1, f"{PAGE} should hold one Python block"
     return blocks[0]
 
 
 def promised_prints(block: str) -> list[str]:
-    """The `# text` after each `print(...)` line (tests/test_readme.py's rule)."""
+    """The `# text` after each `print(...)` line (tests/test_docs.py's rule)."""
     return [
         line.split("#", 1)[1].strip()
         for line in block.splitlines()
@@ -164,12 +160,12 @@ def data_parallel() -> dict:
 
 
 def model_parallel() -> dict:
-    """Executes the README block, then compares with a one-device run."""
-    block = readme_block()
+    """Executes the documented block, then compares with a one-device run."""
+    block = documented_block()
     namespace: dict = {"__name__": "__readme__"}
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
+        exec(compile(block, str(PAGE), "exec"), namespace)  # noqa: S102
     import keras
 
     model, build_model = namespace["model"], namespace["build_model"]
@@ -185,7 +181,7 @@ def model_parallel() -> dict:
         np.array_equal(a, b)
         for a, b in zip(sharded_initial, single.get_weights(), strict=True)
     )
-    # ... so one step from there must give the README run's loss and weights.
+    # ... so one step from there must give the documented run's loss and weights.
     single_devices = device_count(single.weights[1])
     single_loss = one_step(single, tokens, labels)
     return {
@@ -251,13 +247,13 @@ def test_data_parallel_step_gives_the_one_device_loss(workers):
     assert result["max_weight_diff"] <= WEIGHT_TOLERANCE
 
 
-def test_readme_model_parallel_block_prints_what_it_promises(workers):
+def test_documented_model_parallel_block_prints_what_it_promises(workers):
     result = workers["model_parallel"].result()
-    assert result["promised"], "the README block promises no output"
+    assert result["promised"], "the documented block promises no output"
     assert result["printed"][-len(result["promised"]) :] == result["promised"]
 
 
-def test_readme_layout_map_splits_the_heads_over_two_devices(workers):
+def test_documented_layout_map_splits_the_heads_over_two_devices(workers):
     result = workers["model_parallel"].result()
     sharding = result["sharding"]
     assert set(HEAD_AXES) <= set(result["weight_paths"])
@@ -275,7 +271,7 @@ def test_readme_layout_map_splits_the_heads_over_two_devices(workers):
         assert layout["replicated"] and layout["devices"] == [0, 1], path
 
 
-def test_readme_model_parallel_step_gives_the_one_device_loss(workers):
+def test_documented_model_parallel_step_gives_the_one_device_loss(workers):
     result = workers["model_parallel"].result()
     assert result["same_initial"]
     assert result["single_devices"] == 1

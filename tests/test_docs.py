@@ -1,0 +1,59 @@
+"""The documentation's Python examples run and print what they say.
+
+Every ```python block of README.md, CONTRIBUTING.md and docs/*.md runs in a
+fresh interpreter on the TensorFlow backend (the examples export SavedModel
+and ONNX), except one right after an `<!-- not run: reason -->` comment
+(e.g. a client that needs a live server). A `print(...)  # text` line
+promises that output. The blocks do not depend on the suite's backend, so
+they run in one suite.
+"""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted(REPO.glob("docs/*.md"))]
+
+pytestmark = pytest.mark.one_suite("each block runs in its own interpreter")
+
+
+def _python_blocks(page: Path) -> list[str]:
+    blocks = re.findall(
+        r"(<!-- not run:[^>]*-->\n)?```python\n(.*?)```", page.read_text(), flags=re.S
+    )
+    return [code for skip, code in blocks if not skip]
+
+
+def _run_block(block: str, cwd: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", block],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"TF_CPP_MIN_LOG_LEVEL": "3", "PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = result.stdout.strip().splitlines()
+    promised = [
+        comment.strip()
+        for line in block.splitlines()
+        if line.startswith("print(")
+        for comment in line.split("#")[1:2]
+    ]
+    if promised:
+        assert printed[-len(promised) :] == promised
+
+
+def test_the_readme_has_an_example():
+    assert _python_blocks(REPO / "README.md"), "the README has no Python example"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_python_examples_run_and_print_the_commented_results(page, tmp_path):
+    for block in _python_blocks(page):
+        _run_block(block, tmp_path)
