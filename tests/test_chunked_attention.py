@@ -311,7 +311,17 @@ def test_model_fit_trains_every_weight():
         assert np.any(old != new), f"{weight.path} did not change in training"
 
 
-@pytest.mark.parametrize("kwargs", [{"sliding_window": 3}, {"causal": True}])
+# torch.compile's first compile takes minutes: the torch cases are slow tests.
+_TORCH_COMPILE_IS_SLOW = [pytest.mark.slow] if BACKEND == "torch" else []
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        pytest.param({"sliding_window": 3}, marks=_TORCH_COMPILE_IS_SLOW),
+        pytest.param({"causal": True}, marks=_TORCH_COMPILE_IS_SLOW),
+    ],
+)
 def test_fit_with_jit_compile(kwargs):
     """Fixed key spans compile with XLA; on TensorFlow causal-only blocks
     (key spans that grow with the block) opt out of it, elsewhere they read
