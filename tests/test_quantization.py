@@ -242,3 +242,16 @@ def test_int8_model_exports_and_verifies(exported_int8, artifact):
         rtol=0.0,
     )
     assert all(row.ok for row in report.rows)
+
+
+def test_float8_training_updates_the_scales():
+    """float8 training as in `Dense`: `fit` records the inputs' amax history
+    (all zeros before) and keeps the loss finite."""
+    ours, _ = _pair()
+    _quantize(ours, "float8")
+    query = ours.layers[-1].query_dense
+    assert not np.any(to_numpy(query.inputs_amax_history))
+    ours.compile(keras.optimizers.SGD(0.01), "mse")
+    loss = ours.fit(X, np.zeros((3, TIME, FEATURES)), epochs=2, verbose=0)
+    assert np.all(np.isfinite(loss.history["loss"]))
+    assert np.any(to_numpy(query.inputs_amax_history))
