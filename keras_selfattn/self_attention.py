@@ -8,6 +8,7 @@ import keras
 from keras import constraints, initializers, ops, regularizers
 
 from keras_selfattn import _checks
+from keras_selfattn import projections as projections_lib
 from keras_selfattn.attention import (
     FUSABLE_CORE_SCOPE,
     Masks,
@@ -21,20 +22,6 @@ from keras_selfattn.attention import masks as masks_lib
 from keras_selfattn.attention.fused import on_gpu
 
 __all__ = ["FUSABLE_CORE_SCOPE", "SelfAttention"]
-
-
-def _fresh_initializer(initializer, offset: int):
-    """A new initializer instance for each weight.
-
-    Keras 3 initializers are stateless: one instance (seeded or not) gives the
-    same values on every call, which would make the query, key and value
-    kernels identical. An explicit integer seed is offset per weight, so
-    seeded layers stay reproducible and their kernels still differ.
-    """
-    config = initializer.get_config()
-    if isinstance(config.get("seed"), int):
-        config["seed"] += offset
-    return initializer.__class__.from_config(config)
 
 
 @keras.saving.register_keras_serializable(package="keras_selfattn")
@@ -65,6 +52,14 @@ class SelfAttention(keras.layers.Layer):
     PyTorch no `sliding_window`); else the chunked path with `chunk_size`;
     else the explicit path, which builds the weights. All give the same
     numbers up to float rounding. TensorFlow has no fused kernel.
+
+    The projections are `keras.layers.Dense` layers, `query_dense`,
+    `key_dense`, `value_dense` and, when used, `gate_dense` and
+    `output_dense`, with kernels `(features, heads * head_dim)` (head `h` is
+    columns `h*key_dim:(h+1)*key_dim`): `model.quantize(mode)` quantizes
+    them ("int8", "int4", "float8", and "gptq"/"awq" with their
+    calibration config), and `enable_lora(rank)` fine-tunes the query and
+    value projections only, as keras-hub's `backbone.enable_lora` does.
 
     Args:
         num_heads: Number of attention heads. Defaults to 1.
@@ -123,6 +118,10 @@ class SelfAttention(keras.layers.Layer):
             (default): no rotary embedding.
         rope_scaling_factor: Positions are divided by this number > 0 before
             the rotation. Defaults to 1.0.
+        quantized_projections: Written by `get_config` once projections are
+            quantized (`model.quantize(mode)`), so that loading rebuilds them
+            quantized: projection name -> its serialized dtype policy and
+            quantization config. Defaults to None (float projections).
         kernel_initializer, bias_initializer: Initializers of the kernels and
             biases.
         kernel_regularizer, bias_regularizer, activity_regularizer:
@@ -158,6 +157,19 @@ class SelfAttention(keras.layers.Layer):
     TensorShape([2, 1])
     """
 
+    # The projections' weights under their names from before the projections
+    # were layers (`query_kernel` is `query_dense.kernel`).
+    query_kernel = projections_lib.weight_property("query", "kernel")
+    query_bias = projections_lib.weight_property("query", "bias")
+    key_kernel = projections_lib.weight_property("key", "kernel")
+    key_bias = projections_lib.weight_property("key", "bias")
+    value_kernel = projections_lib.weight_property("value", "kernel")
+    value_bias = projections_lib.weight_property("value", "bias")
+    gate_kernel = projections_lib.weight_property("gate", "kernel")
+    gate_bias = projections_lib.weight_property("gate", "bias")
+    output_kernel = projections_lib.weight_property("output", "kernel")
+    output_bias = projections_lib.weight_property("output", "bias")
+
     def __init__(
         self,
         num_heads: int = 1,
@@ -176,6 +188,7 @@ class SelfAttention(keras.layers.Layer):
         use_gate: bool = False,
         rope_max_wavelength: float | None = None,
         rope_scaling_factor: float = 1.0,
+        quantized_projections: dict | None = None,
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
         kernel_regularizer=None,
@@ -257,6 +270,11 @@ class SelfAttention(keras.layers.Layer):
             else None
         )
         self._input_dim = None
+        self.quantized_projections = projections_lib.check_quantization_states(
+            quantized_projections
+        )
+        for name in projections_lib.NAMES:
+            setattr(self, f"{name}_dense", None)
 
     # ------------------------------------------------------------------ build
     def _check_rope_key_dim(self, key_dim: int) -> None:
@@ -332,37 +350,139 @@ class SelfAttention(keras.layers.Layer):
                 f"num_heads={self.num_heads}, key_dim={self.key_dim}, "
                 f"value_dim={self.value_dim}, output_dim={self.output_dim}"
             )
-        kernel = self._new_weight(f"{prefix}_kernel", kernel_shape, "kernel")
-        setattr(self, f"{prefix}_kernel", kernel)
-        bias = None
-        if self.use_bias:
-            bias = self._new_weight(f"{prefix}_bias", (kernel_shape[1],), "bias")
-        setattr(self, f"{prefix}_bias", bias)
-
-    def _new_weight(self, name: str, shape: tuple[int, ...], kind: str):
-        """A weight from the `kind` ("kernel" or "bias") arguments."""
-        initializer = getattr(self, f"{kind}_initializer")
+        # Seeds offset by the weights made before, as when they were the
+        # layer's own weights: seeded layers keep their initial values.
+        offset = len(self.weights)
+        projection = projections_lib.Projection(
+            kernel_shape[1],
+            use_bias=self.use_bias,
+            kernel_initializer=projections_lib.fresh_initializer(
+                self.kernel_initializer, offset
+            ),
+            bias_initializer=projections_lib.fresh_initializer(
+                self.bias_initializer, offset + 1
+            ),
+            kernel_regularizer=self.kernel_regularizer,
+            bias_regularizer=self.bias_regularizer,
+            kernel_constraint=self.kernel_constraint,
+            bias_constraint=self.bias_constraint,
+            name=f"{prefix}_dense",
+            **{
+                "dtype": self.dtype_policy,
+                **projections_lib.quantization_kwargs(
+                    (self.quantized_projections or {}).get(prefix)
+                ),
+            },
+        )
         try:
-            return self.add_weight(
-                name=name,
-                shape=shape,
-                initializer=_fresh_initializer(initializer, len(self.weights)),
-                regularizer=getattr(self, f"{kind}_regularizer"),
-                constraint=getattr(self, f"{kind}_constraint"),
-            )
+            projection.build((None, None, kernel_shape[0]))
         except Exception as error:
-            config = initializers.serialize(initializer)
+            kind = "kernel" if getattr(projection, "_kernel", None) is None else "bias"
+            shape = kernel_shape if kind == "kernel" else kernel_shape[1:]
+            config = initializers.serialize(getattr(self, f"{kind}_initializer"))
             raise ValueError(
                 f"SelfAttention '{self.name}': `{kind}_initializer` cannot create "
-                f"{name} of shape {shape}: {error} "
+                f"{prefix}_dense/{kind} of shape {shape}: {error} "
                 f"Received: {kind}_initializer={config}"
             ) from error
+        setattr(self, f"{prefix}_dense", projection)
+
+    def _projections(self) -> dict[str, projections_lib.Projection]:
+        """The built projections by name, in weight order."""
+        found = {
+            name: getattr(self, f"{name}_dense", None) for name in projections_lib.NAMES
+        }
+        return {name: layer for name, layer in found.items() if layer is not None}
+
+    def load_own_variables(self, store) -> None:
+        """Loads a file saved before the projections were layers, whose
+        weights were this layer's own (`get_weights()` order); files of this
+        version keep them in the projections' entries."""
+        if not len(store.keys()):
+            return super().load_own_variables(store)
+        projections = list(self._projections().values())
+        targets = [weight for layer in projections for weight in layer.weights]
+        if len(store.keys()) != len(targets):
+            raise ValueError(
+                f"SelfAttention '{self.name}' has {len(targets)} weights, but the "
+                f"file holds {len(store.keys())} for it. Received: a store with "
+                f"keys {sorted(store.keys())}"
+            )
+        for index, weight in enumerate(targets):
+            weight.assign(store[str(index)])
+        for layer in projections:
+            layer.filled_by_owner = True
+
+    def quantize(self, mode=None, type_check=True, config=None) -> None:
+        """Quantizes the projections, as `keras.layers.Dense.quantize` does.
+
+        `model.quantize(mode)` reaches the projections by itself; this is for
+        a layer used on its own. "gptq" and "awq" calibrate on data through
+        the model: use `model.quantize(mode, config=...)`.
+
+        Args:
+            mode: "int8", "int4" or "float8".
+            type_check: As in `keras.layers.Dense.quantize`.
+            config: Optional `keras.quantizers.QuantizationConfig`.
+        """
+        if mode in ("gptq", "awq"):
+            raise ValueError(
+                f"SelfAttention '{self.name}': mode={mode!r} calibrates on data, "
+                "which a single layer does not have: call "
+                f"`model.quantize({mode!r}, config=...)` on the model holding it. "
+                f"Received: mode={mode!r}"
+            )
+        for layer in self._projections().values():
+            layer.quantize(mode, type_check=type_check, config=config)
+
+    def enable_lora(
+        self,
+        rank: int,
+        lora_alpha: float | None = None,
+        projections: tuple[str, ...] = ("query", "value"),
+    ) -> None:
+        """Enables LoRA on some projections and freezes every other weight.
+
+        The chosen projections' kernels become `kernel + (lora_alpha / rank) *
+        lora_kernel_a @ lora_kernel_b`, with `lora_kernel_b` starting at zero
+        (`keras.layers.Dense.enable_lora`); only the LoRA weights stay
+        trainable. Saving writes the merged kernels (a loaded layer has no
+        LoRA weights).
+
+        Args:
+            rank: The rank of the LoRA update (an int > 0).
+            lora_alpha: Scale numerator; defaults to `rank`.
+            projections: Names among "query", "key", "value", "gate" and
+                "output". Defaults to ("query", "value"), keras-hub's choice.
+        """
+        rank = _checks.positive_int("rank", rank)
+        if not self.built:
+            raise ValueError(
+                f"SelfAttention '{self.name}' is not built: build it (or call it "
+                f"once) before enable_lora(). Received: rank={rank}"
+            )
+        available = self._projections()
+        if (
+            isinstance(projections, str)
+            or not projections
+            or any(name not in available for name in projections)
+        ):
+            raise ValueError(
+                f"SelfAttention '{self.name}': `projections` must name some of "
+                f"its projections {tuple(available)}. Received: "
+                f"projections={projections!r}"
+            )
+        for name, layer in available.items():
+            if name not in projections:
+                layer.trainable = False
+                continue
+            layer.enable_lora(rank, lora_alpha=lora_alpha)
+            if layer.bias is not None:
+                layer.bias.trainable = False
 
     # ------------------------------------------------------------------- call
     def _project(self, x, prefix: str):
-        y = ops.matmul(x, getattr(self, f"{prefix}_kernel"))
-        bias = getattr(self, f"{prefix}_bias")
-        return y if bias is None else ops.add(y, bias)
+        return getattr(self, f"{prefix}_dense")(x)
 
     def _check_inputs(self, inputs) -> None:
         """The ValueErrors of a bad `inputs`, the same built or not, symbolic
@@ -730,6 +850,15 @@ class SelfAttention(keras.layers.Layer):
                 "bias_constraint": constraints.serialize(self.bias_constraint),
             }
         )
+        quantized = self.quantized_projections or {}
+        if self.built:
+            quantized = {
+                name: state
+                for name, layer in self._projections().items()
+                if (state := projections_lib.quantization_state(layer)) is not None
+            }
+        if quantized:
+            config["quantized_projections"] = quantized
         return config
 
     @classmethod

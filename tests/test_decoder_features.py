@@ -136,18 +136,19 @@ def test_weight_shapes_and_order():
         output_dim=7,
     )
     layer.build((None, None, 5))
-    shapes = [(w.path.split("/")[-1], tuple(w.shape)) for w in layer.weights]
+    # Weight paths: NAME/{query,key,value,gate,output}_dense/{kernel,bias}.
+    shapes = [(w.path.split("/", 1)[1], tuple(w.shape)) for w in layer.weights]
     assert shapes == [
-        ("query_kernel", (5, 24)),
-        ("query_bias", (24,)),
-        ("key_kernel", (5, 12)),
-        ("key_bias", (12,)),
-        ("value_kernel", (5, 6)),
-        ("value_bias", (6,)),
-        ("gate_kernel", (5, 12)),
-        ("gate_bias", (12,)),
-        ("output_kernel", (12, 7)),
-        ("output_bias", (7,)),
+        ("query_dense/kernel", (5, 24)),
+        ("query_dense/bias", (24,)),
+        ("key_dense/kernel", (5, 12)),
+        ("key_dense/bias", (12,)),
+        ("value_dense/kernel", (5, 6)),
+        ("value_dense/bias", (6,)),
+        ("gate_dense/kernel", (5, 12)),
+        ("gate_dense/bias", (12,)),
+        ("output_dense/kernel", (12, 7)),
+        ("output_dense/bias", (7,)),
     ]
 
 

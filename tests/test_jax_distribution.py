@@ -46,13 +46,13 @@ WEIGHT_TOLERANCE = 1e-6
 TIMEOUT = 300  # seconds per worker; a run takes about 10 s
 # The attention weights the documented layout map splits, and their head axis.
 HEAD_AXES = {
-    "attention/query_kernel": 1,
-    "attention/key_kernel": 1,
-    "attention/value_kernel": 1,
-    "attention/query_bias": 0,
-    "attention/key_bias": 0,
-    "attention/value_bias": 0,
-    "attention/output_kernel": 0,
+    "attention/query_dense/kernel": 1,
+    "attention/key_dense/kernel": 1,
+    "attention/value_dense/kernel": 1,
+    "attention/query_dense/bias": 0,
+    "attention/key_dense/bias": 0,
+    "attention/value_dense/bias": 0,
+    "attention/output_dense/kernel": 0,
 }
 
 
@@ -266,7 +266,7 @@ def test_documented_layout_map_splits_the_heads_over_two_devices(workers):
         blocks = [index[axis] for index in layout["indices"]]
         assert blocks == [[0, 16], [16, 32]], (path, layout)
     # What the map does not name stays whole on both devices.
-    for path in ("attention/output_bias", "embedding/embeddings", "dense/kernel"):
+    for path in ("attention/output_dense/bias", "embedding/embeddings", "dense/kernel"):
         layout = sharding[path]
         assert layout["replicated"] and layout["devices"] == [0, 1], path
 
