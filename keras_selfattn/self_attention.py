@@ -501,14 +501,11 @@ class SelfAttention(keras.layers.Layer):
             cache,
             cache_update_index,
         )
-        offset = guard = visible = None
+        offset = guard = None
         if decoding:
             offset = cache_lib.index_of(cache_update_index, self.name)
             guard = cache_lib.Guard.of(inputs, cache, offset, self.name)
             inputs, cache = guard.inputs, guard.cache
-            visible = cache_lib.visible(
-                offset, ops.shape(inputs)[1], ops.shape(cache)[2], mask
-            )
         elif mask is not None:
             # Padded positions are keys no query attends: zeroed, their
             # values (NaN, inf) change no output.
@@ -534,7 +531,7 @@ class SelfAttention(keras.layers.Layer):
             key = rotary.rotate(key, kv_layout, *rope)
         if decoding:
             cache, key, value = cache_lib.update(
-                cache, key, value, offset, guard.valid, visible
+                cache, key, value, offset, guard.valid, mask
             )
             if layout != kv_layout:
                 key, value = (heads_lib.transpose(x) for x in (key, value))

@@ -202,44 +202,54 @@ def _tf_assert(inputs, cache, index, valid, layer_name: str):
 
     if tf.executing_eagerly():
         return inputs, cache
-    asserts = []
-    if valid is not None:
-        asserts.append(
-            tf.debugging.Assert(
-                valid,
-                [
-                    f"SelfAttention '{layer_name}': cache_update_index must be in "
-                    "[0, max_length - new positions] and the inputs' batch must "
-                    "be the cache's. Received: cache_update_index=",
-                    index,
-                    "inputs.shape=",
-                    tf.shape(inputs),
-                    "cache.shape=",
-                    tf.shape(cache),
-                ],
-            )
-        )
     known = [(axis, size) for axis, size in enumerate(cache.shape) if _static(size)]
     if known:
         axes, sizes = zip(*known, strict=True)
         have = tf.gather(tf.shape(cache), list(axes))
-        asserts.append(
-            tf.debugging.Assert(
-                tf.reduce_all(tf.equal(have, list(sizes))),
-                [
-                    f"SelfAttention '{layer_name}': `cache` must have shape "
-                    f"{tuple(cache.shape)}. Received: cache.shape=",
-                    tf.shape(cache),
-                ],
-            )
-        )
-    if not asserts:
+        shape_ok = tf.reduce_all(tf.equal(have, list(sizes)))
+        valid = shape_ok if valid is None else tf.logical_and(valid, shape_ok)
+    if valid is None:
         return inputs, cache
+    asserts = [
+        tf.debugging.Assert(
+            valid,
+            [
+                f"SelfAttention '{layer_name}': cache_update_index must be in "
+                "[0, max_length - new positions], the inputs' batch must be "
+                f"the cache's, and `cache` must have shape {tuple(cache.shape)}. "
+                "Received: cache_update_index=",
+                index,
+                "inputs.shape=",
+                tf.shape(inputs),
+                "cache.shape=",
+                tf.shape(cache),
+            ],
+        )
+    ]
     with tf.control_dependencies(asserts):
         return tf.identity(inputs), tf.identity(cache)
 
 
-def update(cache, key, value, index, valid=None, visible=None):
+def _shapes_may_vary() -> bool:
+    """Whether this call may give tensors a size known only when it runs: in
+    a TensorFlow graph that XLA does not compile (eager calls know every
+    size; XLA under `jax.jit` or `jit_compile=True` needs static ones)."""
+    if keras.backend.backend() != "tensorflow":
+        return False
+    import tensorflow as tf
+
+    if tf.executing_eagerly():
+        return False
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # pragma: no cover - TF internals moved: be safe.
+        return False
+    return not control_flow_util.GraphOrParentsInXlaContext(
+        tf.compat.v1.get_default_graph()
+    )
+
+
+def update(cache, key, value, index, valid=None, padding=None):
     """Writes the new positions' keys and values into the cache.
 
     Args:
@@ -249,12 +259,15 @@ def update(cache, key, value, index, valid=None, visible=None):
         index: The first new position (an int or a scalar int32 tensor).
         valid: None, or a bool scalar: where False the cache is left as it
             was (the write is clamped into range and writes the old values).
-        visible: None, or bool broadcastable to `(B, L)`: the positions some
-            query may attend. The keys and values returned read zero at the
-            others, so values there (NaN, inf) change no output.
+        padding: None, or bool `(B, L)`, False at padded positions.
 
     Returns:
-        Tuple (the updated cache, all keys `(B, L, G, K)`, all values).
+        Tuple (the updated cache, keys `(B, Lk, G, K)`, values): the keys and
+        values of positions `0 .. Lk - 1` for attention, with `Lk = index +
+        Tn` where sizes may depend on `index` (eager calls, TensorFlow graphs
+        without XLA) and else `L`. Positions no query of the call may attend
+        (padded ones, and those >= index + Tn) read zero, whatever the cache
+        holds there, so their values (NaN, inf) change no output.
     """
     new = ops.cast(ops.stack([key, value], axis=1), cache.dtype)
     zero = ops.zeros((), "int32")
@@ -265,23 +278,26 @@ def update(cache, key, value, index, valid=None, visible=None):
         old = ops.slice(cache, (zero, zero, start, zero, zero), ops.shape(new))
         new = nan_safe.where(valid, new, old)
     cache = ops.slice_update(cache, (zero, zero, start, zero, zero), new)
-    keys_values = cache
-    if visible is not None:
-        keys_values = nan_safe.zero_unless(ops.expand_dims(visible, (1, 3, 4)), cache)
-    return cache, keys_values[:, 0], keys_values[:, 1]
-
-
-def visible(index, new, max_length, padding=None):
-    """Bool, broadcastable to `(B, L)`: the cache positions a query of this
-    step may attend (written ones, `< index + new`, and not padded), or None
-    when that is all of them."""
-    written = None
-    if not (_static(index) and _static(new) and _static(max_length)) or (
-        index + new < max_length
-    ):
+    max_length = ops.shape(cache)[2]
+    new_length = ops.shape(new)[2]
+    if _static(index) and _static(new_length):
+        end = index + new_length
+    else:
+        end = ops.add(index, new_length)
+    length, visible = None, None
+    if all(_static(size) for size in (end, max_length)):
+        length = end if end < max_length else None
+    elif _shapes_may_vary():
+        # At least one key: an index out of range returns NaN (`Guard`).
+        length = ops.minimum(ops.maximum(end, 1), max_length)
+    else:
         positions = ops.arange(max_length, dtype="int32")
-        written = ops.expand_dims(ops.less(positions, ops.add(index, new)), 0)
-    if padding is None:
-        return written
-    padding = ops.cast(padding, "bool")
-    return padding if written is None else ops.logical_and(written, padding)
+        visible = ops.expand_dims(ops.less(positions, end), 0)
+    keys, values = cache[:, 0, :length], cache[:, 1, :length]
+    if padding is not None:
+        padding = ops.cast(padding, "bool")[:, :length]
+        visible = padding if visible is None else ops.logical_and(visible, padding)
+    if visible is not None:
+        visible = ops.expand_dims(visible, (2, 3))
+        keys, values = (nan_safe.zero_unless(visible, x) for x in (keys, values))
+    return cache, keys, values
