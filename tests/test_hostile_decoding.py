@@ -180,6 +180,48 @@ def test_traced_index_out_of_range_fails_loudly(index, new):
             step(x, cache, np.int32(index))
 
 
+def _assert_nan_and_cache_kept(step, reference, index_tensor) -> None:
+    """`step` (x, cache, index) decodes in range, and returns NaN and the cache
+    unchanged for each index out of range."""
+    layer_full, cache = reference
+    good, _ = step(X[:, 3:5], cache, index_tensor(3))
+    np.testing.assert_allclose(to_numpy(good), layer_full[:, 3:5], atol=1e-5, rtol=1e-5)
+    for index in (-1, 8, 7):
+        output, updated = step(X[:, 3:5], cache, index_tensor(index))
+        assert np.isnan(to_numpy(output)).all(), index
+        np.testing.assert_array_equal(to_numpy(updated), cache)
+
+
+def _reference_step(compile_fn):
+    layer = _layer()
+    step = compile_fn(lambda x, c, i: layer(x, cache=c, cache_update_index=i))
+    cache = _prefilled(layer)
+    cache[:, :, 5:] = np.nan  # unwritten slots, ignored
+    return step, (to_numpy(layer(X)), cache)
+
+
+@pytest.mark.tensorflow_only("XLA through tf.function(jit_compile=True)")
+def test_xla_compiled_tf_step_returns_nan_and_keeps_the_cache():
+    """XLA drops TensorFlow's asserts: the step falls back to NaN."""
+    import tensorflow as tf
+
+    step, reference = _reference_step(lambda f: tf.function(f, jit_compile=True))
+    _assert_nan_and_cache_kept(step, reference, lambda i: tf.constant(i, tf.int32))
+
+
+@pytest.mark.slow
+def test_torch_compiled_step_returns_nan_and_keeps_the_cache():
+    """torch.compile traces the index (minutes on a CPU: slow suite)."""
+    if BACKEND != "torch":
+        pytest.skip("torch.compile")
+    import torch
+
+    step, reference = _reference_step(lambda f: torch.compile(f, dynamic=True))
+    _assert_nan_and_cache_kept(
+        step, reference, lambda i: torch.tensor(i, dtype=torch.int32)
+    )
+
+
 @pytest.mark.tensorflow_only("a graph with a dynamic batch size")
 def test_tf_graph_checks_batch_and_cache_shape_when_it_runs():
     import tensorflow as tf
