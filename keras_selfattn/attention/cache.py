@@ -4,8 +4,9 @@ A cache holds the keys and values of every position decoded so far, in one
 tensor of shape `(batch, 2, max_length, num_key_value_heads, key_dim)`:
 `cache[:, 0]` the keys, `cache[:, 1]` the values, in the `(B, T, H, D)`
 layout (keras-hub's `CachedMultiHeadAttention` convention). Positions not
-written yet hold zeros; the causal mask keeps every query off them, and the
-attention reads them as zeros whatever they hold.
+written yet hold zeros in `empty_cache`; whatever they hold, no output reads
+them: `update` hands attention the positions up to the last one written, and
+zeroes the others where sizes must be static (and padded positions).
 
 A call's `cache_update_index` and shapes are checked where their values are
 known: eagerly, a ValueError. Where they are not (a traced index or dynamic
