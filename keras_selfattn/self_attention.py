@@ -14,6 +14,7 @@ from keras_selfattn.attention import (
     Masks,
     SeededDropout,
     choose,
+    nan_safe,
     rotary,
 )
 from keras_selfattn.attention import cache as cache_lib
@@ -509,6 +510,10 @@ class SelfAttention(keras.layers.Layer):
 
     def __call__(self, *args, **kwargs):
         self._check_inputs(args[0] if args else kwargs.get("inputs"))
+        cache = kwargs.get("cache", args[5] if len(args) > 5 else None)
+        if cache is not None:
+            # Before Keras casts float arguments to the compute dtype.
+            cache_lib.check_dtype(cache, self.compute_dtype, self.name)
         return super().__call__(*args, **kwargs)
 
     def _check_masks(self, inputs_shape, mask, attention_mask) -> None:
@@ -616,7 +621,16 @@ class SelfAttention(keras.layers.Layer):
             cache,
             cache_update_index,
         )
-        offset = cache_update_index if decoding else None
+        offset = guard = None
+        if decoding:
+            offset = cache_lib.index_of(cache_update_index, self.name)
+            guard = cache_lib.Guard.of(inputs, cache, offset, self.name)
+            inputs, cache = guard.inputs, guard.cache
+        elif mask is not None:
+            # Padded positions are keys no query attends: zeroed, their
+            # values (NaN, inf) change no output.
+            keep_input = ops.expand_dims(ops.cast(mask, "bool"), -1)
+            inputs = nan_safe.zero_unless(keep_input, inputs)
         masks = self._masks(mask, attention_mask, offset)
         implementation = self._choose(inputs, masks, training, return_attention_scores)
         layout = implementation.layout
@@ -636,7 +650,9 @@ class SelfAttention(keras.layers.Layer):
             query = rotary.rotate(query, layout, *rope)
             key = rotary.rotate(key, kv_layout, *rope)
         if decoding:
-            cache, key, value = cache_lib.update(cache, key, value, offset)
+            cache, key, value = cache_lib.update(
+                cache, key, value, offset, guard.valid, mask
+            )
             if layout != kv_layout:
                 key, value = (heads_lib.transpose(x) for x in (key, value))
         if not implementation.grouped_key_value:
@@ -675,7 +691,7 @@ class SelfAttention(keras.layers.Layer):
                     ops.expand_dims(keep, (1, 3)), weights, ops.zeros_like(weights)
                 )
         if decoding:
-            return output, cache
+            return guard.output(output), cache
         if return_attention_scores:
             return output, weights
         return output
@@ -733,16 +749,14 @@ class SelfAttention(keras.layers.Layer):
                 "in one tensor, so value_dim must equal key_dim. Received: "
                 f"key_dim={self._key_dim}, value_dim={self._value_dim}"
             )
-        cache_lib.check(cache, self._kv_heads, self._key_dim, self.name)
+        cache_lib.check(
+            cache, self._kv_heads, self._key_dim, self.compute_dtype, self.name
+        )
+        cache_lib.check_batch(inputs, cache, self.name)
         max_length = tuple(cache.shape)[2]
-        if isinstance(index, int) and isinstance(max_length, int):
-            new = tuple(inputs.shape)[1]
-            if index < 0 or (isinstance(new, int) and index + new > max_length):
-                raise ValueError(
-                    f"SelfAttention '{self.name}': {new} new positions from "
-                    f"cache_update_index={index} do not fit a cache of "
-                    f"max_length={max_length}. Received: cache_update_index={index}"
-                )
+        index = cache_lib.index_of(index, self.name)
+        if isinstance(index, int):
+            cache_lib.check_fit(index, tuple(inputs.shape)[1], max_length, self.name)
         if mask is not None:
             batch = tuple(inputs.shape)[0]
             self._check_masks((batch, max_length), mask, None)

@@ -4,12 +4,28 @@ A cache holds the keys and values of every position decoded so far, in one
 tensor of shape `(batch, 2, max_length, num_key_value_heads, key_dim)`:
 `cache[:, 0]` the keys, `cache[:, 1]` the values, in the `(B, T, H, D)`
 layout (keras-hub's `CachedMultiHeadAttention` convention). Positions not
-written yet hold zeros; the causal mask keeps every query off them.
+written yet hold zeros in `empty_cache`; whatever they hold, no output reads
+them: `update` hands attention the positions up to the last one written, and
+zeroes the others where sizes must be static (and padded positions).
+
+A call's `cache_update_index` and shapes are checked where their values are
+known: eagerly, a ValueError. Where they are not (a traced index or dynamic
+batch), `Guard` checks them when the step runs: in TensorFlow graphs (and the
+SavedModels made from them) a failed check raises InvalidArgument; where the
+runtime has no errors (XLA under `jax.jit`, torch.compile, ONNX) the step
+returns NaN outputs and leaves the cache as it was.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
+import keras
+import numpy as np
 from keras import ops
+
+from keras_selfattn.attention import nan_safe
 
 
 def shape(batch_size: int, max_length: int, num_heads: int, head_dim: int) -> tuple:
@@ -17,8 +33,9 @@ def shape(batch_size: int, max_length: int, num_heads: int, head_dim: int) -> tu
     return (batch_size, 2, max_length, num_heads, head_dim)
 
 
-def check(cache, num_heads: int, head_dim: int, layer_name: str) -> None:
-    """Raises ValueError unless `cache` has the layout above (where known)."""
+def check(cache, num_heads: int, head_dim: int, dtype: str, layer_name: str) -> None:
+    """Raises ValueError unless `cache` has the layout above (where known) and
+    the layer's compute dtype `dtype`."""
     cache_shape = tuple(cache.shape)
     expected = (None, 2, None, num_heads, head_dim)
     if len(cache_shape) != 5 or any(
@@ -31,22 +48,257 @@ def check(cache, num_heads: int, head_dim: int, layer_name: str) -> None:
             f"build one with layer.empty_cache(batch_size, max_length). "
             f"Received: cache.shape={cache_shape}"
         )
+    check_dtype(cache, dtype, layer_name)
 
 
-def update(cache, key, value, index):
+def check_dtype(cache, dtype: str, layer_name: str) -> None:
+    """Raises ValueError unless `cache` has the compute dtype `dtype`."""
+    cache_dtype = getattr(cache, "dtype", None)
+    if cache_dtype is not None:
+        cache_dtype = keras.backend.standardize_dtype(cache_dtype)
+    if cache_dtype != dtype:
+        raise ValueError(
+            f"SelfAttention '{layer_name}': `cache` must have the layer's "
+            f"compute dtype {dtype} (keys and values of another dtype would be "
+            "rounded or truncated); build one with layer.empty_cache(batch_size, "
+            f"max_length). Received: cache.dtype={cache_dtype}"
+        )
+
+
+def _known_value(index) -> int | None:
+    """The value of a scalar integer tensor if it is known now, else None."""
+    if isinstance(index, keras.KerasTensor):
+        return None
+    if isinstance(index, (np.ndarray, np.generic)):
+        return int(index)
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        value = tf.get_static_value(index)
+        return None if value is None else int(value)
+    if backend == "jax":
+        import jax
+
+        return None if isinstance(index, jax.core.Tracer) else int(index)
+    if backend == "torch":
+        import torch
+
+        if torch.compiler.is_compiling() or index.device.type == "meta":
+            return None
+        return int(index.item())
+    return None
+
+
+def index_of(index, layer_name: str):
+    """`cache_update_index` as a Python int when its value is known now (an
+    int, a numpy integer, an eager tensor), else as an int32 scalar tensor.
+
+    Raises:
+        ValueError: a float, bool, non-scalar or non-numeric index.
+    """
+    if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
+        return int(index)
+    dtype = getattr(index, "dtype", None)
+    index_shape = getattr(index, "shape", None)
+    dtype = None if dtype is None else keras.backend.standardize_dtype(dtype)
+    if (
+        dtype is None
+        or "int" not in dtype
+        or index_shape is None
+        or len(tuple(index_shape)) != 0
+    ):
+        raise ValueError(
+            f"SelfAttention '{layer_name}': `cache_update_index` must be an "
+            "integer or a scalar integer tensor (the position of the first new "
+            f"token). Received: cache_update_index={index!r} (dtype {dtype}, "
+            f"shape {None if index_shape is None else tuple(index_shape)})"
+        )
+    value = _known_value(index)
+    return ops.cast(index, "int32") if value is None else value
+
+
+def check_fit(index: int, new, max_length, layer_name: str) -> None:
+    """Raises ValueError unless the `new` positions from the known `index`
+    fit the cache (sizes that are not known yet are checked by `Guard`)."""
+    too_far = (
+        isinstance(new, int)
+        and isinstance(max_length, int)
+        and index + new > max_length
+    )
+    if index < 0 or too_far:
+        raise ValueError(
+            f"SelfAttention '{layer_name}': {new} new positions from "
+            f"cache_update_index={index} do not fit a cache of "
+            f"max_length={max_length} (0 <= cache_update_index and "
+            "cache_update_index + new positions <= max_length). Received: "
+            f"cache_update_index={index}"
+        )
+
+
+def check_batch(inputs, cache, layer_name: str) -> None:
+    """Raises ValueError if `inputs` and `cache` have known, different batches."""
+    batch, cache_batch = tuple(inputs.shape)[0], tuple(cache.shape)[0]
+    if isinstance(batch, int) and isinstance(cache_batch, int) and batch != cache_batch:
+        raise ValueError(
+            f"SelfAttention '{layer_name}': `cache` must have the batch size of "
+            f"the inputs ({batch}). Received: cache.shape={tuple(cache.shape)}, "
+            f"inputs.shape={tuple(inputs.shape)}"
+        )
+
+
+def _static(x) -> bool:
+    return isinstance(x, int)
+
+
+@dataclasses.dataclass(frozen=True)
+class Guard:
+    """The run-time checks of one cached call whose values are not all known
+    when it is traced.
+
+    Attributes:
+        inputs, cache: The call's tensors; on TensorFlow graphs they depend
+            on the checks (InvalidArgument before anything reads them).
+        valid: None when every check passed at trace time; else a bool scalar
+            tensor, False when the step must return NaN and keep the cache.
+    """
+
+    inputs: Any
+    cache: Any
+    valid: Any
+
+    @classmethod
+    def of(cls, inputs, cache, index, layer_name: str) -> Guard:
+        """The checks of `index` (a Python int already range-checked, or an
+        int32 tensor), the inputs' batch and time, and the cache's shape."""
+        batch, new = tuple(inputs.shape)[:2]
+        cache_shape = tuple(cache.shape)
+        max_length = cache_shape[2]
+        conditions = []
+        if not (_static(batch) and _static(cache_shape[0])):
+            conditions.append(ops.equal(ops.shape(inputs)[0], ops.shape(cache)[0]))
+        if not (_static(index) and _static(new) and _static(max_length)):
+            end = ops.add(index, ops.shape(inputs)[1])
+            conditions.append(ops.greater_equal(index, 0))
+            conditions.append(ops.less_equal(end, ops.shape(cache)[2]))
+        valid = None
+        for condition in conditions:
+            valid = condition if valid is None else ops.logical_and(valid, condition)
+        if keras.backend.backend() == "tensorflow":
+            inputs, cache = _tf_assert(inputs, cache, index, valid, layer_name)
+        return cls(inputs, cache, valid)
+
+    def output(self, output):
+        """`output`, or NaN where the checks failed."""
+        if self.valid is None:
+            return output
+        return ops.where(self.valid, output, ops.cast(float("nan"), output.dtype))
+
+
+def _tf_assert(inputs, cache, index, valid, layer_name: str):
+    """In a TensorFlow graph, raises InvalidArgument when the step runs with
+    an index or batch that does not fit, or a cache whose shape differs from
+    the traced one (a SavedModel's declared dimensions)."""
+    import tensorflow as tf
+
+    if tf.executing_eagerly():
+        return inputs, cache
+    known = [(axis, size) for axis, size in enumerate(cache.shape) if _static(size)]
+    if known:
+        axes, sizes = zip(*known, strict=True)
+        have = tf.gather(tf.shape(cache), list(axes))
+        shape_ok = tf.reduce_all(tf.equal(have, list(sizes)))
+        valid = shape_ok if valid is None else tf.logical_and(valid, shape_ok)
+    if valid is None:
+        return inputs, cache
+    asserts = [
+        tf.debugging.Assert(
+            valid,
+            [
+                f"SelfAttention '{layer_name}': cache_update_index must be in "
+                "[0, max_length - new positions], the inputs' batch must be "
+                f"the cache's, and `cache` must have shape {tuple(cache.shape)}. "
+                "Received: cache_update_index=",
+                index,
+                "inputs.shape=",
+                tf.shape(inputs),
+                "cache.shape=",
+                tf.shape(cache),
+            ],
+        )
+    ]
+    with tf.control_dependencies(asserts):
+        return tf.identity(inputs), tf.identity(cache)
+
+
+def _shapes_may_vary() -> bool:
+    """Whether this call may give tensors a size known only when it runs: in
+    a TensorFlow graph that XLA does not compile (eager calls know every
+    size; XLA under `jax.jit` or `jit_compile=True` needs static ones)."""
+    if keras.backend.backend() != "tensorflow":
+        return False
+    import tensorflow as tf
+
+    if tf.executing_eagerly():
+        return False
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # pragma: no cover - TF internals moved: be safe.
+        return False
+    return not control_flow_util.GraphOrParentsInXlaContext(
+        tf.compat.v1.get_default_graph()
+    )
+
+
+def update(cache, key, value, index, valid=None, padding=None):
     """Writes the new positions' keys and values into the cache.
 
     Args:
         cache: `(B, 2, L, G, K)`.
         key: `(B, Tn, G, K)`, the keys of positions `index .. index + Tn - 1`.
         value: `(B, Tn, G, K)`, their values.
-        index: The first new position (an int or a scalar int tensor).
+        index: The first new position (an int or a scalar int32 tensor).
+        valid: None, or a bool scalar: where False the cache is left as it
+            was (the write is clamped into range and writes the old values).
+        padding: None, or bool `(B, L)`, False at padded positions.
 
     Returns:
-        Tuple (the updated cache, all keys `(B, L, G, K)`, all values).
+        Tuple (the updated cache, keys `(B, Lk, G, K)`, values): the keys and
+        values of positions `0 .. Lk - 1` for attention, with `Lk = index +
+        Tn` where sizes may depend on `index` (eager calls, TensorFlow graphs
+        without XLA) and else `L`. Positions no query of the call may attend
+        (padded ones, and those >= index + Tn) read zero, whatever the cache
+        holds there, so their values (NaN, inf) change no output.
     """
     new = ops.cast(ops.stack([key, value], axis=1), cache.dtype)
     zero = ops.zeros((), "int32")
     start = ops.cast(index, "int32")
+    if valid is not None:
+        last = ops.subtract(ops.shape(cache)[2], ops.shape(new)[2])
+        start = ops.minimum(ops.maximum(start, 0), ops.maximum(last, 0))
+        old = ops.slice(cache, (zero, zero, start, zero, zero), ops.shape(new))
+        new = nan_safe.where(valid, new, old)
     cache = ops.slice_update(cache, (zero, zero, start, zero, zero), new)
-    return cache, cache[:, 0], cache[:, 1]
+    max_length = ops.shape(cache)[2]
+    new_length = ops.shape(new)[2]
+    if _static(index) and _static(new_length):
+        end = index + new_length
+    else:
+        end = ops.add(index, new_length)
+    length, visible = None, None
+    if all(_static(size) for size in (end, max_length)):
+        length = end if end < max_length else None
+    elif _shapes_may_vary():
+        # At least one key: an index out of range returns NaN (`Guard`).
+        length = ops.minimum(ops.maximum(end, 1), max_length)
+    else:
+        positions = ops.arange(max_length, dtype="int32")
+        visible = ops.expand_dims(ops.less(positions, end), 0)
+    keys, values = cache[:, 0, :length], cache[:, 1, :length]
+    if padding is not None:
+        padding = ops.cast(padding, "bool")[:, :length]
+        visible = padding if visible is None else ops.logical_and(visible, padding)
+    if visible is not None:
+        visible = ops.expand_dims(visible, (2, 3))
+        keys, values = (nan_safe.zero_unless(visible, x) for x in (keys, values))
+    return cache, keys, values
