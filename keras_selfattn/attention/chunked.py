@@ -12,6 +12,9 @@ largest intermediate is (B, H, C, span), span the keys a block can see:
   ([s-w+1, s+C) with causal), a fixed span of at most C + 2(w-1) keys, so
   the work is linear in T too.
 
+Traced with a time of unknown size off TensorFlow (JAX's exporters), the
+call takes the explicit path, which computes the same numbers.
+
 The blocks run in a sequential map (`tf.map_fn` with `parallel_iterations=1`
 on TensorFlow, `keras.ops.map` elsewhere), so only one block's scores are
 alive at a time, T may be dynamic, and gradients flow through the loop. The
@@ -117,6 +120,13 @@ def chunked_attention(
 
     if isinstance(time, int):
         return (blocks() if time else empty()), None
+    if keras.backend.backend() != "tensorflow":
+        # A symbolic time (JAX's exporters, jax2onnx and jax2tf): the loop
+        # over blocks needs their number while tracing. The explicit path
+        # computes the same numbers.
+        return explicit.explicit_attention(
+            query, key, value, masks, scale=scale, dropout=dropout
+        )
     # Dynamic time (a TensorFlow graph of unknown shape): decided at run time.
     return ops.cond(ops.greater(time, 0), blocks, empty), None
 

@@ -11,8 +11,15 @@ declares (`heads.TIME_FIRST` or `heads.HEADS_FIRST`), weights
 supports (an implementation with `grouped_key_value` takes key and value
 with fewer heads than query, H a multiple of theirs). `choose` picks one
 from the call's static facts only (backend, device, masks present, dropout
-in training, returned weights, `chunk_size`, `flash_attention`), never from
-tensor values, so a traced or exported call takes one fixed path.
+in training, returned weights, `chunk_size`, `flash_attention`, whether
+PyTorch is tracing it for export), never from tensor values, so a traced or
+exported call takes one fixed path.
+
+While PyTorch traces a call for export, the path taken is one its exporters
+convert for every length: the fused path with key and value repeated to the
+query's heads (they refuse `enable_gqa=True`), and the explicit path in place
+of the chunked one (whose blocks are a Python loop on PyTorch, which a trace
+would unroll at the traced length). Both compute the same numbers.
 """
 
 from __future__ import annotations
@@ -28,6 +35,21 @@ import keras
 from keras_selfattn.attention import chunked, explicit, fused, heads
 from keras_selfattn.attention import masks as masks_lib
 from keras_selfattn.attention.masks import Masks
+
+
+def exporting() -> bool:
+    """Whether PyTorch is tracing the call for an exporter.
+
+    `torch.jit.trace` traces Keras's ONNX export with dynamic shapes and its
+    OpenVINO export; `torch.export` its `.pt2`, LiteRT and static-shape ONNX
+    exports (`torch.compiler.is_exporting()` holds in strict and non-strict
+    mode alike). False on the other backends.
+    """
+    if keras.backend.backend() != "torch":
+        return False
+    import torch
+
+    return torch.jit.is_tracing() or torch.compiler.is_exporting()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +202,47 @@ def choose(
         ValueError: `flash_attention=True` requires the fused path, and
             this call cannot take it; the message says why.
     """
+    implementation = _choose(
+        masks,
+        query_on_gpu=query_on_gpu,
+        same_head_dims=same_head_dims,
+        dtype=dtype,
+        flash_attention=flash_attention,
+        chunk_size=chunk_size,
+        dropout=dropout,
+        return_weights=return_weights,
+        layer_name=layer_name,
+    )
+    return _exportable(implementation) if exporting() else implementation
+
+
+def _exportable(implementation: Implementation) -> Implementation:
+    """The implementation PyTorch's exporters convert for every length, with
+    the same numbers (see the module docstring)."""
+    if implementation.name == "chunked":
+        return IMPLEMENTATIONS["explicit"]
+    if implementation.name == "fused":
+        return dataclasses.replace(
+            implementation,
+            fn=functools.partial(implementation.fn, grouped_key_value=False),
+            grouped_key_value=False,
+        )
+    return implementation
+
+
+def _choose(
+    masks: Masks,
+    *,
+    query_on_gpu: bool,
+    same_head_dims: bool,
+    dtype: str,
+    flash_attention: bool | None,
+    chunk_size: int | None,
+    dropout: bool,
+    return_weights: bool,
+    layer_name: str,
+) -> Implementation:
+    """`choose`, as if no exporter traced the call."""
     float16_on_cpu = dtype == "float16" and not query_on_gpu
     blockers = _fused_blockers(
         masks, dropout, return_weights, same_head_dims, float16_on_cpu
@@ -214,9 +277,5 @@ def choose(
     if use_fused:
         return IMPLEMENTATIONS["fused"]
     if chunk_size is not None:
-        implementation = IMPLEMENTATIONS["chunked"]
-        return dataclasses.replace(
-            implementation,
-            fn=functools.partial(implementation.fn, chunk_size=chunk_size),
-        )
+        return _chunked(chunk_size)
     return IMPLEMENTATIONS["explicit"]

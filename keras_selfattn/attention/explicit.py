@@ -23,6 +23,14 @@ FUSABLE_CORE_SCOPE = "fusable_attention_core"
 MASK_VALUE = -3.4028234663852886e38
 
 
+def _static(size):
+    """`size` if it is known while tracing, else None. A traced size (a
+    tensor under `torch.jit.trace`, a symbolic dimension under `torch.export`
+    or a JAX exporter) must not choose a branch: the branch taken for the
+    traced length would be baked into the export for every length."""
+    return size if isinstance(size, int) else None
+
+
 def apply_mask(scores, mask):
     """Float32 `scores` with the entries `mask` excludes at `MASK_VALUE`.
 
@@ -35,7 +43,7 @@ def apply_mask(scores, mask):
     `MASK_VALUE` (exp of it minus any finite max is exactly 0), and a row
     with no allowed key is uniform, never NaN.
     """
-    if mask.shape[0] == 1:
+    if _static(mask.shape[0]) == 1:
         return ops.where(mask, scores, MASK_VALUE)
     # `+`, not ops.add: for some static shapes ops.add takes the bias for a
     # per-channel one and emits BiasAdd, which would not broadcast correctly.
@@ -53,7 +61,7 @@ def masked_softmax(scores, mask=None, zero_empty_rows: bool = True):
             False.
     """
     scores = ops.cast(scores, "float32")
-    if scores.shape[-1] == 1:
+    if _static(scores.shape[-1]) == 1:
         # One key: the weight is 1 (Keras warns on a softmax over one entry).
         weights = ops.ones_like(scores)
         return weights if mask is None else ops.where(mask, weights, 0.0)

@@ -10,6 +10,12 @@
 - PyTorch: `torch.nn.functional.scaled_dot_product_attention`, whose flash
   and memory-efficient kernels run on a GPU, and a flash kernel on the CPU.
 
+Traced with a time of unknown size (an exporter's symbolic dimension), the
+JAX kernel is given the whole mask as a boolean mask (`block`): its own
+sequence-length and causal masks are built with `arange` of the length, which
+jax2onnx cannot convert. Every argument a kernel needs as a Python value
+(`enable_gqa`, `is_causal`) comes from static facts, never from a tensor.
+
 Query, key and value stay in the compute dtype: the kernels accumulate in
 float32. Masked keys get weight exactly 0. No row handed to a kernel has all
 its keys masked (such rows are padded queries, which the layer zeroes; they
@@ -81,9 +87,9 @@ def _jax_attention(query, key, value, masks: Masks, scale: float):
     if masks.padding is None:
         return attend()
     padding = jnp.asarray(masks.padding).astype(bool)
-    time = padding.shape[1]
     lengths = jnp.sum(padding, axis=1, dtype="int32")
-    right_padded = jnp.all(padding == (jnp.arange(time)[None, :] < lengths[:, None]))
+    real = masks_lib.positions(padding.shape[1])[None, :] < lengths[:, None]
+    right_padded = jnp.all(padding == real)
 
     def by_lengths():
         lengths_or_one = jnp.maximum(lengths, 1)
@@ -97,9 +103,10 @@ def _jax_attention(query, key, value, masks: Masks, scale: float):
     return jax.lax.cond(right_padded, by_lengths, by_mask)
 
 
-def _sdpa(query, key, value, scale: float, mask=None, causal: bool = False):
-    """torch's scaled_dot_product_attention on (B, T, H, D) tensors; key and
-    value may have fewer heads (grouped-query attention)."""
+def _sdpa(query, key, value, scale: float, grouped: bool, mask=None, causal=False):
+    """torch's scaled_dot_product_attention on (B, T, H, D) tensors; with
+    `grouped`, key and value may have fewer heads (grouped-query attention).
+    """
     import torch
 
     query, key, value = (t.transpose(1, 2) for t in (query, key, value))
@@ -110,40 +117,47 @@ def _sdpa(query, key, value, scale: float, mask=None, causal: bool = False):
         attn_mask=mask,
         is_causal=causal,
         scale=scale,
-        enable_gqa=key.shape[1] != query.shape[1],
+        enable_gqa=grouped and key.shape[1] != query.shape[1],
     )
     return output.transpose(1, 2)
 
 
-def _torch_attention(query, key, value, masks: Masks, scale: float):
-    import torch
-
-    mask, causal = None, masks.causal
-    if masks.padding is not None:
-        mask = masks.padding.bool()[:, None, None, :]
-        if causal:  # SDPA takes a mask or is_causal, not both.
-            query_len, key_len = query.shape[1], key.shape[1]
-            lower = torch.ones(query_len, key_len, dtype=torch.bool, device=mask.device)
-            mask, causal = mask & torch.tril(lower), False
-        mask = _nonempty_rows(mask)
-    return _sdpa(query, key, value, scale, mask, causal)
+def _torch_attention(query, key, value, masks: Masks, scale: float, grouped: bool):
+    if masks.padding is None:
+        return _sdpa(query, key, value, scale, grouped, causal=masks.causal)
+    # SDPA takes a mask or is_causal, not both: the band joins the mask.
+    return _dense_mask_attention(query, key, value, masks, scale, grouped)
 
 
-def _dense_mask_attention(query, key, value, masks: Masks, scale: float):
+def _dense_mask_attention(query, key, value, masks: Masks, scale, grouped=True):
     """The kernel with the call's whole mask as a boolean (B, 1, Tq, Tk) mask:
     for queries that do not start at key 0 (decoding with a cache, where Tq
-    is a few new positions), which `is_causal` would misplace."""
+    is a few new positions), which `is_causal` would misplace, and for a time
+    of unknown size on JAX (see the module docstring)."""
     query_len, key_len = ops.shape(query)[1], ops.shape(key)[1]
     mask = _nonempty_rows(masks_lib.block(masks, query_len=query_len, key_len=key_len))
     if keras.backend.backend() == "jax":
         import jax
 
         return jax.nn.dot_product_attention(query, key, value, mask=mask, scale=scale)
-    return _sdpa(query, key, value, scale, mask)
+    return _sdpa(query, key, value, scale, grouped, mask)
+
+
+def _static_time(query, key) -> bool:
+    """Whether the query and key lengths are known while tracing."""
+    return isinstance(query.shape[1], int) and isinstance(key.shape[1], int)
 
 
 def fused_attention(
-    query, key, value, masks, *, scale, dropout=None, return_weights=False
+    query,
+    key,
+    value,
+    masks,
+    *,
+    scale,
+    dropout=None,
+    return_weights=False,
+    grouped_key_value=True,
 ):
     """Attention through the backend's fused kernel.
 
@@ -158,6 +172,9 @@ def fused_attention(
         scale: Multiplier of the raw scores.
         dropout: Must be None: the kernels do not expose their weights.
         return_weights: Must be False, likewise.
+        grouped_key_value: False when key and value have as many heads as
+            query (the caller repeated them): PyTorch's kernel is then
+            called with `enable_gqa=False`, which its exporters require.
 
     Returns:
         Tuple (output (B, Tq, H, V) in the inputs' dtype, None).
@@ -167,12 +184,16 @@ def fused_attention(
             "The fused path takes no dropout, returned weights or attention_mask."
         )
     backend = keras.backend.backend()
-    if backend in ("jax", "torch") and not masks_lib.aligned(masks):
-        return _dense_mask_attention(query, key, value, masks, scale), None
+    if backend not in ("jax", "torch"):
+        raise ValueError(f"The {backend} backend has no fused attention kernel.")
+    grouped = grouped_key_value
+    if not masks_lib.aligned(masks) or (
+        backend == "jax" and not _static_time(query, key)
+    ):
+        output = _dense_mask_attention(query, key, value, masks, scale, grouped)
+        return output, None
     if backend == "jax":
         return _jax_attention(query, key, value, masks, scale), None
-    if backend == "torch":
-        if masks.sliding_window is not None:
-            raise ValueError("PyTorch's fused kernel takes no sliding_window.")
-        return _torch_attention(query, key, value, masks, scale), None
-    raise ValueError(f"The {backend} backend has no fused attention kernel.")
+    if masks.sliding_window is not None:
+        raise ValueError("PyTorch's fused kernel takes no sliding_window.")
+    return _torch_attention(query, key, value, masks, scale, grouped), None

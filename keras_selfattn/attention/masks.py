@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import keras
 from keras import ops
 
 
@@ -47,6 +48,22 @@ class Masks:
 def aligned(masks: Masks) -> bool:
     """Whether query i is key i (not decoding with a cache)."""
     return masks.query_offset is None
+
+
+def positions(length, dtype: str = "int32"):
+    """`0 .. length - 1` as a `(length,)` tensor of `dtype`.
+
+    `length` may be a dimension that is not known until run time: a traced
+    size (an exporter's symbolic dimension on JAX, a traced scalar under
+    `torch.jit.trace`, a dynamic TensorFlow dimension). On JAX this is
+    `lax.broadcasted_iota`, which traces with a symbolic length where
+    `jnp.arange` (replaced by jax2onnx while it converts) does not.
+    """
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return jax.lax.broadcasted_iota(dtype, (length,), 0)
+    return ops.arange(0, length, dtype=dtype)
 
 
 def band(masks: Masks, query_pos, key_pos):
@@ -114,12 +131,8 @@ def block(masks: Masks, query_start=0, key_start=0, query_len=None, key_len=None
         first_query = query_start
         if not aligned(masks):
             first_query = ops.add(masks.query_offset, query_start)
-        query_pos = ops.reshape(
-            first_query + ops.arange(query_len, dtype="int32"), (1, 1, -1, 1)
-        )
-        key_pos = ops.reshape(
-            key_start + ops.arange(key_len, dtype="int32"), (1, 1, 1, -1)
-        )
+        query_pos = ops.reshape(first_query + positions(query_len), (1, 1, -1, 1))
+        key_pos = ops.reshape(key_start + positions(key_len), (1, 1, 1, -1))
         rules.append(band(masks, query_pos, key_pos))
     if masks.padding is not None:
         keys = _cut(ops.cast(masks.padding, "bool"), 1, key_start, key_len)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from keras_selfattn.attention import heads
+from keras_selfattn.attention import heads, masks
 
 
 def rotate(
@@ -45,7 +45,7 @@ def rotate(
     time = ops.shape(x)[time_axis]
     exponents = ops.arange(0, depth, 2, dtype="float32") / float(depth)
     inverse_freq = 1.0 / ops.power(float(max_wavelength), exponents)
-    positions = ops.arange(time, dtype="float32")
+    positions = masks.positions(time, "float32")
     if not (isinstance(offset, int) and offset == 0):
         positions = positions + ops.cast(offset, "float32")
     positions = positions / float(scaling_factor)
