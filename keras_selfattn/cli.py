@@ -1,16 +1,19 @@
 """The `keras-selfattn` command: export a .keras model and verify exports.
 
-    keras-selfattn export MODEL.keras --saved-model BASE_DIR [--name NAME]
-                   [--version N] [--warmup] [--onnx OUT.onnx] [--opset N]
-                   [--fuse-attention]
+    keras-selfattn export MODEL.keras [--saved-model BASE_DIR [--name NAME]
+                   [--version N] [--warmup]] [--onnx OUT.onnx [--opset N]
+                   [--fuse-attention]] [--litert OUT.tflite
+                   [--litert-shape B,T]] [--openvino OUT.xml] [--torch OUT.pt2]
+                   [--decode-step --max-length N]
     keras-selfattn verify MODEL.keras [--saved-model VERSION_DIR] [--onnx PATH]
-    keras-selfattn export-decode-step MODEL.keras --max-length N
-                   [--saved-model BASE_DIR [--name NAME] [--version N]]
-                   [--onnx OUT.onnx [--opset N]]
+                   [--litert PATH [--litert-shape B,T]] [--openvino PATH
+                   [--openvino-precision f32|bf16]] [--torch PATH]
 
+`export-decode-step ...` is the same as `export --decode-step ...`.
 Every step is printed as it runs, then a parity table (each runtime against
-Keras). `export` writes each export beside its target, verifies them all in
-one step and moves them into place only when every one matched. Any
+Keras, each in a fresh process loading only that runtime). `export` writes
+each export beside its target, verifies them all in one step and moves them
+into place only when every one matched. Any
 failure prints one line, `keras-selfattn: error: ...`, on stderr and exits
 with status 1 (2 for usage errors, 130 when interrupted, 143 when
 terminated by SIGTERM).
@@ -183,47 +186,6 @@ def _describe(model) -> None:
     print(f"  model {model.name!r}: inputs {inputs}", flush=True)
 
 
-def _check_targets(args: argparse.Namespace, name: str) -> int | None:
-    """The exporters' target checks, before the model is loaded.
-
-    Checks `--saved-model` (with model `name` and `--version`) and `--onnx`
-    (with `--opset`) when given.
-
-    Returns:
-        The ONNX opset to use, or None without `--onnx`.
-
-    Raises:
-        CLIError: if the SavedModel version exists.
-    """
-    from keras_selfattn.export import onnx_export_module, saved_model
-    from keras_selfattn.serving.layout import VersionExistsError
-
-    if args.saved_model is not None:
-        try:
-            saved_model.check_target(
-                args.saved_model, name, args.version, argument="--saved-model"
-            )
-        except VersionExistsError as error:
-            raise CLIError(
-                f"version {error.version} of {error.name!r} already exists in "
-                f"{error.model_dir}; it is never overwritten (pass another "
-                "--version or omit it)"
-            ) from None
-    if args.onnx is None:
-        return None
-    onnx_export = onnx_export_module()
-    opset = onnx_export.check_opset(args.opset)
-    onnx_export.check_target(args.onnx, argument="--onnx")
-    return opset
-
-
-def _staged_paths(staged: Mapping[str, Any]) -> tuple[str | None, str | None]:
-    """The staged SavedModel's and ONNX file's paths (None when not staged)."""
-    saved = staged["saved_model"].path if "saved_model" in staged else None
-    onnx = staged["onnx"].path if "onnx" in staged else None
-    return saved, onnx
-
-
 def _print_written(staged: Mapping[str, Any], report: object) -> int:
     """Prints the moved-in exports and the parity report; returns status 0."""
     for export in staged.values():
@@ -232,153 +194,218 @@ def _print_written(staged: Mapping[str, Any], report: object) -> int:
     return 0
 
 
-def _export(args: argparse.Namespace) -> int:
-    """Stages each export, verifies them in one step, then moves them in.
+# The file formats' options and metavars, in staging order.
+_FILE_FORMATS = (
+    ("onnx", "OUT.onnx"),
+    ("litert", "OUT.tflite"),
+    ("openvino", "OUT.xml"),
+    ("torch", "OUT.pt2"),
+)
+_TITLE = {"onnx": "ONNX", "litert": "LiteRT", "openvino": "OpenVINO", "torch": "torch"}
 
-    The exporters' own argument checks run before the model is loaded; an
-    export appears only once every export of the command matched Keras.
+
+def _check_destinations(args: argparse.Namespace, name: str) -> dict:
+    """The exporters' target checks, before the model is loaded.
+
+    Returns:
+        {format: `pipeline.Destination`} for every format asked for, the
+        SavedModel first.
+
+    Raises:
+        CLIError: if the SavedModel version exists.
     """
-    from keras_selfattn.export import onnx_export_module, saved_model, verify
+    from keras_selfattn.export import pipeline
+    from keras_selfattn.serving.layout import VersionExistsError
 
-    if args.saved_model is None and args.onnx is None:
-        raise CLIError("export needs --saved-model BASE_DIR, --onnx OUT.onnx or both")
+    destinations = {}
+    if args.saved_model is not None:
+        try:
+            destinations["saved_model"] = pipeline.check_destination(
+                "saved_model",
+                args.saved_model,
+                name=name,
+                version=args.version,
+                argument="--saved-model",
+            )
+        except VersionExistsError as error:
+            raise CLIError(
+                f"version {error.version} of {error.name!r} already exists in "
+                f"{error.model_dir}; it is never overwritten (pass another "
+                "--version or omit it)"
+            ) from None
+    for fmt, _ in _FILE_FORMATS:
+        path = getattr(args, fmt)
+        if path is not None:
+            destinations[fmt] = pipeline.check_destination(
+                fmt,
+                path,
+                opset=args.opset,
+                shape=args.litert_shape,
+                argument=f"--{fmt}",
+            )
+    return destinations
+
+
+def _check_export_options(args: argparse.Namespace) -> None:
+    asked = [fmt for fmt, _ in _FILE_FORMATS if getattr(args, fmt) is not None]
+    if args.saved_model is None and not asked:
+        raise CLIError(
+            "export needs at least one of --saved-model BASE_DIR, --onnx OUT.onnx, "
+            "--litert OUT.tflite, --openvino OUT.xml, --torch OUT.pt2"
+        )
     if args.saved_model is None and (args.name or args.version or args.warmup):
         raise CLIError("--name, --version and --warmup need --saved-model")
     if args.onnx is None and args.opset is not None:
         raise CLIError("--opset needs --onnx")
     if args.onnx is None and args.fuse_attention:
         raise CLIError("--fuse-attention needs --onnx")
+    if args.litert is None and args.litert_shape is not None:
+        raise CLIError("--litert-shape needs --litert")
+    if args.decode_step and args.max_length is None:
+        raise CLIError("--decode-step needs --max-length N")
+    if not args.decode_step and args.max_length is not None:
+        raise CLIError("--max-length needs --decode-step")
+    if args.decode_step and (args.warmup or args.fuse_attention):
+        raise CLIError("--warmup and --fuse-attention do not apply to --decode-step")
+
+
+def _stage_label(destination, decode_step: bool) -> str:
+    if destination.format == "saved_model":
+        signature = " (signature 'decode_step')" if decode_step else ""
+        return (
+            f"Exporting SavedModel {destination.name!r}{signature} "
+            f"under {destination.path}"
+        )
+    detail = ""
+    if destination.format == "onnx":
+        detail = f" (opset {destination.opset or 'default'})"
+    if destination.shape:
+        detail = f" (fixed shape {destination.shape[0]}x{destination.shape[1]})"
+    return f"Exporting {_TITLE[destination.format]}{detail} to {destination.path}"
+
+
+def _export(args: argparse.Namespace) -> int:
+    """Stages each export, verifies them in one step, then moves them in.
+
+    The exporters' own argument checks run before the model is loaded; an
+    export appears only once every export of the command matched Keras.
+    The SavedModel's version rename (the step that can lose a race with
+    another export) runs before any file is linked in: if it fails, no file
+    appears either.
+    """
+    from keras_selfattn.export import decode_step, pipeline
+    from keras_selfattn.export._endpoint import build_endpoint
+    from keras_selfattn.export.saved_model import write_warmup
+    from keras_selfattn.export.verify import PATH_ARGUMENT
+
+    _check_export_options(args)
     name = args.name
     if name is None:
         name = os.path.splitext(os.path.basename(args.model))[0]
-    opset = _check_targets(args, name)
+    destinations = _check_destinations(args, name)
 
     model = _load_model(args.model)
     _describe(model)
-    with contextlib.ExitStack() as staging:
+    if args.decode_step:
+        step = decode_step.build_decode_step(model, args.max_length)
+        print(
+            f"  decode step: caches {', '.join(step.cache_names)} "
+            f"(max_length {args.max_length})",
+            flush=True,
+        )
+        target, endpoint = step.target(), None
+    else:
+        endpoint = build_endpoint(model)
+        target = endpoint.target()
+    # Files are linked in by the outer stack, after the inner one renamed
+    # the SavedModel's version folder into place.
+    with contextlib.ExitStack() as files, contextlib.ExitStack() as saved_model:
         staged = {}
-        if args.saved_model is not None:
-            staged["saved_model"] = _step(
-                f"Exporting SavedModel {name!r} under {args.saved_model}"
-                + (" with warmup requests" if args.warmup else ""),
-                lambda: staging.enter_context(
-                    saved_model.stage_saved_model(
-                        model, args.saved_model, name, args.version, warmup=args.warmup
-                    )
-                ),
-            )
-        if args.onnx is not None:
-            from keras_selfattn.export.fused_attention import FUSED_OPSET, collect_log
+        for fmt, destination in destinations.items():
+            label = _stage_label(destination, args.decode_step)
+            options: dict[str, Any] = {}
+            if fmt == "saved_model" and args.warmup:
+                label += " with warmup requests"
+                options["warmup"] = lambda d: write_warmup(endpoint, d, name)
+            fusion_log: list[str] = []
+            with contextlib.ExitStack() as logging:
+                if fmt == "onnx" and args.fuse_attention:
+                    from keras_selfattn.export import fused_attention
 
-            onnx_export = onnx_export_module()
-
-            fused = f" -> {FUSED_OPSET}, fused Attention" if args.fuse_attention else ""
-            with collect_log() as fusion_log:
+                    opset = fused_attention.FUSED_OPSET
+                    label = label.replace(")", f" -> {opset}, fused Attention)")
+                    options["fuse"] = endpoint
+                    fusion_log = logging.enter_context(fused_attention.collect_log())
+                stack = saved_model if fmt == "saved_model" else files
                 try:
-                    staged["onnx"] = _step(
-                        f"Exporting ONNX (opset {opset}{fused}) to {args.onnx}",
-                        lambda: staging.enter_context(
-                            onnx_export.stage_onnx(
-                                model,
-                                args.onnx,
-                                opset,
-                                fuse_attention=args.fuse_attention,
-                            )
+                    staged[fmt] = _step(
+                        label,
+                        lambda d=destination, o=options, s=stack: s.enter_context(
+                            pipeline.stage(target, d, **o)
                         ),
                     )
                 finally:  # which layers were fused, also when the export failed
                     for line in fusion_log:
                         print(f"  {line}", flush=True)
-        report = _step(
-            "Verifying against Keras",
-            lambda: verify(
-                model,
-                *_staged_paths(staged),
-                atol=args.atol,
-                rtol=args.rtol,
-            ),
-        )
+        paths = {PATH_ARGUMENT[f]: s.path for f, s in staged.items()}
+        if args.decode_step:
+            report = _step(
+                "Decoding step by step against Keras",
+                lambda: decode_step.verify_decode_step(
+                    model,
+                    max_length=args.max_length,
+                    atol=args.atol,
+                    rtol=args.rtol,
+                    **paths,
+                ),
+            )
+        else:
+            report = _step(
+                "Verifying against Keras", lambda: _verify_paths(model, paths, args)
+            )
     return _print_written(staged, report)
 
 
-def _export_decode_step(args: argparse.Namespace) -> int:
-    """Like `_export`, for the decoding step (`export.decode_step`)."""
-    from keras_selfattn.export import decode_step
+def _verify_paths(model, paths: Mapping[str, str], args: argparse.Namespace):
+    """`verify` of every path; a fixed-shape LiteRT file at its one shape."""
+    from keras_selfattn.export import ParityReport, verify
 
-    if args.saved_model is None and args.onnx is None:
-        raise CLIError(
-            "export-decode-step needs --saved-model BASE_DIR, --onnx OUT.onnx or both"
-        )
-    if args.saved_model is None and (args.name or args.version):
-        raise CLIError("--name and --version need --saved-model")
-    if args.onnx is None and args.opset is not None:
-        raise CLIError("--opset needs --onnx")
-    decode_step.require_tensorflow()
-    name = args.name or os.path.splitext(os.path.basename(args.model))[0]
-    opset = _check_targets(args, name)
-
-    model = _load_model(args.model)
-    _describe(model)
-    step = decode_step.build_decode_step(model, args.max_length)
-    print(
-        f"  decode step: caches {', '.join(step.cache_names)} "
-        f"(max_length {args.max_length})",
-        flush=True,
-    )
-    with contextlib.ExitStack() as staging:
-        staged = {}
-        if args.saved_model is not None:
-            staged["saved_model"] = _step(
-                f"Exporting SavedModel {name!r} (signature "
-                f"{decode_step.SIGNATURE_NAME!r}) under {args.saved_model}",
-                lambda: staging.enter_context(
-                    decode_step.stage_saved_model(
-                        model,
-                        args.saved_model,
-                        name,
-                        args.version,
-                        max_length=args.max_length,
-                    )
-                ),
-            )
-        if args.onnx is not None:
-            staged["onnx"] = _step(
-                f"Exporting ONNX (opset {opset}) to {args.onnx}",
-                lambda: staging.enter_context(
-                    decode_step.stage_onnx(
-                        model, args.onnx, max_length=args.max_length, opset=opset
-                    )
-                ),
-            )
-        report = _step(
-            "Decoding step by step against Keras",
-            lambda: decode_step.verify_decode_step(
+    shape = args.litert_shape
+    fixed = {k: v for k, v in paths.items() if k == "litert_path" and shape}
+    dynamic = {k: v for k, v in paths.items() if k not in fixed}
+    precision = getattr(args, "openvino_precision", "f32")
+    rows = []
+    for group, shapes in ((dynamic, None), (fixed, [shape])):
+        if group:
+            report = verify(
                 model,
-                *_staged_paths(staged),
-                max_length=args.max_length,
                 atol=args.atol,
                 rtol=args.rtol,
-            ),
-        )
-    return _print_written(staged, report)
+                shapes=shapes,
+                openvino_precision=precision,
+                **group,
+            )
+            rows.extend(report.rows)
+    return ParityReport(tuple(rows), args.atol, args.rtol)
 
 
 def _verify(args: argparse.Namespace) -> int:
-    if args.saved_model is None and args.onnx is None:
-        raise CLIError("verify needs --saved-model VERSION_DIR, --onnx PATH or both")
-    for path in (args.saved_model, args.onnx):
-        if path is not None and not os.path.exists(path):
+    paths = {
+        "saved_model_dir": args.saved_model,
+        **{f"{fmt}_path": getattr(args, fmt) for fmt, _ in _FILE_FORMATS},
+    }
+    paths = {k: v for k, v in paths.items() if v is not None}
+    if not paths:
+        raise CLIError(
+            "verify needs at least one of --saved-model VERSION_DIR, --onnx, "
+            "--litert, --openvino, --torch"
+        )
+    for path in paths.values():
+        if not os.path.exists(path):
             raise CLIError(f"export not found: {path}")
     model = _load_model(args.model)
     _describe(model)
-    from keras_selfattn.export import verify
-
-    report = _step(
-        "Verifying against Keras",
-        lambda: verify(
-            model, args.saved_model, args.onnx, atol=args.atol, rtol=args.rtol
-        ),
-    )
+    report = _step("Verifying against Keras", lambda: _verify_paths(model, paths, args))
     print(report, flush=True)
     return 0
 
@@ -391,6 +418,13 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
     return value
+
+
+def _shape(text: str) -> tuple[int, int]:
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"not BATCH,TIME: {text!r}")
+    return (_positive_int(parts[0]), _positive_int(parts[1]))
 
 
 def _tolerance(text: str) -> float:
@@ -426,12 +460,14 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"relative tolerance (default {DEFAULT_RTOL:g})",
         )
 
-    def add_saved_model_target(sub: argparse.ArgumentParser, what: str) -> None:
-        """Adds --saved-model BASE_DIR (`what` is written), --name, --version."""
+    def add_export(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument(
+            "model", metavar="MODEL.keras", help="model saved with model.save"
+        )
         sub.add_argument(
             "--saved-model",
             metavar="BASE_DIR",
-            help=f"write BASE_DIR/NAME/VERSION/ ({what})",
+            help="write BASE_DIR/NAME/VERSION/ (TF Serving layout)",
         )
         sub.add_argument("--name", help="model name (default: MODEL file name)")
         sub.add_argument(
@@ -439,32 +475,66 @@ def build_parser() -> argparse.ArgumentParser:
             type=_positive_int,
             help="version number (default: highest existing + 1)",
         )
-
-    def add_onnx_target(sub: argparse.ArgumentParser) -> None:
-        """--onnx OUT.onnx and --opset."""
+        sub.add_argument(
+            "--warmup",
+            action="store_true",
+            help="add assets.extra/tf_serving_warmup_requests",
+        )
         sub.add_argument("--onnx", metavar="OUT.onnx", help="write an ONNX file")
-        sub.add_argument("--opset", type=int, help="ONNX opset, 13 to 18 (default 17)")
+        sub.add_argument(
+            "--opset",
+            type=int,
+            help="ONNX opset, 13 to 18 (default 17 on TensorFlow, the "
+            "converter's own on JAX and torch)",
+        )
+        sub.add_argument(
+            "--fuse-attention",
+            action="store_true",
+            help="make each SelfAttention one ONNX Attention node (upgrades to "
+            "opset 23; TensorFlow)",
+        )
+        sub.add_argument(
+            "--litert", metavar="OUT.tflite", help="write a LiteRT (.tflite) file"
+        )
+        sub.add_argument(
+            "--litert-shape",
+            type=_shape,
+            metavar="BATCH,TIME",
+            help="fix the LiteRT file's input shape (required on torch)",
+        )
+        sub.add_argument(
+            "--openvino", metavar="OUT.xml", help="write OpenVINO IR (.xml + .bin)"
+        )
+        sub.add_argument(
+            "--torch", metavar="OUT.pt2", help="write a torch.export program (torch)"
+        )
+        sub.add_argument(
+            "--decode-step",
+            action="store_true",
+            help="export the decoding step (inputs + key/value caches + index) "
+            "instead of the forward pass, verified step by step",
+        )
+        sub.add_argument(
+            "--max-length",
+            type=_positive_int,
+            help="with --decode-step: the caches' length (longest sequence)",
+        )
+        add_tolerances(sub)
+        sub.set_defaults(run=_export)
 
-    export = commands.add_parser(
-        "export", help="export to a TF Serving SavedModel and/or ONNX, then verify"
+    add_export(
+        commands.add_parser(
+            "export",
+            help="export to SavedModel, ONNX, LiteRT, OpenVINO and/or torch, "
+            "verify, then move into place",
+        )
     )
-    export.add_argument(
-        "model", metavar="MODEL.keras", help="model saved with model.save"
+    # The earlier name of `export --decode-step` (docs/decoding.md uses it).
+    alias = commands.add_parser(
+        "export-decode-step", help="the same as: export --decode-step"
     )
-    add_saved_model_target(export, "TF Serving layout")
-    export.add_argument(
-        "--warmup",
-        action="store_true",
-        help="add assets.extra/tf_serving_warmup_requests",
-    )
-    add_onnx_target(export)
-    export.add_argument(
-        "--fuse-attention",
-        action="store_true",
-        help="make each SelfAttention one ONNX Attention node (upgrades to opset 23)",
-    )
-    add_tolerances(export)
-    export.set_defaults(run=_export)
+    add_export(alias)
+    alias.set_defaults(decode_step=True)
 
     verify = commands.add_parser("verify", help="compare exports with the Keras model")
     verify.add_argument(
@@ -476,27 +546,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="a SavedModel version folder (BASE_DIR/NAME/VERSION)",
     )
     verify.add_argument("--onnx", metavar="PATH", help="an ONNX file")
+    verify.add_argument("--litert", metavar="PATH", help="a LiteRT (.tflite) file")
+    verify.add_argument(
+        "--litert-shape",
+        type=_shape,
+        metavar="BATCH,TIME",
+        help="the LiteRT file's fixed input shape, if it has one",
+    )
+    verify.add_argument("--openvino", metavar="PATH", help="an OpenVINO .xml file")
+    verify.add_argument(
+        "--openvino-precision",
+        choices=("f32", "bf16"),
+        default="f32",
+        help="OpenVINO's inference precision (default f32; bf16 is OpenVINO's "
+        "default on CPUs with AVX512-BF16: pass tolerances that fit it)",
+    )
+    verify.add_argument("--torch", metavar="PATH", help="a torch .pt2 file")
     add_tolerances(verify)
     verify.set_defaults(run=_verify)
-
-    step = commands.add_parser(
-        "export-decode-step",
-        help="export the decoding step (inputs + key/value caches + index), "
-        "then verify it step by step",
-    )
-    step.add_argument(
-        "model", metavar="MODEL.keras", help="model saved with model.save"
-    )
-    step.add_argument(
-        "--max-length",
-        type=_positive_int,
-        required=True,
-        help="the caches' length (longest sequence decoded)",
-    )
-    add_saved_model_target(step, "signature decode_step")
-    add_onnx_target(step)
-    add_tolerances(step)
-    step.set_defaults(run=_export_decode_step)
     return parser
 
 

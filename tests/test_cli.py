@@ -283,7 +283,7 @@ def bad_files(work):
         ),
         (
             ["export", "{root}/clf.keras"],
-            ["needs --saved-model BASE_DIR, --onnx OUT.onnx or both"],
+            ["export needs at least one of --saved-model BASE_DIR, --onnx"],
         ),
         (
             ["export", "{root}/clf.keras", "--onnx", "{tmp}/m.onnx", "--warmup"],
@@ -312,11 +312,11 @@ def test_bad_input_one_line_error_nothing_written(
 def test_interrupt_exits_130_and_leaves_nothing(work, tmp_path, capsys, monkeypatch):
     from keras_selfattn.export import saved_model as saved_model_module
 
-    def interrupted(endpoint, directory):
+    def interrupted(target, directory):
         open(os.path.join(directory, "saved_model.pb"), "wb").close()
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(saved_model_module, "_write_saved_model", interrupted)
+    monkeypatch.setattr(saved_model_module, "write_saved_model", interrupted)
     root, _, _ = work
     status, _, err = run(
         ["export", root / "clf.keras", "--saved-model", tmp_path / "serving"], capsys
@@ -431,7 +431,7 @@ def test_a_failed_export_step_leaves_no_export_at_all(
     def disk_full(proto, path):
         raise OSError(28, "No space left on device", path)
 
-    monkeypatch.setattr(onnx_export, "_write_onnx", disk_full)
+    monkeypatch.setattr(onnx_export.onnx, "save", disk_full)
     root, _, _ = work
     argv = ["export", root / "clf.keras", "--saved-model", tmp_path / "serving"]
     status, out, err = run(argv + ["--onnx", tmp_path / "clf.onnx"], capsys)
@@ -439,3 +439,33 @@ def test_a_failed_export_step_leaves_no_export_at_all(
     assert_one_line_error(err, "No space left on device")
     assert "wrote" not in out
     assert os.listdir(tmp_path) == []
+
+
+def test_a_lost_version_race_leaves_no_secondary_export(
+    work, tmp_path, capsys, monkeypatch
+):
+    """Another export takes the version while this one stages: its rename
+    fails, and the ONNX file staged with it never appears either."""
+    from keras_selfattn.export import saved_model as saved_model_module
+
+    real_write = saved_model_module.write_saved_model
+    version = tmp_path / "serving" / "clf" / "1"
+
+    def write_while_another_export_takes_the_version(target, directory):
+        real_write(target, directory)
+        version.mkdir(parents=True)
+        (version / "saved_model.pb").write_bytes(b"the other export")
+
+    monkeypatch.setattr(
+        saved_model_module,
+        "write_saved_model",
+        write_while_another_export_takes_the_version,
+    )
+    root, _, _ = work
+    argv = ["export", root / "clf.keras", "--saved-model", tmp_path / "serving"]
+    status, out, err = run(argv + ["--onnx", tmp_path / "clf.onnx"], capsys)
+    assert status == 1
+    assert_one_line_error(err, "already exists")
+    assert "wrote" not in out
+    assert sorted(os.listdir(tmp_path)) == ["serving"]
+    assert os.listdir(version) == ["saved_model.pb"]

@@ -1,11 +1,10 @@
 """Export and verify on every Keras backend, each run in its own process.
 
 Each case starts a fresh interpreter with KERAS_BACKEND set, so the module
-runs (and means the same) under any backend of the suite. Measured support
-(Keras 3.15): SavedModel on tensorflow and jax (through jax2tf, warmup and
-check included), ONNX on tensorflow only, `verify` everywhere. A format a
-backend cannot export is refused with one line naming the backend and the
-way that works, before anything is written or loaded.
+means the same under any backend of the suite and runs in one of them
+(`one_suite`). Here: imports, the jax2tf SavedModel with warmup, the CLI on
+JAX, and `verify` of TensorFlow's exports from the other backends. The
+backend x format matrix and its refusals are in test_export_formats.py.
 """
 
 from __future__ import annotations
@@ -28,6 +27,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONSOLE = os.path.join(os.path.dirname(sys.executable), "keras-selfattn")
 TIMEOUT = 300
 WAY = "load it under KERAS_BACKEND=tensorflow and export there"
+
+pytestmark = pytest.mark.one_suite("starts interpreters for fixed backends")
 
 
 def _env(backend: str) -> dict[str, str]:
@@ -115,6 +116,7 @@ def test_importing_the_package_adds_no_tensorflow(backend):
 
 
 # --------------------------------------------------------------- SavedModel
+@pytest.mark.slow
 @pytest.mark.parametrize("model_file", ["plain.keras", "masked.keras"])
 def test_jax_saved_model_export_is_checked_and_matches_keras(
     saved, tmp_path, model_file
@@ -154,7 +156,8 @@ def test_jax_saved_model_export_is_checked_and_matches_keras(
         )
 
 
-def test_jax_cli_exports_a_saved_model_and_refuses_onnx(saved, tmp_path):
+@pytest.mark.slow
+def test_jax_cli_exports_a_saved_model_and_refuses_litert(saved, tmp_path):
     result = run_cli(
         "jax", "export", saved / "clf.keras", "--saved-model", tmp_path / "serving"
     )
@@ -171,63 +174,14 @@ def test_jax_cli_exports_a_saved_model_and_refuses_onnx(saved, tmp_path):
         saved / "clf.keras",
         "--saved-model",
         tmp_path / "serving",
-        "--onnx",
-        tmp_path / "clf.onnx",
+        "--litert",
+        tmp_path / "clf.tflite",
     )
     line = error_line(result)
-    assert "ONNX export does not run on the jax backend" in line and WAY in line
+    assert "LiteRT export does not run on the jax backend" in line and WAY in line
     assert result.stdout == ""  # refused before the model is even loaded
     assert sorted(os.listdir(tmp_path)) == before
     assert os.listdir(tmp_path / "serving" / "clf") == ["1"]
-
-
-# ------------------------------------------------------------- refusals
-def test_torch_refuses_both_formats_in_one_line(saved, tmp_path):
-    result = run_python(
-        "torch",
-        f"""
-        import keras, keras_selfattn
-        from keras_selfattn.export import export_onnx, export_saved_model
-        model = keras.models.load_model({str(saved / "clf.keras")!r})
-        for export, target in ((export_saved_model, {str(tmp_path / "sm")!r}),
-                               (export_onnx, {str(tmp_path / "m.onnx")!r})):
-            try:
-                export(model, target, "m") if export is export_saved_model \\
-                    else export(model, target)
-            except ValueError as error:
-                print("ValueError:", error)
-        """,
-    )
-    lines = result.stdout.strip().splitlines()
-    assert len(lines) == 2, result.stdout
-    assert "SavedModel export does not run on the torch backend" in lines[0]
-    assert "ONNX export does not run on the torch backend" in lines[1]
-    assert all(line.startswith("ValueError: ") and WAY in line for line in lines)
-    assert os.listdir(tmp_path) == []
-    for target in (["--saved-model", tmp_path / "sm"], ["--onnx", tmp_path / "m.onnx"]):
-        result = run_cli("torch", "export", saved / "clf.keras", *target)
-        assert "does not run on the torch backend" in error_line(result)
-        assert result.stdout == ""
-    assert os.listdir(tmp_path) == []
-
-
-def test_jax_onnx_api_refuses_in_one_line(saved, tmp_path):
-    result = run_python(
-        "jax",
-        f"""
-        import keras, keras_selfattn
-        from keras_selfattn.export import export_onnx
-        model = keras.models.load_model({str(saved / "clf.keras")!r})
-        try:
-            export_onnx(model, {str(tmp_path / "m.onnx")!r})
-        except ValueError as error:
-            print(error)
-        """,
-    )
-    (line,) = result.stdout.strip().splitlines()
-    assert line.startswith("ONNX export does not run on the jax backend (")
-    assert WAY in line
-    assert os.listdir(tmp_path) == []
 
 
 # ------------------------------------------------------------------ verify
@@ -247,6 +201,7 @@ def tf_exports(saved):
     return saved / "serving" / "clf" / "1", saved / "clf.onnx"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_verify_runs_on_every_backend(saved, tf_exports, backend):
     version_dir, onnx_file = tf_exports

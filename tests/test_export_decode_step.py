@@ -9,6 +9,7 @@ Keras computed here (cached step by step, and the full uncached forward).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -109,11 +110,10 @@ def test_exports_decode_like_keras_in_a_fresh_process(tmp_path):
     assert all(row.max_abs_err < 1e-5 for row in report.rows), report
 
     step = ds.build_decode_step(model, MAX_LENGTH)
-    reference = ds.keras_runner(step)
     arrays = {}
     for case, (batch, prompt) in {"a": (2, 3), "b": (1, 1), "c": (3, 4)}.items():
         sequence = ds.teacher_inputs(step, batch, seed=10 + batch)
-        results = ds.decode(reference, step, sequence, prompt)
+        results = ds.keras_decode(step, ds.schedule(step, sequence, prompt))
         arrays[case + "/sequence"] = sequence
         arrays[case + "/prompt"] = np.asarray(prompt)
         arrays[case + "/full"] = keras.ops.convert_to_numpy(model(sequence))
@@ -152,27 +152,33 @@ def test_exports_decode_like_keras_in_a_fresh_process(tmp_path):
         assert steps == MAX_LENGTH - {"a": 3, "b": 1, "c": 4}[key[-1]] + 1
 
 
-def test_cli_exports_both_and_refuses_in_one_line(tmp_path, capsys):
+def test_cli_exports_three_formats_and_refuses_in_one_line(tmp_path, capsys):
     model = _language_model()
     path = str(tmp_path / "lm.keras")
     model.save(path)
     status = cli.main(
         [
-            "export-decode-step",
+            "export",
             path,
+            "--decode-step",
             "--max-length",
             "6",
             "--saved-model",
             str(tmp_path / "serving"),
             "--onnx",
             str(tmp_path / "out" / "lm.onnx"),
+            "--litert",
+            str(tmp_path / "out" / "lm.tflite"),
         ]
     )
     out = capsys.readouterr()
     assert status == 0, out.err
     assert (tmp_path / "serving" / "lm" / "1" / "saved_model.pb").is_file()
-    assert (tmp_path / "out" / "lm.onnx").is_file()
-    assert "keras_cache" in out.out and "onnx" in out.out
+    assert sorted(os.listdir(tmp_path / "out")) == ["lm.onnx", "lm.tflite"]
+    rows = [line.split() for line in out.out.splitlines() if "prompt" in line]
+    runtimes = {row[0] for row in rows}
+    assert runtimes == {"keras_cache", "saved_model", "onnx", "litert"}, out.out
+    assert len(rows) == 12 and all(row[-1] == "yes" for row in rows)
 
     plain = keras.Sequential(
         [
@@ -197,7 +203,9 @@ def test_cli_exports_both_and_refuses_in_one_line(tmp_path, capsys):
     assert "causal=False" in err[-1]
     assert not (tmp_path / "plain.onnx").exists()
     assert cli.main(["export-decode-step", path, "--max-length", "4"]) == 1
-    assert "needs --saved-model" in capsys.readouterr().err
+    assert "export needs at least one of" in capsys.readouterr().err
+    assert cli.main(["export", path, "--decode-step", "--onnx", "x.onnx"]) == 1
+    assert "--decode-step needs --max-length" in capsys.readouterr().err
 
 
 def test_sequential_float_model_decodes():
@@ -259,12 +267,14 @@ def test_a_layer_mixing_positions_fails_the_keras_check():
         ds.verify_decode_step(model, max_length=6)
 
 
-def test_other_backends_are_refused_in_one_line(monkeypatch):
+def test_formats_a_backend_cannot_export_are_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
     with pytest.raises(ValueError, match="KERAS_BACKEND=tensorflow") as info:
-        ds.export_decode_step_onnx(
+        ds.export_decode_step(
             _functional(SelfAttention(num_heads=2, key_dim=4, causal=True)),
-            "unused.onnx",
+            "unused.tflite",
+            "litert",
             max_length=4,
         )
     assert "\n" not in str(info.value)
+    assert "LiteRT export does not run on the jax backend" in str(info.value)

@@ -180,7 +180,7 @@ def test_failure_while_writing_leaves_nothing(
             handle.write(proto.SerializeToString()[:100])
         raise error
 
-    monkeypatch.setattr(onnx_module, "_write_onnx", write_half_then_fail)
+    monkeypatch.setattr(onnx_module.onnx, "save", write_half_then_fail)
     with pytest.raises(type(error)):
         export_onnx(small_model, tmp_path / "new_dir" / "m.onnx")
     assert os.listdir(tmp_path) == []
@@ -192,8 +192,8 @@ def test_graph_that_miscomputes_is_refused(tmp_path, small_model, monkeypatch):
     impostor = model_zoo.attention_only(seed=2)
     real_convert = onnx_module.convert_to_onnx
 
-    def convert_impostor(endpoint, opset):
-        return real_convert(onnx_module.build_endpoint(impostor), opset)
+    def convert_impostor(target, opset):
+        return real_convert(onnx_module.build_endpoint(impostor).target(), opset)
 
     monkeypatch.setattr(onnx_module, "convert_to_onnx", convert_impostor)
     with pytest.raises(ParityError, match="differ from Keras") as caught:

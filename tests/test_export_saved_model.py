@@ -247,7 +247,7 @@ def test_failure_mid_export_leaves_nothing(tmp_path, small_model, monkeypatch, e
         os.makedirs(os.path.join(directory, "variables"))
         raise error
 
-    monkeypatch.setattr(saved_model_module, "_write_saved_model", write_half_then_fail)
+    monkeypatch.setattr(saved_model_module, "write_saved_model", write_half_then_fail)
     with pytest.raises(type(error)):
         export_saved_model(small_model, tmp_path, "m")
     with pytest.raises(type(error)):
@@ -261,12 +261,12 @@ def test_failed_check_leaves_nothing(tmp_path, monkeypatch):
     # another seed) must be refused before it is moved into place.
     model = model_zoo.attention_only(seed=0)
     impostor = model_zoo.attention_only(seed=1)
-    real_write = saved_model_module._write_saved_model
+    real_write = saved_model_module.write_saved_model
 
-    def write_impostor(endpoint, directory):
-        real_write(saved_model_module.build_endpoint(impostor), directory)
+    def write_impostor(target, directory):
+        real_write(saved_model_module.build_endpoint(impostor).target(), directory)
 
-    monkeypatch.setattr(saved_model_module, "_write_saved_model", write_impostor)
+    monkeypatch.setattr(saved_model_module, "write_saved_model", write_impostor)
     with pytest.raises(ParityError, match="differ from Keras") as caught:
         export_saved_model(model, tmp_path, "m", models_config=False)
     assert not caught.value.report.ok
@@ -297,16 +297,16 @@ def test_concurrent_export_of_the_same_version_is_not_overwritten(
 ):
     # Another process creates version 1 while this export writes: the rename
     # must fail instead of replacing it, and this export's files must go.
-    real_write = saved_model_module._write_saved_model
+    real_write = saved_model_module.write_saved_model
     target = tmp_path / "m" / "1"
 
-    def write_while_another_process_exports(endpoint, directory):
-        real_write(endpoint, directory)
+    def write_while_another_process_exports(export_target, directory):
+        real_write(export_target, directory)
         target.mkdir()
         (target / "saved_model.pb").write_bytes(b"the other export")
 
     monkeypatch.setattr(
-        saved_model_module, "_write_saved_model", write_while_another_process_exports
+        saved_model_module, "write_saved_model", write_while_another_process_exports
     )
     with pytest.raises(FileExistsError):
         export_saved_model(small_model, tmp_path, "m", check=False)

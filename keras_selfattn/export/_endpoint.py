@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import keras
 import numpy as np
 
+from keras_selfattn.export._target import ExportTarget, NamedInput
 from keras_selfattn.self_attention import SelfAttention
 
 # Names Keras gives an unnamed `keras.Input` (Keras 3): input_layer, input_layer_3,
@@ -21,27 +22,6 @@ from keras_selfattn.self_attention import SelfAttention
 _AUTO_NAME = re.compile(r"^(input_layer|keras_tensor)(_[0-9]+)?$")
 
 DEFAULT_ATTENTION_OUTPUT = "attention_weights"
-# Names of dynamic axes in exports: axis 0 is the batch, every other dynamic
-# axis the one sequence the model attends over (tokens, masks and
-# `(time, time)` attention weights all have its length).
-BATCH_AXIS = "batch"
-TIME_AXIS = "time"
-
-
-@dataclasses.dataclass(frozen=True)
-class NamedInput:
-    """One named model input: `shape` has None for dynamic dims."""
-
-    name: str
-    shape: tuple[int | None, ...]
-    dtype: str
-
-    def axis_names(self) -> tuple[int | str, ...]:
-        """`shape` with dynamic dims named `BATCH_AXIS` (axis 0) or `TIME_AXIS`."""
-        return tuple(
-            (BATCH_AXIS if index == 0 else TIME_AXIS) if dim is None else dim
-            for index, dim in enumerate(self.shape)
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +44,14 @@ class Endpoint:
     output_names: tuple[str, ...]
     num_source_outputs: int
 
-    def call(self, arrays: Mapping[str, object]) -> dict[str, object]:
-        """Runs `model` on inputs keyed by name; outputs keyed by name."""
-        outputs = self.model([arrays[spec.name] for spec in self.inputs])
-        return dict(zip(self.output_names, keras.tree.flatten(outputs), strict=True))
+    def target(self) -> ExportTarget:
+        """The `ExportTarget`: `model` on a list of inputs, flat outputs."""
+        return ExportTarget(
+            self.model,
+            self.inputs,
+            self.output_names,
+            lambda tensors: keras.tree.flatten(self.model(tensors, training=False)),
+        )
 
 
 class _AttentionProbe(keras.layers.Layer):
@@ -232,6 +216,6 @@ def keras_reference(
         for name, value in zip(endpoint.output_names, flat, strict=False)
     }
     if len(endpoint.output_names) > endpoint.num_source_outputs:
-        for name, value in endpoint.call(arrays).items():
+        for name, value in endpoint.target().call_named(arrays).items():
             result.setdefault(name, keras.ops.convert_to_numpy(value))
     return result

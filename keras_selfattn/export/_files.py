@@ -13,9 +13,10 @@ import contextlib
 import dataclasses
 import errno
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from keras_selfattn.serving._files import umask_mode
 
@@ -72,6 +73,33 @@ def _remove_empty(directories: list[str]) -> None:
             os.rmdir(directory)
 
 
+def _temporary_prefix(name: str) -> str:
+    return f".{name}.tmp-"
+
+
+def _make_temporary(parent: str, name: str) -> str:
+    """A hidden folder `.NAME.tmp-PID-XXXX` in `parent`, after removing those
+    of exports of NAME whose process is gone (killed with SIGKILL, which no
+    cleanup survives); others' names and live processes' folders stay."""
+    prefix = _temporary_prefix(name)
+    pattern = re.compile(re.escape(prefix) + r"([0-9]+)-[^/]*$")
+    for entry in os.listdir(parent):
+        match = pattern.match(entry)
+        if match and not _alive(int(match.group(1))):
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
 def refuse_existing(path: str, what: str) -> None:
     """Raises FileExistsError if `path` exists (as anything)."""
     if os.path.lexists(path):
@@ -99,7 +127,7 @@ def atomic_directory(target: str) -> Iterator[str]:
     refuse_existing(target, "Export directory")
     created = _make_dirs(parent)
     try:
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.tmp-", dir=parent)
+        tmp = _make_temporary(parent, os.path.basename(target))
         os.chmod(tmp, umask_mode(0o777))
     except BaseException:
         _remove_empty(created)
@@ -120,35 +148,59 @@ def atomic_directory(target: str) -> Iterator[str]:
 
 
 @contextlib.contextmanager
+def atomic_files(targets: Sequence[str]) -> Iterator[str]:
+    """Yields a hidden folder whose files named like `targets` are linked in.
+
+    The caller writes each target's file into the folder under the target's
+    base name (so files that refer to each other by name, such as OpenVINO's
+    `.xml` and `.bin`, stay together); after the block each is linked into
+    place with `os.link`, which fails instead of replacing a file created
+    meanwhile, and the folder is removed. On any exception nothing is left:
+    neither the folder nor the targets linked so far.
+
+    Args:
+        targets: The files to create, all in one folder.
+
+    Raises:
+        FileExistsError: if a target exists.
+    """
+    targets = [os.path.abspath(target) for target in targets]
+    for target in targets:
+        refuse_existing(target, "Output file")
+    parent = os.path.dirname(targets[0])
+    created = _make_dirs(parent)
+    tmp, linked = None, []
+    try:
+        tmp = _make_temporary(parent, os.path.basename(targets[0]))
+        os.chmod(tmp, umask_mode(0o777))
+        yield tmp
+        for target in targets:
+            try:
+                os.link(os.path.join(tmp, os.path.basename(target)), target)
+            except FileExistsError:
+                refuse_existing(target, "Output file")
+                raise
+            linked.append(target)
+    except BaseException:
+        for target in linked:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(target)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(created)
+        raise
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
 def atomic_file(target: str) -> Iterator[str]:
     """Yields a temporary file path that becomes `target` on success.
 
-    The file is linked into place with `os.link`, which fails instead of
-    replacing a file created meanwhile.
+    The file has `target`'s base name, in a hidden folder beside it (see
+    `atomic_files`).
 
     Raises:
         FileExistsError: if `target` exists.
     """
-    parent = os.path.dirname(os.path.abspath(target))
-    refuse_existing(target, "Output file")
-    created = _make_dirs(parent)
-    tmp = None
-    try:
-        handle, tmp = tempfile.mkstemp(
-            prefix=f".{os.path.basename(target)}.tmp-", dir=parent
-        )
-        os.close(handle)
-        os.chmod(tmp, umask_mode(0o666))
-        yield tmp
-        try:
-            os.link(tmp, target)
-        except FileExistsError:
-            refuse_existing(target, "Output file")
-            raise
-    except BaseException:
-        if tmp is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(tmp)
-        _remove_empty(created)
-        raise
-    os.remove(tmp)
+    with atomic_files([target]) as folder:
+        yield os.path.join(folder, os.path.basename(target))

@@ -9,14 +9,18 @@ only, with one key/value cache per causal SelfAttention layer:
     outputs: <model output>       (batch, new, ...)   the new positions' outputs
              updated_cache_<layer name>              the caches after the step
 
-`export_decode_step_saved_model` writes it for TF Serving
-(`base_dir/name/VERSION/`, signature "decode_step", also aliased as
-"serving_default"); `export_decode_step_onnx` converts the same
-`tf.function` with tf2onnx (dynamic "batch" and "time" axes). Both check the
-export before it appears with `verify_decode_step`: a whole sequence decoded
-step by step (a prompt, then one position per step up to `max_length`)
-through the export and through Keras's cached calls, and Keras's cached
-calls against the model's full (uncached) forward.
+This module holds only what is the step's own: finding the cached layers
+(`build_decode_step`), threading the caches through the model
+(`DecodeStep.call`), and the step-by-step check against Keras
+(`verify_decode_step`). The step is an `ExportTarget` (`DecodeStep.target()`)
+and rides the forward export's pipeline: `export_decode_step` writes it in
+any format the backend can export (`_backends`; SavedModel signature
+"decode_step" for TF Serving, also aliased as "serving_default"; ONNX with
+dynamic "batch" and "time" axes), checking it before it appears: a whole
+sequence decoded step by step (a prompt, then one position per step up to
+`max_length`) through the export, in a fresh process of its runtime, and
+through Keras's cached calls, and Keras's cached calls against the model's
+full (uncached) forward.
 
 Supported models: a Sequential model, or a Functional model with one named
 `keras.Input` and one output, in which every SelfAttention is a top-level
@@ -27,39 +31,36 @@ earlier positions only through the SelfAttention layers. That is checked
 numerically (the cached decode must equal the full forward), not assumed.
 Refused with a ValueError: subclassed models, several inputs or outputs,
 SelfAttention nested in another layer or called twice, non-causal layers,
-padding masks (`mask_zero=True`, `Masking`). Exports need
-KERAS_BACKEND=tensorflow (the step is a `tf.function` over the Keras layers).
+padding masks (`mask_zero=True`, `Masking`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Sequence
 
 import keras
 import numpy as np
 
-from keras_selfattn.export import _files
-from keras_selfattn.export._endpoint import NamedInput, _output_names, model_inputs
+from keras_selfattn.export import _runtimes
+from keras_selfattn.export._endpoint import _output_names, model_inputs
 from keras_selfattn.export._inputs import vocabulary_size
+from keras_selfattn.export._target import ExportTarget, NamedInput
 from keras_selfattn.export.verify import (
     DEFAULT_ATOL,
     DEFAULT_RTOL,
-    ParityError,
+    PATH_ARGUMENT,
     ParityReport,
-    ParityRow,
-    _brief,
-    _check_tolerance,
-    _compare,
-    require_saved_model_pb,
-    session_runner,
-    signature_runner,
+    check_artifacts,
+    check_tolerance,
+    collect_artifacts,
+    finish_report,
+    parity_row,
 )
 from keras_selfattn.self_attention import SelfAttention
 
-SIGNATURE_NAME = "decode_step"
+STEP_SIGNATURE = "decode_step"
 INDEX_NAME = "cache_update_index"
 CACHE_PREFIX = "cache_"
 UPDATED_CACHE_PREFIX = "updated_cache_"
@@ -67,20 +68,6 @@ UPDATED_CACHE_PREFIX = "updated_cache_"
 # position per step from the start, a prompt of 3, and the whole sequence in
 # one step (prompts longer than max_length are cut to it).
 DEFAULT_SCHEDULES: tuple[tuple[int, int], ...] = ((1, 1), (2, 3), (3, 1 << 30))
-
-Runner = Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
-
-
-def require_tensorflow() -> None:
-    """The one-line refusal off the TensorFlow backend (as in `_backends`)."""
-    backend = keras.backend.backend()
-    if backend != "tensorflow":
-        raise ValueError(
-            f"Decode-step export does not run on the {backend} backend (the "
-            "step is traced as a tf.function over the Keras layers): save the "
-            "model as .keras, load it under KERAS_BACKEND=tensorflow and "
-            "export there"
-        )
 
 
 def _check_max_length(max_length: object) -> int:
@@ -244,43 +231,33 @@ class DecodeStep:
             output = keras.tree.flatten(output)[0]
         return output, [updated[layer] for layer in self.layers]
 
-    def call_named(self, arrays: Mapping[str, object]) -> dict[str, object]:
-        """`call` on inputs keyed by name; outputs keyed by name."""
-        output, caches = self.call(
-            arrays[self.input.name],
-            [arrays[name] for name in self.cache_names],
-            arrays[INDEX_NAME],
-        )
-        return dict(zip(self.output_names, [output, *caches], strict=True))
-
-    def tensor_specs(self) -> list:
-        """`tf.TensorSpec`s of the inputs, in `input_names` order."""
-        import tensorflow as tf
-
-        specs = [
-            tf.TensorSpec(
-                (None, None, *self.input.shape[2:]),
-                tf.as_dtype(self.input.dtype),
-                name=self.input.name,
+    def target(self) -> ExportTarget:
+        """The step as an `ExportTarget`: signature "decode_step"."""
+        caches = tuple(
+            NamedInput(
+                name,
+                (None, *tuple(layer.empty_cache(1, self.max_length).shape)[1:]),
+                layer.compute_dtype,
             )
-        ]
-        for name, layer in zip(self.cache_names, self.layers, strict=True):
-            shape = (None, *tuple(layer.empty_cache(1, self.max_length).shape)[1:])
-            specs.append(tf.TensorSpec(shape, tf.as_dtype(layer.compute_dtype), name))
-        specs.append(tf.TensorSpec((), tf.int32, name=INDEX_NAME))
-        return specs
+            for name, layer in zip(self.cache_names, self.layers, strict=True)
+        )
+        step_input = NamedInput(
+            self.input.name, (None, None, *self.input.shape[2:]), self.input.dtype
+        )
 
-    def tf_function(self):
-        """The step as a `tf.function` with named inputs, returning a dict."""
-        import tensorflow as tf
+        def function(tensors):
+            inputs, *caches_in, index = tensors
+            output, caches_out = self.call(inputs, caches_in, index)
+            return [output, *caches_out]
 
-        names = self.input_names
-
-        @tf.function(input_signature=self.tensor_specs())
-        def decode_step(*tensors):
-            return self.call_named(dict(zip(names, tensors, strict=True)))
-
-        return decode_step
+        return ExportTarget(
+            self.model,
+            (step_input, *caches, NamedInput(INDEX_NAME, (), "int32")),
+            self.output_names,
+            function,
+            signature_name=STEP_SIGNATURE,
+            what="decode step",
+        )
 
 
 def build_decode_step(model: keras.Model, max_length: int) -> DecodeStep:
@@ -332,86 +309,36 @@ def teacher_inputs(step: DecodeStep, batch: int, seed: int = 0) -> np.ndarray:
     return values.astype(step.input.dtype)
 
 
-def decode(
-    run: Runner, step: DecodeStep, sequence: np.ndarray, prompt_length: int
-) -> list[dict[str, np.ndarray]]:
-    """Decodes `sequence` with `run`: the prompt, then one position per step.
+def schedule(step: DecodeStep, sequence: np.ndarray, prompt_length: int):
+    """The `_runtimes.Run` decoding `sequence`: the prompt, then one per step.
 
-    Returns:
-        Every step's outputs keyed by name (caches as returned, fed back).
+    The first step gets empty caches; later steps get the caches the step
+    before returned (the run's feedback).
     """
-    caches = step.empty_caches(sequence.shape[0])
-    results, index = [], 0
+    steps, index = [], 0
     while index < sequence.shape[1]:
         new = prompt_length if index == 0 else 1
         arrays = {
             step.input.name: sequence[:, index : index + new],
-            **caches,
             INDEX_NAME: np.asarray(index, np.int32),
         }
-        result = {k: np.asarray(v) for k, v in run(arrays).items()}
-        caches = {
-            name: result[updated]
-            for name, updated in zip(
-                step.cache_names, step.updated_cache_names, strict=True
-            )
-        }
-        results.append(result)
+        if index == 0:
+            arrays.update(step.empty_caches(sequence.shape[0]))
+        steps.append(arrays)
         index += new
+    feedback = dict(zip(step.updated_cache_names, step.cache_names, strict=True))
+    return _runtimes.Run(tuple(steps), feedback)
+
+
+def keras_decode(step: DecodeStep, run: _runtimes.Run) -> list[dict[str, np.ndarray]]:
+    """Keras's cached calls (eager) over `run`: the exports' reference."""
+    results, state, target = [], {}, step.target()
+    for arrays in run.steps:
+        outputs = target.call_named({**arrays, **state})
+        result = {k: keras.ops.convert_to_numpy(v) for k, v in outputs.items()}
+        results.append(result)
+        state = {inp: result[out] for out, inp in run.feedback.items()}
     return results
-
-
-def keras_runner(step: DecodeStep) -> Runner:
-    """Keras's cached calls (eager), the reference of the exports."""
-
-    def run(arrays):
-        outputs = step.call_named(arrays)
-        return {k: keras.ops.convert_to_numpy(v) for k, v in outputs.items()}
-
-    return run
-
-
-def saved_model_runner(directory: str, step: DecodeStep) -> Runner:
-    """The SavedModel's "decode_step" signature (`tf.saved_model.load`)."""
-    import tensorflow as tf
-
-    require_saved_model_pb(directory)
-    loaded = tf.saved_model.load(directory)
-    return signature_runner(
-        loaded,
-        f"SavedModel {directory}",
-        SIGNATURE_NAME,
-        step.input_names,
-        step.output_names,
-        owner="decode step",
-    )
-
-
-def onnx_runner(path: str, step: DecodeStep) -> Runner:
-    """The ONNX file in onnxruntime (CPU)."""
-    import onnxruntime
-
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"ONNX file not found: {path}")
-    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
-    return session_runner(
-        session,
-        f"ONNX model {path}",
-        step.input_names,
-        step.output_names,
-        owner="decode step",
-    )
-
-
-def _row(runtime, label, pairs, atol, rtol) -> ParityRow:
-    results = [_compare(want, have, atol, rtol) for want, have in pairs]
-    return ParityRow(
-        runtime,
-        label,
-        max(r[0] for r in results),
-        max(r[1] for r in results),
-        all(r[2] for r in results),
-    )
 
 
 def verify_decode_step(
@@ -419,6 +346,9 @@ def verify_decode_step(
     saved_model_dir: str | os.PathLike | None = None,
     onnx_path: str | os.PathLike | None = None,
     *,
+    litert_path: str | os.PathLike | None = None,
+    openvino_path: str | os.PathLike | None = None,
+    torch_path: str | os.PathLike | None = None,
     max_length: int,
     schedules: Sequence[tuple[int, int]] = DEFAULT_SCHEDULES,
     atol: float = DEFAULT_ATOL,
@@ -434,10 +364,12 @@ def verify_decode_step(
 
     - "keras_cache": Keras's cached calls, all steps' outputs concatenated,
       against the model's full uncached forward on the whole sequence.
-    - "saved_model" / "onnx": each step's output and updated caches
-      against Keras's cached call on the same inputs and caches.
+    - "saved_model" / "onnx" / "litert" / "openvino" / "torch": each step's
+      output and updated caches against Keras's cached call on the same
+      inputs and caches, the export decoding in a fresh process of its
+      runtime (caches fed back there).
 
-    With neither export given, only the "keras_cache" rows are computed
+    With no export given, only the "keras_cache" rows are computed
     (whether the model decodes at all).
 
     Returns:
@@ -448,87 +380,119 @@ def verify_decode_step(
         ValueError: for an unsupported model or argument.
     """
     step = build_decode_step(model, max_length)
-    atol = _check_tolerance("atol", atol)
-    rtol = _check_tolerance("rtol", rtol)
-    runners: dict[str, Runner] = {}
-    if saved_model_dir is not None:
-        runners["saved_model"] = saved_model_runner(os.fspath(saved_model_dir), step)
-    if onnx_path is not None:
-        runners["onnx"] = onnx_runner(os.fspath(onnx_path), step)
-    reference = keras_runner(step)
-    rows = []
+    atol = check_tolerance("atol", atol)
+    rtol = check_tolerance("rtol", rtol)
+    paths = {
+        _runtimes.SAVED_MODEL: saved_model_dir,
+        _runtimes.ONNX: onnx_path,
+        _runtimes.LITERT: litert_path,
+        _runtimes.OPENVINO: openvino_path,
+        _runtimes.TORCH: torch_path,
+    }
+    artifacts = (
+        {} if all(p is None for p in paths.values()) else collect_artifacts(paths)
+    )
+    runs, expected, labels, rows = [], [], [], []
     for number, (batch, prompt) in enumerate(schedules):
         prompt = min(prompt, step.max_length)
         label = f"{batch}x{step.max_length} prompt {prompt}"
         sequence = teacher_inputs(step, batch, seed + number)
-        expected = decode(reference, step, sequence, prompt)
+        run = schedule(step, sequence, prompt)
+        steps = keras_decode(step, run)
         full = keras.ops.convert_to_numpy(model(sequence, training=False))
-        cached = np.concatenate([r[step.output_name] for r in expected], axis=1)
-        rows.append(_row("keras_cache", label, [(full, cached)], atol, rtol))
-        for runtime, run in runners.items():
-            try:
-                actual = decode(run, step, sequence, prompt)
-            except Exception as error:
-                raise ParityError(
-                    f"{runtime} failed decoding {label} where Keras runs: "
-                    f"{_brief(error)}",
-                    ParityReport(tuple(rows), atol, rtol),
-                ) from error
-            pairs = [
-                (want[name], have[name])
-                for want, have in zip(expected, actual, strict=True)
-                for name in step.output_names
-            ]
-            rows.append(_row(runtime, label, pairs, atol, rtol))
-    report = ParityReport(tuple(rows), atol, rtol)
-    if not report.ok:
-        worst = max(report.failures, key=lambda row: row.max_abs_err)
-        hint = (
-            " (Keras's cached decode differs from the full forward: a layer "
-            "outside SelfAttention mixes positions, so the model cannot be "
-            "decoded step by step)"
-            if worst.runtime == "keras_cache"
-            else ""
+        cached = np.concatenate([r[step.output_name] for r in steps], axis=1)
+        rows.append(parity_row("keras_cache", label, [(full, cached)], atol, rtol))
+        runs.append(run)
+        expected.append(steps)
+        labels.append(label)
+    if artifacts:
+        checked = check_artifacts(
+            step.target(),
+            artifacts,
+            runs,
+            expected,
+            labels,
+            atol,
+            rtol,
+            action="decoding {label}",
         )
-        raise ParityError(
-            f"{len(report.failures)} of {len(rows)} decode checks differ beyond "
-            f"atol={atol:g}, rtol={rtol:g}; worst: {worst.runtime} on "
-            f"{worst.shape}, max abs err {worst.max_abs_err:.3g}{hint}",
-            report,
-        )
-    return report
+        rows = [
+            row for label in labels for row in [*rows, *checked] if row.shape == label
+        ]
+    worst = min(rows, key=lambda row: (row.ok, -row.max_abs_err))
+    hint = (
+        " (Keras's cached decode differs from the full forward: a layer "
+        "outside SelfAttention mixes positions, so the model cannot be "
+        "decoded step by step)"
+        if worst.runtime == "keras_cache"
+        else ""
+    )
+    return finish_report(rows, atol, rtol, "decode checks differ", hint)
 
 
 # -- exporters ----------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def stage_saved_model(
+def export_decode_step(
     model: keras.Model,
-    base_dir: str | os.PathLike,
-    name: str,
-    version: int | None = None,
+    path: str | os.PathLike,
+    export_format: str,
     *,
     max_length: int,
+    name: str | None = None,
+    version: int | None = None,
     models_config: bool = True,
-) -> Iterator[_files.Staged]:
-    """Writes the SavedModel into a hidden folder, moved into place after the block.
+    opset: int | None = None,
+    check: bool = True,
+    atol: float = DEFAULT_ATOL,
+    rtol: float = DEFAULT_RTOL,
+) -> str:
+    """Exports the decoding step in any format, checked before it appears.
 
-    Arguments as in `export_decode_step_saved_model`; an exception in the
-    block removes the folder (see `saved_model.stage_saved_model`).
+    The step (`DecodeStep.target()`) goes through the same staging,
+    conversion and fresh-process check as the model's forward export; only
+    the check differs: whole sequences decoded step by step
+    (`verify_decode_step`).
+
+    Args:
+        model: See the module docstring for the supported structures.
+        path: The SavedModel base dir ("saved_model": `path/name/VERSION/`,
+            signature "decode_step") or the file to create.
+        export_format: "saved_model", "onnx", "litert", "openvino" or "torch".
+        max_length: The caches' length (the longest sequence decoded).
+        name, version, models_config: The SavedModel's (as in
+            `export_saved_model`); `name` is required there.
+        opset: ONNX opset, 13 to 18 (ONNX only). Defaults to 17.
+        check: Whether to verify the export before it appears.
+        atol, rtol: Tolerances of that check.
+
+    Returns:
+        The version folder or the file.
+
+    Raises:
+        ValueError: for a backend that cannot export the format, an
+            unsupported model, or an invalid argument.
+        FileExistsError: if the target exists.
+        ParityError: if the check fails (nothing is left on disk).
     """
-    from keras_selfattn.export.saved_model import check_target, stage_version
+    from keras_selfattn.export import pipeline
 
-    require_tensorflow()
-    target = check_target(base_dir, name, version)
+    destination = pipeline.check_destination(
+        export_format, path, name=name, version=version, opset=opset
+    )
     step = build_decode_step(model, max_length)
-    with stage_version(
-        base_dir,
-        target,
-        lambda tmp: write_saved_model(step, tmp),
-        models_config=models_config,
+    with pipeline.stage(
+        step.target(), destination, models_config=models_config
     ) as staged:
-        yield staged
+        if check:
+            verify_decode_step(
+                model,
+                max_length=max_length,
+                atol=atol,
+                rtol=rtol,
+                **{PATH_ARGUMENT[export_format]: staged.path},
+            )
+    return staged.target
 
 
 def export_decode_step_saved_model(
@@ -552,6 +516,7 @@ def export_decode_step_saved_model(
     the model's output for the new positions and `updated_cache_<layer>`.
     Written beside the target and renamed into place after the check
     (`verify_decode_step`), under the version rules of `serving.layout`.
+    TensorFlow and JAX backends (`export_decode_step`).
 
     Args:
         model: See the module docstring for the supported structures.
@@ -564,75 +529,23 @@ def export_decode_step_saved_model(
         The version folder.
 
     Raises:
-        ValueError: for a backend other than TensorFlow, an unsupported model,
-            an invalid name, version or max_length.
+        ValueError: for a backend that cannot export a SavedModel, an
+            unsupported model, an invalid name, version or max_length.
         FileExistsError: if the version exists.
         ParityError: if the check fails (nothing is left on disk).
     """
-    with stage_saved_model(
+    return export_decode_step(
         model,
         base_dir,
-        name,
-        version,
+        _runtimes.SAVED_MODEL,
         max_length=max_length,
+        name=name,
+        version=version,
         models_config=models_config,
-    ) as staged:
-        if check:
-            verify_decode_step(
-                model, staged.path, max_length=max_length, atol=atol, rtol=rtol
-            )
-    return staged.target
-
-
-def write_saved_model(step: DecodeStep, directory: str) -> None:
-    """Writes the step's SavedModel (signatures "decode_step", "serving_default")."""
-    archive = keras.export.ExportArchive()
-    archive.track(step.model)
-    names = step.input_names
-    archive.add_endpoint(
-        SIGNATURE_NAME,
-        lambda *tensors: step.call_named(dict(zip(names, tensors, strict=True))),
-        input_signature=step.tensor_specs(),
+        check=check,
+        atol=atol,
+        rtol=rtol,
     )
-    archive.write_out(directory, verbose=False)
-
-
-def convert_to_onnx(step: DecodeStep, opset: int):
-    """Converts the step's `tf.function` with tf2onnx; names dynamic axes."""
-    import tf2onnx
-
-    from keras_selfattn.export import onnx_export_module
-    from keras_selfattn.export._xla_update_slice import CUSTOM_OP_HANDLERS
-
-    function = step.tf_function()
-    proto, _ = tf2onnx.convert.from_function(
-        function,
-        input_signature=step.tensor_specs(),
-        opset=opset,
-        custom_op_handlers=CUSTOM_OP_HANDLERS,
-    )
-    return onnx_export_module().name_dynamic_axes(proto)
-
-
-@contextlib.contextmanager
-def stage_onnx(
-    model: keras.Model,
-    path: str | os.PathLike,
-    *,
-    max_length: int,
-    opset: int | None = None,
-) -> Iterator[_files.Staged]:
-    """Converts and writes the file beside `path`, linked in after the block."""
-    from keras_selfattn.export import onnx_export_module
-
-    onnx_export = onnx_export_module()
-
-    require_tensorflow()
-    opset = onnx_export.check_opset(opset)
-    path = onnx_export.check_target(path)
-    step = build_decode_step(model, max_length)
-    with onnx_export.stage_proto(convert_to_onnx(step, opset), path) as staged:
-        yield staged
 
 
 def export_decode_step_onnx(
@@ -645,7 +558,7 @@ def export_decode_step_onnx(
     atol: float = DEFAULT_ATOL,
     rtol: float = DEFAULT_RTOL,
 ) -> str:
-    """Exports the decoding step to an ONNX file through tf2onnx.
+    """Exports the decoding step to an ONNX file.
 
     Inputs and outputs are named as in `export_decode_step_saved_model`; axis
     0 is "batch", the new positions' axis "time" (the caches' max_length is
@@ -662,13 +575,13 @@ def export_decode_step_onnx(
     Returns:
         `path`, as a string.
     """
-    with stage_onnx(model, path, max_length=max_length, opset=opset) as staged:
-        if check:
-            verify_decode_step(
-                model,
-                onnx_path=staged.path,
-                max_length=max_length,
-                atol=atol,
-                rtol=rtol,
-            )
-    return staged.target
+    return export_decode_step(
+        model,
+        path,
+        _runtimes.ONNX,
+        max_length=max_length,
+        opset=opset,
+        check=check,
+        atol=atol,
+        rtol=rtol,
+    )

@@ -14,13 +14,14 @@ from collections.abc import Callable, Iterator, Mapping
 
 import keras
 
-from keras_selfattn.export import _backends, _files
+from keras_selfattn.export import _backends, _files, pipeline
 from keras_selfattn.export._endpoint import Endpoint, build_endpoint
 from keras_selfattn.export._inputs import example_inputs
+from keras_selfattn.export._runtimes import SAVED_MODEL
+from keras_selfattn.export._target import SERVING_SIGNATURE, ExportTarget
 from keras_selfattn.export.verify import DEFAULT_ATOL, DEFAULT_RTOL, verify
 from keras_selfattn.serving import layout
 
-SIGNATURE_NAME = "serving_default"
 # Warmup requests: batch 1 and a few short lengths, the traces TF Serving
 # would otherwise build on the first real requests.
 WARMUP_TIMES = (1, 8, 32)
@@ -30,40 +31,31 @@ def _polymorphic_shape(shape: tuple[int | str, ...]) -> str:
     return "(" + ", ".join(str(dim) for dim in shape) + ")"
 
 
-def _write_saved_model(endpoint: Endpoint, directory: str) -> None:
-    """Writes the SavedModel with one `serving_default` signature.
+def write_saved_model(target: ExportTarget, directory: str) -> None:
+    """Writes `target` as a SavedModel with one signature, `target.signature_name`.
 
     On JAX (through jax2tf) every dynamic axis after the batch is the one
     symbol "time", as in ONNX's axis names: inputs of one sequence have one
     length, which the signature then checks.
     """
-    import tensorflow as tf
-
     archive = keras.export.ExportArchive()
-    archive.track(endpoint.model)
-    names = endpoint.output_names
-
-    def serve(*tensors):
-        outputs = endpoint.model(list(tensors), training=False)
-        return dict(zip(names, keras.tree.flatten(outputs), strict=True))
-
+    archive.track(target.model)
     options = {}
     if keras.backend.backend() == "jax":
-        shapes = [_polymorphic_shape(spec.axis_names()) for spec in endpoint.inputs]
+        shapes = [_polymorphic_shape(spec.axis_names()) for spec in target.inputs]
         options["jax2tf_kwargs"] = {"polymorphic_shapes": shapes}
+
+    def serve(*tensors):
+        return target.call_named(dict(zip(target.input_names, tensors, strict=True)))
+
     archive.add_endpoint(
-        SIGNATURE_NAME,
-        serve,
-        input_signature=[
-            tf.TensorSpec(spec.shape, tf.as_dtype(spec.dtype), name=spec.name)
-            for spec in endpoint.inputs
-        ],
-        **options,
+        target.signature_name, serve, input_signature=target.tf_specs(), **options
     )
     archive.write_out(directory, verbose=False)
 
 
-def _write_warmup(endpoint: Endpoint, directory: str, model_name: str) -> None:
+def write_warmup(endpoint: Endpoint, directory: str, model_name: str) -> None:
+    """Writes TF Serving's warmup requests (`WARMUP_TIMES`) into `directory`."""
     from keras_selfattn.serving.warmup import write_warmup_file
 
     examples = {}  # by shapes: a fixed-length model has one warmup shape
@@ -74,7 +66,7 @@ def _write_warmup(endpoint: Endpoint, directory: str, model_name: str) -> None:
         os.path.join(directory, layout.WARMUP_PATH),
         model_name,
         list(examples.values()),
-        SIGNATURE_NAME,
+        SERVING_SIGNATURE,
     )
 
 
@@ -135,15 +127,16 @@ def stage_saved_model(
     >>> with stage_saved_model(model, "serving", "clf") as staged:  # doctest: +SKIP
     ...     verify(model, staged.path)
     """
-    target = check_target(base_dir, name, version)
+    destination = pipeline.check_destination(
+        SAVED_MODEL, base_dir, name=name, version=version
+    )
     endpoint = build_endpoint(model, attention_outputs)
-
-    def write(directory: str) -> None:
-        _write_saved_model(endpoint, directory)
-        if warmup:
-            _write_warmup(endpoint, directory, name)
-
-    with stage_version(base_dir, target, write, models_config=models_config) as staged:
+    with pipeline.stage(
+        endpoint.target(),
+        destination,
+        models_config=models_config,
+        warmup=(lambda d: write_warmup(endpoint, d, name)) if warmup else None,
+    ) as staged:
         yield staged
 
 

@@ -4,21 +4,31 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import keras
 import numpy as np
 
+from keras_selfattn.export import _runtimes
 from keras_selfattn.export._endpoint import Endpoint, build_endpoint, keras_reference
 from keras_selfattn.export._inputs import example_inputs, is_padded
+from keras_selfattn.export._target import ExportTarget
 
 # (batch, time): a single step, an odd length, and two long ones. Rows after
 # the first are padded when the model has integer or boolean inputs.
 DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((1, 1), (2, 33), (3, 128), (2, 512))
 DEFAULT_ATOL = 1e-5
 DEFAULT_RTOL = 1e-4
-
-Runner = Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
+# OpenVINO's INFERENCE_PRECISION_HINT values `verify` accepts.
+OPENVINO_PRECISIONS = ("f32", "bf16")
+# The argument of `verify` (and `verify_decode_step`) naming each format's artifact.
+PATH_ARGUMENT = {
+    _runtimes.SAVED_MODEL: "saved_model_dir",
+    _runtimes.ONNX: "onnx_path",
+    _runtimes.LITERT: "litert_path",
+    _runtimes.OPENVINO: "openvino_path",
+    _runtimes.TORCH: "torch_path",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +36,9 @@ class ParityRow:
     """One runtime on one input shape, compared with Keras.
 
     Attributes:
-        runtime: "saved_model" or "onnx".
+        runtime: "saved_model", "onnx", "litert", "openvino" (at f32;
+            "openvino_bf16" at bf16) or "torch"; for decoding steps also
+            "keras_cache" (Keras's cached decode against its full forward).
         shape: Input shape label, "BATCHxTIME", with " padded" when rows
             carry padding.
         max_abs_err: Largest |runtime - keras| over all outputs.
@@ -103,7 +115,8 @@ class ParityError(RuntimeError):
         self.report = report
 
 
-def _compare(expected: np.ndarray, actual: np.ndarray, atol: float, rtol: float):
+def compare(expected: np.ndarray, actual: np.ndarray, atol: float, rtol: float):
+    """(max abs err, max rel err, ok) of `actual` against `expected`."""
     expected = np.asarray(expected, dtype=np.float64)
     actual = np.asarray(actual, dtype=np.float64)
     if expected.shape != actual.shape:
@@ -119,22 +132,21 @@ def _compare(expected: np.ndarray, actual: np.ndarray, atol: float, rtol: float)
     return float(diff.max()), float(rel.max()) if rel.size else 0.0, ok
 
 
-def _check_names(
-    what: str,
-    kind: str,
-    found: Sequence[str],
-    wanted: Sequence[str],
-    owner: str = "model",
-) -> None:
-    missing = [name for name in wanted if name not in found]
-    if missing:
-        raise ParityError(
-            f"{what} lacks the {owner}'s {kind} {missing}; it has {sorted(found)}",
-            ParityReport((), 0.0, 0.0),
-        )
+def parity_row(
+    runtime: str, label: str, pairs: Sequence[tuple], atol: float, rtol: float
+) -> ParityRow:
+    """One row over (expected, actual) pairs: the worst errors, all ok."""
+    results = [compare(want, have, atol, rtol) for want, have in pairs]
+    return ParityRow(
+        runtime,
+        label,
+        max(r[0] for r in results),
+        max(r[1] for r in results),
+        all(r[2] for r in results),
+    )
 
 
-def _brief(error: BaseException, limit: int = 300) -> str:
+def brief(error: BaseException | str, limit: int = 300) -> str:
     """The error's message on one line, at most `limit` characters."""
     text = " ".join(str(error).split()) or type(error).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -142,6 +154,8 @@ def _brief(error: BaseException, limit: int = 300) -> str:
 
 def require_saved_model_pb(directory: str) -> None:
     """Raises FileNotFoundError unless `directory` holds a saved_model.pb."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"SavedModel directory not found: {directory}")
     if not os.path.isfile(os.path.join(directory, "saved_model.pb")):
         raise FileNotFoundError(
             f"No saved_model.pb in {directory}: pass a version folder "
@@ -149,188 +163,181 @@ def require_saved_model_pb(directory: str) -> None:
         )
 
 
-def signature_runner(
-    loaded: object,
-    what: str,
-    signature_name: str,
-    input_names: Sequence[str],
-    output_names: Sequence[str],
-    owner: str = "model",
-) -> Runner:
-    """Runs a loaded SavedModel's signature, once its names are checked.
-
-    Args:
-        loaded: What `tf.saved_model.load` returned.
-        what: The export in errors, e.g. "SavedModel DIR".
-        signature_name: The signature to run.
-        input_names, output_names: Names the signature must take and return.
-        owner: Whose names they are in errors ("model", "decode step").
+def artifact(
+    export_format: str, path: str | os.PathLike, openvino_precision: str = "f32"
+) -> _runtimes.Artifact:
+    """The `Artifact` at `path`, once it is found on disk.
 
     Raises:
-        ParityError: if the signature or one of the names is missing.
+        FileNotFoundError: if it is missing.
     """
-    import tensorflow as tf
-
-    if signature_name not in loaded.signatures:
-        raise ParityError(
-            f"{what} has no {signature_name!r} signature; it has "
-            f"{sorted(loaded.signatures)}",
-            ParityReport((), 0.0, 0.0),
-        )
-    signature = loaded.signatures[signature_name]
-    _, input_specs = signature.structured_input_signature
-    _check_names(what, "inputs", list(input_specs), input_names, owner)
-    found = list(signature.structured_outputs)
-    _check_names(what, "outputs", found, output_names, owner)
-
-    def run(arrays):
-        outputs = signature(**{k: tf.constant(v) for k, v in arrays.items()})
-        return {name: value.numpy() for name, value in outputs.items()}
-
-    return run
+    path = os.fspath(path)
+    if export_format == _runtimes.SAVED_MODEL:
+        require_saved_model_pb(path)
+    elif not os.path.isfile(path):
+        raise FileNotFoundError(f"{_TITLE[export_format]} file not found: {path}")
+    return _runtimes.Artifact(export_format, path, openvino_precision)
 
 
-def session_runner(
-    session: object,
-    what: str,
-    input_names: Sequence[str],
-    output_names: Sequence[str],
-    owner: str = "model",
-) -> Runner:
-    """Runs an onnxruntime session, once its names are checked.
-
-    Arguments as in `signature_runner`; `session` is an
-    `onnxruntime.InferenceSession`.
-
-    Raises:
-        ParityError: if one of the names is missing.
-    """
-    found = [node.name for node in session.get_inputs()]
-    _check_names(what, "inputs", found, input_names, owner)
-    names = [node.name for node in session.get_outputs()]
-    _check_names(what, "outputs", names, output_names, owner)
-
-    def run(arrays):
-        return dict(zip(names, session.run(None, dict(arrays)), strict=True))
-
-    return run
+_TITLE = {
+    _runtimes.SAVED_MODEL: "SavedModel",
+    _runtimes.ONNX: "ONNX model",
+    _runtimes.LITERT: "LiteRT model",
+    _runtimes.OPENVINO: "OpenVINO model",
+    _runtimes.TORCH: "torch program",
+}
 
 
-def saved_model_runner(directory: str, endpoint: Endpoint) -> Runner:
-    import tensorflow as tf
-
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"SavedModel directory not found: {directory}")
-    require_saved_model_pb(directory)
-    try:
-        loaded = tf.saved_model.load(directory)
-    except Exception as error:
-        raise ValueError(
-            f"Cannot load SavedModel {directory}: {_brief(error)}"
-        ) from error
-    return signature_runner(
-        loaded,
-        f"SavedModel {directory}",
-        "serving_default",
-        [s.name for s in endpoint.inputs],
-        endpoint.output_names,
-    )
-
-
-def onnx_runner(path: str, endpoint: Endpoint) -> Runner:
-    import onnxruntime
-
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"ONNX file not found: {path}")
-    try:
-        session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
-    except Exception as error:
-        raise ValueError(f"Cannot load ONNX model {path}: {_brief(error)}") from error
-    return session_runner(
-        session,
-        f"ONNX model {path}",
-        [s.name for s in endpoint.inputs],
-        endpoint.output_names,
-    )
-
-
-def compare_runtimes(
-    endpoint: Endpoint,
-    runners: Mapping[str, Runner],
-    shapes: Sequence[tuple[int, int]],
+def check_artifacts(
+    target: ExportTarget,
+    artifacts: Mapping[str, _runtimes.Artifact],
+    runs: Sequence[_runtimes.Run],
+    expected: Sequence[Sequence[Mapping[str, np.ndarray]]],
+    labels: Sequence[str],
     atol: float,
     rtol: float,
-    seed: int,
-) -> ParityReport:
-    """Runs each runtime and Keras on every shape; raises beyond tolerance."""
-    rows = []
-    labels = set()
-    for index, (batch, time) in enumerate(shapes):
-        arrays = example_inputs(endpoint, batch, time, seed=seed + index)
-        # A model with a fixed length keeps it: label the shape actually run.
-        time = next((a.shape[1] for a in arrays.values() if a.ndim > 1), time)
-        label = f"{batch}x{time}" + (
-            " padded" if is_padded(endpoint, batch, time) else ""
+    action: str = "on {label} inputs",
+) -> tuple[ParityRow, ...]:
+    """Runs each artifact in a fresh process and compares it with `expected`.
+
+    Args:
+        target: The export target the artifacts were made from.
+        artifacts: {runtime label: artifact}.
+        runs: The calls (`_runtimes.Run`), one report row each per artifact.
+        expected: Keras's outputs per run, per step, keyed by output name.
+        labels: Each run's label in the report.
+        atol, rtol: The tolerances.
+        action: How a failing run is described ("{label}" is filled in).
+
+    Returns:
+        The rows, run by run, each run's artifacts in `artifacts` order.
+
+    Raises:
+        ValueError: if a runtime cannot load its artifact.
+        ParityError: if an artifact's names differ or it fails on a run.
+    """
+    outcomes = _runtimes.run_artifacts(target, artifacts, runs)
+    rows = {}
+    for runtime, outcome in outcomes.items():
+        what = f"{_TITLE[artifacts[runtime].format]} {artifacts[runtime].path}"
+        if outcome.stage in ("load", "process"):
+            raise ValueError(f"Cannot load {what}: {brief(outcome.error)}")
+        if outcome.stage == "bind":
+            raise ParityError(f"{what} {outcome.error}", ParityReport((), 0.0, 0.0))
+        allowed = (
+            ("keras",) if artifacts[runtime].format == _runtimes.SAVED_MODEL else ()
         )
-        if label in labels:
-            continue
-        labels.add(label)
-        expected = keras_reference(endpoint, arrays)
-        for runtime, run in runners.items():
-            try:
-                actual = run(arrays)
-            except Exception as error:
-                raise ParityError(
-                    f"{runtime} failed on {label} inputs where Keras runs: "
-                    f"{_brief(error)}",
-                    ParityReport(tuple(rows), atol, rtol),
-                ) from error
-            results = [
-                _compare(expected[name], actual[name], atol, rtol)
-                for name in endpoint.output_names
+        foreign = [name for name in outcome.imported if name not in allowed]
+        if foreign:  # the check would not prove that the artifact stands alone
+            raise RuntimeError(f"the runtime process of {what} imported {foreign}")
+        if outcome.stage == "run":
+            done = [
+                rows[(i, runtime)] for i in range(outcome.run) if (i, runtime) in rows
             ]
-            rows.append(
-                ParityRow(
-                    runtime,
-                    label,
-                    max(r[0] for r in results),
-                    max(r[1] for r in results),
-                    all(r[2] for r in results),
-                )
+            raise ParityError(
+                f"{runtime} failed {action.format(label=labels[outcome.run])} "
+                f"where Keras runs: {brief(outcome.error)}",
+                ParityReport(tuple(done), atol, rtol),
             )
+        for index, (want, have) in enumerate(
+            zip(expected, outcome.outputs, strict=True)
+        ):
+            pairs = [
+                (step_want[name], step_have[name])
+                for step_want, step_have in zip(want, have, strict=True)
+                for name in target.output_names
+            ]
+            rows[(index, runtime)] = parity_row(
+                runtime, labels[index], pairs, atol, rtol
+            )
+    return tuple(rows[key] for key in sorted(rows, key=lambda k: k[0]))
+
+
+def finish_report(
+    rows: Sequence[ParityRow], atol: float, rtol: float, what: str, hint: str = ""
+) -> ParityReport:
+    """The report of `rows`; raises ParityError when one is beyond tolerance.
+
+    Args:
+        rows: The report's rows.
+        atol, rtol: The tolerances they were judged by.
+        what: What the rows compare, e.g. "checks differ from Keras".
+        hint: Appended to the message when the worst row is not ok.
+    """
     report = ParityReport(tuple(rows), atol, rtol)
     if not report.ok:
         worst = max(report.failures, key=lambda row: row.max_abs_err)
         raise ParityError(
-            f"{len(report.failures)} of {len(rows)} checks differ from Keras beyond "
+            f"{len(report.failures)} of {len(rows)} {what} beyond "
             f"atol={atol:g}, rtol={rtol:g}; worst: {worst.runtime} on "
-            f"{worst.shape}, max abs err {worst.max_abs_err:.3g}",
+            f"{worst.shape}, max abs err {worst.max_abs_err:.3g}{hint}",
             report,
         )
     return report
 
 
+def is_shape(shape: object) -> bool:
+    """Whether `shape` is a (batch, time) pair of positive ints."""
+    return (
+        isinstance(shape, Sequence)
+        and len(shape) == 2
+        and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
+    )
+
+
 def _check_shapes(shapes) -> tuple[tuple[int, int], ...]:
-    checked = []
-    for shape in shapes:
-        if (
-            not isinstance(shape, Sequence)
-            or len(shape) != 2
-            or not all(
-                isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape
-            )
-        ):
-            raise ValueError(
-                "`shapes` must be a sequence of (batch, time) pairs of positive "
-                f"ints. Received: shapes={shapes!r}"
-            )
-        checked.append((shape[0], shape[1]))
-    if not checked:
+    if not all(is_shape(shape) for shape in shapes):
+        raise ValueError(
+            "`shapes` must be a sequence of (batch, time) pairs of positive "
+            f"ints. Received: shapes={shapes!r}"
+        )
+    if not shapes:
         raise ValueError(f"`shapes` must not be empty. Received: shapes={shapes!r}")
-    return tuple(checked)
+    return tuple((shape[0], shape[1]) for shape in shapes)
 
 
-def _check_tolerance(name: str, value: object) -> float:
+def collect_artifacts(
+    paths: Mapping[str, str | os.PathLike | None], openvino_precision: str = "f32"
+) -> dict[str, _runtimes.Artifact]:
+    """{runtime label: Artifact} of the paths given, each found on disk.
+
+    Args:
+        paths: {format: path or None}.
+        openvino_precision: OpenVINO's INFERENCE_PRECISION_HINT; off "f32"
+            its label is "openvino_<precision>".
+
+    Raises:
+        ValueError: if every path is None or the precision is unknown.
+        FileNotFoundError: if an artifact is missing.
+    """
+    if all(path is None for path in paths.values()):
+        given = ", ".join(f"{PATH_ARGUMENT[name]}=None" for name in paths)
+        raise ValueError(
+            "Pass at least one of "
+            + ", ".join(f"`{PATH_ARGUMENT[name]}`" for name in paths)
+            + f". Received: {given}"
+        )
+    if openvino_precision not in OPENVINO_PRECISIONS:
+        raise ValueError(
+            f"`openvino_precision` must be one of {OPENVINO_PRECISIONS}. "
+            f"Received: openvino_precision={openvino_precision!r}"
+        )
+    artifacts = {}
+    for export_format, path in paths.items():
+        if path is not None:
+            label = export_format
+            if export_format == _runtimes.OPENVINO and openvino_precision != "f32":
+                label = f"openvino_{openvino_precision}"
+            artifacts[label] = artifact(export_format, path, openvino_precision)
+    return artifacts
+
+
+def check_tolerance(name: str, value: object) -> float:
+    """Returns `value` as a float if it is a non-negative number.
+
+    Raises:
+        ValueError: naming the argument and the value otherwise.
+    """
     if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
         raise ValueError(
             f"`{name}` must be a non-negative number. Received: {name}={value!r}"
@@ -338,29 +345,63 @@ def _check_tolerance(name: str, value: object) -> float:
     return float(value)
 
 
+def forward_runs(
+    endpoint: Endpoint, shapes: Sequence[tuple[int, int]], seed: int
+) -> tuple[list[_runtimes.Run], list, list[str]]:
+    """The one-step runs of `verify`, Keras's outputs, and their labels.
+
+    A model with a fixed length keeps it (the label says the shape run),
+    and shapes that come out the same are run once.
+    """
+    runs, expected, labels = [], [], []
+    for index, (batch, time) in enumerate(shapes):
+        arrays = example_inputs(endpoint, batch, time, seed=seed + index)
+        time = next((a.shape[1] for a in arrays.values() if a.ndim > 1), time)
+        label = f"{batch}x{time}" + (
+            " padded" if is_padded(endpoint, batch, time) else ""
+        )
+        if label in labels:
+            continue
+        labels.append(label)
+        runs.append(_runtimes.Run((arrays,)))
+        expected.append([keras_reference(endpoint, arrays)])
+    return runs, expected, labels
+
+
 def verify(
     model: keras.Model,
     saved_model_dir: str | os.PathLike | None = None,
     onnx_path: str | os.PathLike | None = None,
     *,
+    litert_path: str | os.PathLike | None = None,
+    openvino_path: str | os.PathLike | None = None,
+    torch_path: str | os.PathLike | None = None,
     shapes: Sequence[tuple[int, int]] | None = None,
     attention_outputs: str | Mapping[str, str] | None = None,
     atol: float = DEFAULT_ATOL,
     rtol: float = DEFAULT_RTOL,
     seed: int = 0,
+    openvino_precision: str = "f32",
 ) -> ParityReport:
     """Checks that exported models compute what the Keras model computes.
 
-    Each runtime (the SavedModel's `serving_default` signature through
-    `tf.saved_model.load`, the ONNX file through `onnxruntime`) and Keras get
-    the same random inputs for every (batch, time) in `shapes`. Float inputs
-    are standard normal; integer token and boolean mask inputs have rows
-    padded at the end (see the report's "padded" shapes).
+    Every artifact runs in a fresh process that imports only its own
+    runtime (TensorFlow for the SavedModel's `serving_default` signature,
+    onnxruntime, ai_edge_litert, openvino, `torch.export.load`), never keras
+    or keras_selfattn; the runtimes start together. Each and Keras get the
+    same random inputs for every (batch, time) in `shapes`: float inputs are
+    standard normal, integer token and boolean mask inputs have rows padded
+    at the end (the report's "padded" shapes). Artifacts Keras's own
+    `model.export` wrote work too: outputs named only by position
+    ("output_0", ...) are matched by position.
 
     Args:
         model: The Keras model that was exported.
         saved_model_dir: A SavedModel version directory, or None.
         onnx_path: An ONNX file, or None.
+        litert_path: A LiteRT (.tflite) file, or None.
+        openvino_path: An OpenVINO IR (.xml, with its .bin beside it), or None.
+        torch_path: A torch.export program (.pt2), or None.
         shapes: (batch, time) pairs. Defaults to
             ((1, 1), (2, 33), (3, 128), (2, 512)).
         attention_outputs: As given to the export, when it added attention
@@ -369,6 +410,10 @@ def verify(
         rtol: Relative tolerance: an element passes when
             |runtime - keras| <= atol + rtol * |keras|.
         seed: Seed of the random inputs.
+        openvino_precision: OpenVINO's INFERENCE_PRECISION_HINT: "f32" (the
+            model's arithmetic), or "bf16" to measure OpenVINO's default on
+            CPUs with AVX512-BF16 (its row is then labelled
+            "openvino_bf16"; pass tolerances that fit bf16).
 
     Returns:
         A `ParityReport` (every row within tolerance).
@@ -377,7 +422,8 @@ def verify(
         ParityError: if a runtime differs from Keras beyond tolerance, or its
             input or output names differ from the model's; the error's
             `report` holds the rows.
-        ValueError: if neither artifact is given or an argument is invalid.
+        ValueError: if no artifact is given, an argument is invalid, or a
+            runtime cannot load its artifact.
         FileNotFoundError: if an artifact does not exist.
 
     Example:
@@ -386,20 +432,20 @@ def verify(
     >>> path = export_onnx(model, "model.onnx")  # doctest: +SKIP
     >>> print(verify(model, onnx_path=path))  # doctest: +SKIP
     """
-    if saved_model_dir is None and onnx_path is None:
-        raise ValueError(
-            "Pass `saved_model_dir`, `onnx_path` or both. "
-            "Received: saved_model_dir=None, onnx_path=None"
-        )
+    paths = {
+        _runtimes.SAVED_MODEL: saved_model_dir,
+        _runtimes.ONNX: onnx_path,
+        _runtimes.LITERT: litert_path,
+        _runtimes.OPENVINO: openvino_path,
+        _runtimes.TORCH: torch_path,
+    }
+    artifacts = collect_artifacts(paths, openvino_precision)
     shapes = _check_shapes(DEFAULT_SHAPES if shapes is None else shapes)
-    atol = _check_tolerance("atol", atol)
-    rtol = _check_tolerance("rtol", rtol)
+    atol = check_tolerance("atol", atol)
+    rtol = check_tolerance("rtol", rtol)
     endpoint = build_endpoint(model, attention_outputs)
-    runners: dict[str, Runner] = {}
-    if saved_model_dir is not None:
-        runners["saved_model"] = saved_model_runner(
-            os.fspath(saved_model_dir), endpoint
-        )
-    if onnx_path is not None:
-        runners["onnx"] = onnx_runner(os.fspath(onnx_path), endpoint)
-    return compare_runtimes(endpoint, runners, shapes, atol, rtol, seed)
+    runs, expected, labels = forward_runs(endpoint, shapes, seed)
+    rows = check_artifacts(
+        endpoint.target(), artifacts, runs, expected, labels, atol, rtol
+    )
+    return finish_report(rows, atol, rtol, "checks differ from Keras")

@@ -1,0 +1,282 @@
+"""Runs exported artifacts in their own runtime, in a process of its own.
+
+Started as a script (`python _runtime_worker.py REQUEST.json`), never
+imported by the package's other modules at run time: it imports numpy and
+the one runtime of the artifact it runs (TensorFlow for a SavedModel,
+onnxruntime, ai_edge_litert, openvino, torch.export), never keras or
+keras_selfattn, so a check through it proves the artifact stands alone.
+
+The request (JSON) names the artifact's format and path and a list of runs.
+A run is a list of steps, each an `.npz` of inputs keyed by the exporter's
+input names; `feedback` maps output names to input names fed into the next
+step (a decoding step's caches). The worker writes each step's outputs,
+keyed by the artifact's own output names, to `<step file>.out.npz`, and the
+reply (JSON) lists the artifact's input and output names and which of keras
+and keras_selfattn were imported (TensorFlow imports keras itself).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+if __name__ == "__main__":  # this folder holds no runtime modules to import
+    sys.path.pop(0)
+
+import numpy as np
+
+_NUMBERED = re.compile(r"^(.*?)(\d+)$")
+
+
+def _natural(name: str) -> tuple:
+    """Sort key putting output_2 before output_10."""
+    match = _NUMBERED.match(name)
+    return (match.group(1), int(match.group(2))) if match else (name, -1)
+
+
+# Names that say nothing but a position, which Keras's own exports write
+# (outputs output_0, Identity:0; inputs args_0_0, input): matched by position.
+_POSITIONAL_NAME = re.compile(
+    r"^(output_?\d+|Identity(_\d+)?(:\d+)?|\d+|args_\d+(_\d+)*|input(_\d+)?)$"
+)
+
+
+class BindError(Exception):
+    """The artifact's inputs or outputs are not the exported ones."""
+
+
+def _bind(
+    wanted: list[str], found: list[str], kind: str, owner: str, positional: bool
+) -> dict[str, str]:
+    """Maps the exporter's names to the artifact's.
+
+    By name; by position when the artifact's names are only positions
+    (`positional`, or every name like "output_0"). An artifact may have
+    more anonymous outputs than wanted (Keras's OpenVINO export from
+    TensorFlow adds stray ones after the model's): the first ones are used.
+    """
+    if all(name in found for name in wanted):
+        return {name: name for name in wanted}
+    anonymous = positional or all(_POSITIONAL_NAME.match(name) for name in found)
+    if anonymous and len(found) == len(wanted):
+        return dict(zip(wanted, found, strict=True))
+    first = found[: len(wanted)]
+    if len(found) > len(wanted) and all(_POSITIONAL_NAME.match(n) for n in first):
+        return dict(zip(wanted, first, strict=True))
+    missing = [name for name in wanted if name not in found]
+    raise BindError(f"lacks the {owner}'s {kind} {missing}; it has {sorted(found)}")
+
+
+class _SavedModel:
+    positional_inputs = False
+
+    def __init__(self, path: str, signature: str):
+        import tensorflow as tf
+
+        self._tf = tf
+        loaded = tf.saved_model.load(path)
+        if signature not in loaded.signatures:
+            raise ValueError(
+                f"no {signature!r} signature; it has {sorted(loaded.signatures)}"
+            )
+        self._loaded = loaded  # keeps the signature's variables alive
+        self._function = loaded.signatures[signature]
+        _, specs = self._function.structured_input_signature
+        self.input_names = list(specs)
+        self.output_names = sorted(self._function.structured_outputs, key=_natural)
+
+    def __call__(self, arrays):
+        outputs = self._function(**{k: self._tf.constant(v) for k, v in arrays.items()})
+        return {k: v.numpy() for k, v in outputs.items()}
+
+
+class _Onnx:
+    positional_inputs = False
+
+    def __init__(self, path: str, signature: str):
+        import onnxruntime
+
+        self._session = onnxruntime.InferenceSession(
+            path, providers=["CPUExecutionProvider"]
+        )
+        self.input_names = [i.name for i in self._session.get_inputs()]
+        self.output_names = [o.name for o in self._session.get_outputs()]
+
+    def __call__(self, arrays):
+        values = self._session.run(None, dict(arrays))
+        return dict(zip(self.output_names, values, strict=True))
+
+
+class _LiteRT:
+    positional_inputs = False
+
+    def __init__(self, path: str, signature: str):
+        from ai_edge_litert.interpreter import Interpreter
+
+        interpreter = Interpreter(model_path=path)
+        signatures = interpreter.get_signature_list()
+        if signatures:
+            key = signature if signature in signatures else next(iter(signatures))
+            self._runner = interpreter.get_signature_runner(key)
+            details = self._runner.get_input_details()
+            order = sorted(details, key=lambda n: details[n]["index"])
+            self.input_names = order
+            outputs = self._runner.get_output_details()
+            self.output_names = sorted(outputs, key=_natural)
+        else:  # no signature: positional tensors
+            self._runner = None
+            self._interpreter = interpreter
+            self.input_names = [d["name"] for d in interpreter.get_input_details()]
+            self.output_names = [d["name"] for d in interpreter.get_output_details()]
+
+    def __call__(self, arrays):
+        if self._runner is not None:
+            return {k: np.asarray(v) for k, v in self._runner(**arrays).items()}
+        interpreter = self._interpreter
+        details = interpreter.get_input_details()
+        for detail in details:
+            interpreter.resize_tensor_input(
+                detail["index"], arrays[detail["name"]].shape
+            )
+        interpreter.allocate_tensors()
+        for detail in details:
+            interpreter.set_tensor(detail["index"], arrays[detail["name"]])
+        interpreter.invoke()
+        return {
+            d["name"]: interpreter.get_tensor(d["index"])
+            for d in interpreter.get_output_details()
+        }
+
+
+class _OpenVINO:
+    positional_inputs = False
+
+    def __init__(self, path: str, signature: str, precision: str):
+        import openvino
+
+        core = openvino.Core()
+        model = core.read_model(path)
+        config = {"INFERENCE_PRECISION_HINT": precision} if precision else {}
+        self._compiled = core.compile_model(model, "CPU", config)
+        self.input_names = [port.get_any_name() for port in model.inputs]
+        self.output_names = [
+            port.get_any_name() if port.get_names() else f"output_{index}"
+            for index, port in enumerate(model.outputs)
+        ]
+
+    def __call__(self, arrays):
+        result = self._compiled([arrays[name] for name in self.input_names])
+        values = [result[port] for port in self._compiled.outputs]
+        return dict(zip(self.output_names, values, strict=True))
+
+
+class _Torch:
+    positional_inputs = True  # torch.export keeps argument positions only
+
+    def __init__(self, path: str, signature: str):
+        import torch
+        from torch.utils import _pytree
+
+        self._torch = torch
+        self._pytree = _pytree
+        program = torch.export.load(path)
+        self._spec = program.call_spec.in_spec
+        self._module = program.module()
+        self.input_names = [
+            spec.arg.name
+            for spec in program.graph_signature.input_specs
+            if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT
+        ]
+        count = program.call_spec.out_spec.num_leaves
+        self.output_names = [f"output_{index}" for index in range(count)]
+
+    def __call__(self, arrays):
+        torch = self._torch
+        flat = [
+            torch.from_numpy(np.ascontiguousarray(arrays[n])) for n in self.input_names
+        ]
+        args, kwargs = self._pytree.tree_unflatten(flat, self._spec)
+        with torch.no_grad():
+            outputs = self._pytree.tree_leaves(self._module(*args, **kwargs))
+        values = [output.detach().numpy() for output in outputs]
+        return dict(zip(self.output_names, values, strict=True))
+
+
+def _open(request: dict):
+    fmt, path, signature = request["format"], request["path"], request["signature"]
+    if fmt == "saved_model":
+        return _SavedModel(path, signature)
+    if fmt == "onnx":
+        return _Onnx(path, signature)
+    if fmt == "litert":
+        return _LiteRT(path, signature)
+    if fmt == "openvino":
+        return _OpenVINO(path, signature, request.get("precision", "f32"))
+    if fmt == "torch":
+        return _Torch(path, signature)
+    raise ValueError(f"unknown format {fmt!r}")
+
+
+def serve(request: dict) -> dict:
+    """Runs every step of every run of `request`; returns the reply.
+
+    The reply's "stage" says where a failure happened: "load" (the runtime
+    cannot open the artifact), "bind" (its names are not the exported
+    ones) or "run" (with the run's index).
+    """
+    try:
+        artifact = _open(request)
+    except Exception as error:
+        return _failure("load", error)
+    owner = request["owner"]
+    positional = artifact.positional_inputs
+    try:
+        inputs = _bind(
+            request["input_names"], artifact.input_names, "inputs", owner, positional
+        )
+        outputs = _bind(
+            request["output_names"], artifact.output_names, "outputs", owner, False
+        )
+    except BindError as error:
+        return _failure("bind", error)
+    for index, run in enumerate(request["runs"]):
+        state: dict[str, np.ndarray] = {}
+        try:
+            for step in run["steps"]:
+                with np.load(step) as loaded:
+                    arrays = {**{k: loaded[k] for k in loaded.files}, **state}
+                produced = artifact({inputs[k]: v for k, v in arrays.items()})
+                result = {name: np.asarray(produced[outputs[name]]) for name in outputs}
+                np.savez(step + ".out.npz", **result)
+                state = {inp: result[out] for out, inp in run["feedback"].items()}
+        except Exception as error:
+            return {**_failure("run", error), "run": index}
+    return {
+        "ok": True,
+        "input_names": artifact.input_names,
+        "output_names": artifact.output_names,
+        "imported": [
+            name for name in ("keras", "keras_selfattn") if name in sys.modules
+        ],
+    }
+
+
+def _failure(stage: str, error: BaseException) -> dict:
+    text = " ".join(str(error).split()) or type(error).__name__
+    return {"ok": False, "stage": stage, "error": text}
+
+
+def main(request_path: str) -> int:
+    with open(request_path) as file:
+        request = json.load(file)
+    reply = serve(request)
+    with open(request_path + ".reply.json", "w") as file:
+        json.dump(reply, file)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    sys.exit(main(sys.argv[1]))

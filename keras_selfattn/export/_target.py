@@ -1,0 +1,116 @@
+"""What an export writes: named inputs, named outputs, and the callable.
+
+An `ExportTarget` is the one description every exporter and check
+accepts: the forward `Endpoint` and the decoding step both provide one
+(`Endpoint.target()`, `DecodeStep.target()`), so staging, conversion and
+verification never depend on which of the two they export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+
+import keras
+
+# Names of dynamic axes in exports: axis 0 is the batch, every other dynamic
+# axis the one sequence the model attends over (tokens, masks and
+# `(time, time)` attention weights all have its length).
+BATCH_AXIS = "batch"
+TIME_AXIS = "time"
+# The signature TF Serving (and LiteRT) calls when a request names none.
+SERVING_SIGNATURE = "serving_default"
+
+
+@dataclasses.dataclass(frozen=True)
+class NamedInput:
+    """One named input: `shape` has None for dynamic dims."""
+
+    name: str
+    shape: tuple[int | None, ...]
+    dtype: str
+
+    def axis_names(self) -> tuple[int | str, ...]:
+        """`shape` with dynamic dims named `BATCH_AXIS` (axis 0) or `TIME_AXIS`."""
+        return tuple(
+            (BATCH_AXIS if index == 0 else TIME_AXIS) if dim is None else dim
+            for index, dim in enumerate(self.shape)
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportTarget:
+    """A callable over named tensors, as an export exposes it.
+
+    Attributes:
+        model: The Keras model whose weights the callable uses (tracked by
+            the exporters).
+        inputs: The named inputs, in the callable's order.
+        output_names: The callable's outputs, in order.
+        function: Takes the inputs as a list (in `inputs` order) and returns
+            the outputs as a list (in `output_names` order).
+        signature_name: The SavedModel signature (and LiteRT signature) name.
+        what: How errors name it ("model", "decode step").
+    """
+
+    model: keras.Model
+    inputs: tuple[NamedInput, ...]
+    output_names: tuple[str, ...]
+    function: Callable[[Sequence], Sequence]
+    signature_name: str = SERVING_SIGNATURE
+    what: str = "model"
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        """The input names, in order."""
+        return tuple(spec.name for spec in self.inputs)
+
+    def call_named(self, arrays: Mapping[str, object]) -> dict[str, object]:
+        """Runs `function` on inputs keyed by name; outputs keyed by name."""
+        outputs = self.function([arrays[name] for name in self.input_names])
+        return dict(zip(self.output_names, outputs, strict=True))
+
+    def tf_specs(self) -> list:
+        """Named `tf.TensorSpec`s of the inputs."""
+        import tensorflow as tf
+
+        return [
+            tf.TensorSpec(spec.shape, tf.as_dtype(spec.dtype), name=spec.name)
+            for spec in self.inputs
+        ]
+
+    def tf_function(self):
+        """The callable as a `tf.function` with named inputs, returning a dict."""
+        import tensorflow as tf
+
+        @tf.function(input_signature=self.tf_specs())
+        def serve(*tensors):
+            return self.call_named(dict(zip(self.input_names, tensors, strict=True)))
+
+        return serve
+
+    def keras_model(self) -> keras.Model:
+        """The callable as a Keras model taking one list, for `model.export`."""
+        return _TargetModel(self)
+
+    def input_signature(self) -> list:
+        """`model.export`'s input_signature for `keras_model()`: one list."""
+        return [
+            [
+                keras.InputSpec(shape=spec.shape, dtype=spec.dtype, name=spec.name)
+                for spec in self.inputs
+            ]
+        ]
+
+
+class _TargetModel(keras.Model):
+    """A Keras model calling an `ExportTarget`'s function on a list."""
+
+    def __init__(self, target: ExportTarget):
+        super().__init__(name=f"{target.model.name}_export")
+        self.wrapped = target.model
+        self._function = target.function
+        self.built = True
+
+    def call(self, inputs, training=False):
+        return list(self._function(list(inputs)))

@@ -1,0 +1,130 @@
+"""LiteRT and OpenVINO exports: refused when wrong, staged, named, atomic.
+
+Under TensorFlow in this process (the runtimes still run in fresh ones): an
+export whose artifact computes something else is refused with nothing left
+on disk; OpenVINO's bf16 is reported under its own label; artifacts Keras's
+own `model.export` wrote verify too; killed runs' temporaries are removed by
+the next run, other names' and live runs' are not.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from keras_selfattn.export import (
+    ParityError,
+    _files,
+    artifacts,
+    export_litert,
+    export_openvino,
+    verify,
+)
+from tests import model_zoo
+
+pytestmark = pytest.mark.tensorflow_only("LiteRT and OpenVINO from TensorFlow")
+
+
+@pytest.fixture(scope="module")
+def classifier():
+    return model_zoo.masked_classifier(seed=0)
+
+
+@pytest.fixture(scope="module")
+def keras_written(classifier, tmp_path_factory):
+    """The classifier exported by Keras's own model.export (output_0 names)."""
+    root = tmp_path_factory.mktemp("keras_written")
+    classifier.export(str(root / "m.tflite"), format="litert", verbose=False)
+    classifier.export(str(root / "m.onnx"), format="onnx", verbose=False)
+    return root
+
+
+def test_an_artifact_that_computes_something_else_is_refused(
+    classifier, tmp_path, monkeypatch
+):
+    """The written file is another model's (as Keras's torch LiteRT route
+    was for grouped-query attention): the check fails, nothing appears."""
+    impostor = model_zoo.masked_classifier(seed=5)
+    real_write = artifacts.write
+    from keras_selfattn.export._endpoint import build_endpoint
+
+    def write_impostor(target, path, export_format, **options):
+        real_write(build_endpoint(impostor).target(), path, export_format, **options)
+
+    monkeypatch.setattr(artifacts, "write", write_impostor)
+    with pytest.raises(ParityError, match="differ from Keras") as caught:
+        export_litert(classifier, tmp_path / "out" / "m.tflite")
+    assert {row.runtime for row in caught.value.report.rows} == {"litert"}
+    assert os.listdir(tmp_path) == []
+
+
+def test_openvino_writes_both_files_and_reports_bf16_apart(classifier, tmp_path):
+    path = export_openvino(classifier, tmp_path / "m.xml")
+    assert sorted(os.listdir(tmp_path)) == ["m.bin", "m.xml"]
+    report = verify(
+        classifier,
+        openvino_path=path,
+        shapes=[(2, 7)],
+        openvino_precision="bf16",
+        atol=0.05,
+        rtol=0.05,
+    )
+    assert [row.runtime for row in report.rows] == ["openvino_bf16"]
+    with pytest.raises(ValueError, match="openvino_precision='fp8'"):
+        verify(classifier, openvino_path=path, openvino_precision="fp8")
+
+
+def test_artifacts_keras_wrote_itself_verify(classifier, keras_written):
+    report = verify(
+        classifier,
+        litert_path=keras_written / "m.tflite",
+        onnx_path=keras_written / "m.onnx",
+        shapes=[(2, 7), (3, 33)],
+    )
+    assert report.ok and {row.runtime for row in report.rows} == {"litert", "onnx"}
+    other = model_zoo.masked_classifier(seed=6)
+    with pytest.raises(ParityError, match="differ from Keras"):
+        verify(other, litert_path=keras_written / "m.tflite", shapes=[(2, 7)])
+
+
+@pytest.mark.parametrize(
+    "path, message",
+    [
+        ("m.onnx", "must end with '.tflite'"),
+        ("", "non-empty path"),
+        ("dir/", "must name a file"),
+    ],
+)
+def test_bad_paths_are_refused_before_any_work(classifier, tmp_path, path, message):
+    with pytest.raises(ValueError, match=message):
+        export_litert(classifier, f"{tmp_path}/{path}" if path else path)
+    assert os.listdir(tmp_path) == []
+
+
+def test_bad_shape_is_refused(classifier, tmp_path):
+    with pytest.raises(ValueError, match=r"Received: shape=\(0, 4\)"):
+        export_litert(classifier, tmp_path / "m.tflite", shape=(0, 4))
+
+
+def test_next_run_removes_temporaries_of_killed_runs_only(tmp_path):
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead_pid = int(dead.stdout)
+    killed = tmp_path / f".m.onnx.tmp-{dead_pid}-abc"
+    live = tmp_path / f".m.onnx.tmp-{os.getpid()}-def"
+    other_name = tmp_path / f".n.onnx.tmp-{dead_pid}-ghi"
+    for folder in (killed, live, other_name):
+        folder.mkdir()
+    with _files.atomic_file(str(tmp_path / "m.onnx")) as tmp:
+        with open(tmp, "w") as handle:
+            handle.write("x")
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["m.onnx", live.name, other_name.name]
+    )
