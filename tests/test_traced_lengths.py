@@ -27,11 +27,11 @@ SHAPES = [(2, 5), (1, 9)]
 
 
 def _layer(**config) -> SelfAttention:
+    config = {"causal": True, **config}
     layer = SelfAttention(
         num_heads=2,
         num_key_value_heads=1,
         rope_max_wavelength=10000,
-        causal=True,
         output_dim=6,
         use_bias=True,
         **config,
@@ -100,16 +100,25 @@ def _traced(fn, tracer: str, layer=None):
     )
 
 
+@pytest.mark.parametrize("masked", [True, False], ids=["masked", "unmasked"])
 @pytest.mark.parametrize("tracer", ["jit", "export"])
-def test_traced_call_has_no_baked_length(tracer):
+def test_traced_call_has_no_baked_length(tracer, masked):
+    """Masked: causal with padding; unmasked: no mask of any kind (the
+    fused path then has no mask to hand the kernel)."""
     if BACKEND != "torch" and tracer == "export":
         pytest.skip("torch.export is PyTorch's")
-    layer = _layer()
-    run = _traced(lambda x, mask: layer(x, mask=mask), tracer, layer)
+    layer = _layer() if masked else _layer(causal=False)
+    if masked:
+        run = _traced(lambda x, mask: layer(x, mask=mask), tracer, layer)
+    else:
+        run = _traced(lambda x, mask: layer(x), tracer, layer)
     for batch, time in SHAPES:
         x, mask = _inputs(batch, time)
+        mask = mask if masked else None
         expected = reference.for_layer(layer, x, padding_mask=mask)[0]
-        np.testing.assert_allclose(run(x, mask), expected, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(
+            run(x, _inputs(batch, time)[1]), expected, atol=1e-5, rtol=1e-5
+        )
 
 
 def test_positions_of_a_traced_length():

@@ -135,7 +135,9 @@ def _dense_mask_attention(query, key, value, masks: Masks, scale, grouped=True):
     is a few new positions), which `is_causal` would misplace, and for a time
     of unknown size on JAX (see the module docstring)."""
     query_len, key_len = ops.shape(query)[1], ops.shape(key)[1]
-    mask = _nonempty_rows(masks_lib.block(masks, query_len=query_len, key_len=key_len))
+    mask = masks_lib.block(masks, query_len=query_len, key_len=key_len)
+    if mask is not None:  # None: nothing is masked
+        mask = _nonempty_rows(mask)
     if keras.backend.backend() == "jax":
         import jax
 
