@@ -6,13 +6,14 @@ through `weights @ values` (and through the scores where a mask is added as
 a bias). The layer therefore zeroes those positions before attention with
 `zero_unless`.
 
-tf2onnx lowers a TensorFlow select to `x * cond + y * (1 - cond)`, where a
+On TensorFlow, tf2onnx lowers a select to `x * cond + y * (1 - cond)`, where a
 NaN in the branch not chosen still gives NaN, unless its condition is a NaN
 test (then it emits ONNX `Where`). `where` writes its condition as one.
 """
 
 from __future__ import annotations
 
+import keras
 from keras import ops
 
 
@@ -23,6 +24,10 @@ def where(condition, x, y):
     The condition is written as "not `m != m`" with `m = 0 / condition`
     (NaN exactly where it is False), a NaN test tf2onnx keeps as `Where`.
     """
+    if keras.backend.backend() != "tensorflow":
+        # Selects are exact there, and OpenVINO's torch front end has no
+        # rule for the division (aten::divide).
+        return ops.where(condition, x, y)
     marker = ops.divide(ops.zeros((), "float32"), ops.cast(condition, "float32"))
     return ops.where(ops.not_equal(marker, marker), y, x)
 
