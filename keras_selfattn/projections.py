@@ -48,6 +48,8 @@ def fresh_initializer(initializer, offset: int):
     number of weights created before it), so seeded layers stay reproducible,
     with the values of the layer's earlier versions, and their kernels differ.
     """
+    if initializer is None:  # Keras's own default for the weight
+        return None
     config = initializer.get_config()
     if isinstance(config.get("seed"), int):
         config["seed"] += offset

@@ -69,3 +69,18 @@ def test_feature_size_must_match_built_weights():
     layer(np.ones((1, 3, 4), "float32"))
     with pytest.raises(ValueError, match=r"built for features=4.*\(1, 3, 5\)"):
         layer(np.ones((1, 3, 5), "float32"))
+
+
+def test_none_initializers_take_keras_defaults():
+    """`initializers.get(None)` is None: the weights take Keras's defaults
+    (found by the slow config fuzz: the projections failed on None)."""
+    layer = SelfAttention(
+        num_heads=2,
+        output_dim=3,
+        use_bias=True,
+        bias_initializer=None,
+        kernel_initializer=None,
+    )
+    out = layer(np.ones((1, 4, 6), "float32"))
+    assert tuple(out.shape) == (1, 4, 3)
+    assert len(layer.get_weights()) == 8
