@@ -20,6 +20,7 @@ import pytest
 from keras_selfattn import SelfAttention, cli
 from keras_selfattn.export import decode_step as ds
 from keras_selfattn.export.verify import ParityError
+from tests.decode_step_runtimes import PRELUDE
 
 pytestmark = pytest.mark.tensorflow_only("decode-step export is a tf.function")
 
@@ -48,24 +49,10 @@ def _language_model() -> keras.Model:
     return keras.Model(tokens, logits)
 
 
-_FRESH = r"""
-import json, sys
-import numpy as np
-import onnxruntime
-import tensorflow as tf
-
-ref = np.load(sys.argv[1])
-names = json.loads(sys.argv[4])
-signature = tf.saved_model.load(sys.argv[2]).signatures["decode_step"]
-session = onnxruntime.InferenceSession(sys.argv[3], providers=["CPUExecutionProvider"])
-
-def saved_model(feed):
-    out = signature(**{k: tf.constant(v) for k, v in feed.items()})
-    return {k: v.numpy() for k, v in out.items()}
-
-def onnx(feed):
-    out = session.run(None, feed)
-    return dict(zip([o.name for o in session.get_outputs()], out))
+_FRESH = (
+    PRELUDE
+    + r"""
+ref = arrays
 
 errors = {}
 for case in names["cases"]:
@@ -92,6 +79,7 @@ assert "keras_selfattn" not in sys.modules
 print(json.dumps(errors))
 print(json.dumps(sorted(m for m in sys.modules if "keras" in m)), file=sys.stderr)
 """
+)
 
 
 def test_exports_decode_like_keras_in_a_fresh_process(tmp_path):

@@ -32,6 +32,7 @@ from keras import ops
 from keras_selfattn import SelfAttention
 from keras_selfattn.attention.dispatch import preferred
 from tests.backend import BACKEND, compiled, to_numpy
+from tests.decode_step_runtimes import PRELUDE
 
 # JAX without x64 truncates an int64 tensor to int32 (and warns).
 pytestmark = pytest.mark.filterwarnings("ignore:Explicitly requested dtype int64")
@@ -319,23 +320,10 @@ def test_non_finite_attended_positions_propagate():
 
 
 # ------------------------------------------------- exported decode steps
-_FRESH = r"""
-import json, sys
-import numpy as np
-import onnxruntime
-import tensorflow as tf
-
-cases = np.load(sys.argv[1])
-names = json.loads(sys.argv[4])
-signature = tf.saved_model.load(sys.argv[2]).signatures["decode_step"]
-session = onnxruntime.InferenceSession(sys.argv[3], providers=["CPUExecutionProvider"])
-
-def saved_model(feed):
-    out = signature(**{k: tf.constant(v) for k, v in feed.items()})
-    return {k: v.numpy() for k, v in out.items()}
-
-def onnx(feed):
-    return dict(zip([o.name for o in session.get_outputs()], session.run(None, feed)))
+_FRESH = (
+    PRELUDE
+    + r"""
+cases = arrays
 
 results = {}
 for case in names:
@@ -356,6 +344,7 @@ for case in names:
 assert "keras_selfattn" not in sys.modules
 print(json.dumps(results))
 """
+)
 
 # name -> (new positions from x, index, cache), the cache from `_export_cases`.
 OUT_OF_RANGE = {"index -1": (1, -1), "index 8": (1, 8), "index 7 new 2": (2, 7)}

@@ -167,6 +167,32 @@ def _fused_blockers(
     return reasons
 
 
+def _exportable(implementation: Implementation) -> Implementation:
+    """The implementation PyTorch's exporters convert for every length, with
+    the same numbers (see the module docstring)."""
+    if implementation.name == "chunked":
+        return IMPLEMENTATIONS["explicit"]
+    if implementation.name == "fused":
+        return dataclasses.replace(
+            implementation,
+            fn=functools.partial(implementation.fn, grouped_key_value=False),
+            grouped_key_value=False,
+        )
+    return implementation
+
+
+def _exportable_while_exporting(choose_fn):
+    """`choose_fn`, its choice made exportable while an exporter traces."""
+
+    @functools.wraps(choose_fn)
+    def wrapper(*args, **kwargs) -> Implementation:
+        implementation = choose_fn(*args, **kwargs)
+        return _exportable(implementation) if exporting() else implementation
+
+    return wrapper
+
+
+@_exportable_while_exporting
 def choose(
     masks: Masks,
     *,
@@ -202,47 +228,6 @@ def choose(
         ValueError: `flash_attention=True` requires the fused path, and
             this call cannot take it; the message says why.
     """
-    implementation = _choose(
-        masks,
-        query_on_gpu=query_on_gpu,
-        same_head_dims=same_head_dims,
-        dtype=dtype,
-        flash_attention=flash_attention,
-        chunk_size=chunk_size,
-        dropout=dropout,
-        return_weights=return_weights,
-        layer_name=layer_name,
-    )
-    return _exportable(implementation) if exporting() else implementation
-
-
-def _exportable(implementation: Implementation) -> Implementation:
-    """The implementation PyTorch's exporters convert for every length, with
-    the same numbers (see the module docstring)."""
-    if implementation.name == "chunked":
-        return IMPLEMENTATIONS["explicit"]
-    if implementation.name == "fused":
-        return dataclasses.replace(
-            implementation,
-            fn=functools.partial(implementation.fn, grouped_key_value=False),
-            grouped_key_value=False,
-        )
-    return implementation
-
-
-def _choose(
-    masks: Masks,
-    *,
-    query_on_gpu: bool,
-    same_head_dims: bool,
-    dtype: str,
-    flash_attention: bool | None,
-    chunk_size: int | None,
-    dropout: bool,
-    return_weights: bool,
-    layer_name: str,
-) -> Implementation:
-    """`choose`, as if no exporter traced the call."""
     float16_on_cpu = dtype == "float16" and not query_on_gpu
     blockers = _fused_blockers(
         masks, dropout, return_weights, same_head_dims, float16_on_cpu
