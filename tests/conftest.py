@@ -9,6 +9,10 @@ Tests marked `one_suite("why")` start their own interpreters for fixed
 backends, so their result does not depend on the suite's backend: they run in
 the KERAS_BACKEND=torch suite only (the lightest of the three), or wherever
 KERAS_SELFATTN_ONE_SUITE=1 is set.
+
+Tests marked `fast_on(BACKEND, "why")` check on the other backends what their
+run on BACKEND checks in `make test`, at several times its cost (exports
+through jax2tf, say): off BACKEND they are `slow` (run by `make test-slow`).
 """
 
 import os
@@ -48,10 +52,31 @@ def _skip_off_the_one_suite(items) -> None:
             )
 
 
+def _slow_off_their_fast_backend(items) -> None:
+    for item in items:
+        marker = item.get_closest_marker("fast_on")
+        if marker is None:
+            continue
+        if len(marker.args) != 2 or marker.args[0] not in (
+            "tensorflow",
+            "jax",
+            "torch",
+        ):
+            raise pytest.UsageError(
+                f'{item.nodeid}: use @pytest.mark.fast_on("tensorflow", "why")'
+            )
+        if marker.args[0] != BACKEND:
+            item.add_marker(pytest.mark.slow)
+
+
+# Before `-m "not slow"` deselects: the slow mark must be there by then.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Skips `tensorflow_only` tests off TensorFlow and `one_suite` tests off
-    the one suite, saying why."""
+    the one suite, saying why; marks `fast_on` tests slow off their
+    backend."""
     _skip_off_the_one_suite(items)
+    _slow_off_their_fast_backend(items)
     for item in items:
         marker = item.get_closest_marker("tensorflow_only")
         if marker is None:

@@ -8,6 +8,8 @@ Keras computed here (cached step by step, and the full uncached forward).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -82,20 +84,45 @@ print(json.dumps(sorted(m for m in sys.modules if "keras" in m)), file=sys.stder
 )
 
 
-def test_exports_decode_like_keras_in_a_fresh_process(tmp_path):
+@pytest.fixture(scope="module")
+def cli_export(tmp_path_factory) -> dict:
+    """The language model saved and exported once by the CLI (SavedModel, ONNX,
+    LiteRT decode steps): {model, status, out, err, folder}."""
+    folder = tmp_path_factory.mktemp("decode_step")
     model = _language_model()
-    version_dir = ds.export_decode_step_saved_model(
-        model, tmp_path / "serving", "lm", max_length=MAX_LENGTH
+    model.save(folder / "lm.keras")
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = cli.main(
+            [
+                "export",
+                str(folder / "lm.keras"),
+                "--decode-step",
+                "--max-length",
+                str(MAX_LENGTH),
+                "--saved-model",
+                str(folder / "serving"),
+                "--onnx",
+                str(folder / "out" / "lm.onnx"),
+                "--litert",
+                str(folder / "out" / "lm.tflite"),
+            ]
+        )
+    return dict(
+        model=model,
+        status=status,
+        out=out.getvalue(),
+        err=err.getvalue(),
+        folder=folder,
     )
-    onnx_path = ds.export_decode_step_onnx(
-        model, tmp_path / "lm.onnx", max_length=MAX_LENGTH
-    )
-    assert version_dir == str(tmp_path / "serving" / "lm" / "1")
-    assert (tmp_path / "serving" / "models.config").is_file()
-    report = ds.verify_decode_step(model, version_dir, onnx_path, max_length=MAX_LENGTH)
-    runtimes = {row.runtime for row in report.rows}
-    assert runtimes == {"keras_cache", "saved_model", "onnx"}
-    assert all(row.max_abs_err < 1e-5 for row in report.rows), report
+
+
+def test_exports_decode_like_keras_in_a_fresh_process(cli_export, tmp_path):
+    assert cli_export["status"] == 0, cli_export["err"]
+    model, folder = cli_export["model"], cli_export["folder"]
+    version_dir = str(folder / "serving" / "lm" / "1")
+    onnx_path = str(folder / "out" / "lm.onnx")
+    assert (folder / "serving" / "models.config").is_file()
 
     step = ds.build_decode_step(model, MAX_LENGTH)
     arrays = {}
@@ -140,33 +167,18 @@ def test_exports_decode_like_keras_in_a_fresh_process(tmp_path):
         assert steps == MAX_LENGTH - {"a": 3, "b": 1, "c": 4}[key[-1]] + 1
 
 
-def test_cli_exports_three_formats_and_refuses_in_one_line(tmp_path, capsys):
-    model = _language_model()
-    path = str(tmp_path / "lm.keras")
-    model.save(path)
-    status = cli.main(
-        [
-            "export",
-            path,
-            "--decode-step",
-            "--max-length",
-            "6",
-            "--saved-model",
-            str(tmp_path / "serving"),
-            "--onnx",
-            str(tmp_path / "out" / "lm.onnx"),
-            "--litert",
-            str(tmp_path / "out" / "lm.tflite"),
-        ]
-    )
-    out = capsys.readouterr()
-    assert status == 0, out.err
-    assert (tmp_path / "serving" / "lm" / "1" / "saved_model.pb").is_file()
-    assert sorted(os.listdir(tmp_path / "out")) == ["lm.onnx", "lm.tflite"]
-    rows = [line.split() for line in out.out.splitlines() if "prompt" in line]
+def test_cli_exports_three_formats_and_refuses_in_one_line(
+    cli_export, tmp_path, capsys
+):
+    assert cli_export["status"] == 0, cli_export["err"]
+    folder = cli_export["folder"]
+    assert (folder / "serving" / "lm" / "1" / "saved_model.pb").is_file()
+    assert sorted(os.listdir(folder / "out")) == ["lm.onnx", "lm.tflite"]
+    rows = [line.split() for line in cli_export["out"].splitlines() if "prompt" in line]
     runtimes = {row[0] for row in rows}
-    assert runtimes == {"keras_cache", "saved_model", "onnx", "litert"}, out.out
+    assert runtimes == {"keras_cache", "saved_model", "onnx", "litert"}, cli_export
     assert len(rows) == 12 and all(row[-1] == "yes" for row in rows)
+    path = str(folder / "lm.keras")
 
     plain = keras.Sequential(
         [

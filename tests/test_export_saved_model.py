@@ -23,10 +23,15 @@ from keras_selfattn.export import saved_model as saved_model_module
 from tests import model_zoo
 from tests.files import tree_digest
 
-pytestmark = pytest.mark.skipif(
-    keras.backend.backend() == "torch",
-    reason="SavedModel export does not run on torch (see test_export_backends)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        keras.backend.backend() == "torch",
+        reason="SavedModel export does not run on torch (see test_export_backends)",
+    ),
+    # JAX's export goes through jax2tf at several times the cost; its cell of
+    # the backend x format matrix is in test_export_formats / test_keras_export.
+    pytest.mark.fast_on("tensorflow", "SavedModel export and its serving checks"),
+]
 
 SHAPES = [(1, 1), (2, 33), (3, 128), (2, 512), (4, 20)]
 MODELS = [*model_zoo.ALL, "attention_with_mask_input"]

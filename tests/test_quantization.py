@@ -109,16 +109,22 @@ def _causal_layers(mode: str) -> dict[str, SelfAttention]:
     return layers
 
 
-@pytest.mark.parametrize("path", PATH_PARAMS)
-def test_every_path_runs_on_quantized_weights(path):
+@pytest.fixture(scope="module")
+def int8_causal() -> tuple[dict[str, SelfAttention], np.ndarray]:
+    """The int8 causal layers, built once, and the explicit path's output."""
     layers = _causal_layers("int8")
-    expected = to_numpy(layers["explicit"](X))
+    return layers, to_numpy(layers["explicit"](X))
+
+
+@pytest.mark.parametrize("path", PATH_PARAMS)
+def test_every_path_runs_on_quantized_weights(int8_causal, path):
+    layers, expected = int8_causal
     np.testing.assert_allclose(to_numpy(layers[path](X)), expected, atol=1e-5)
 
 
-def test_decoding_on_quantized_weights_equals_the_full_call():
-    layer = _causal_layers("int8")["explicit"]
-    expected = to_numpy(layer(X))
+def test_decoding_on_quantized_weights_equals_the_full_call(int8_causal):
+    layers, expected = int8_causal
+    layer = layers["explicit"]
     cache = layer.empty_cache(X.shape[0], TIME)
     steps = []
     for start in range(0, TIME, 2):

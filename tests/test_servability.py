@@ -45,10 +45,15 @@ from keras_selfattn.serving import (
 )
 from tests import model_zoo
 
-pytestmark = pytest.mark.skipif(
-    keras.backend.backend() == "torch",
-    reason="SavedModel export does not run on torch (see test_export_backends)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        keras.backend.backend() == "torch",
+        reason="SavedModel export does not run on torch (see test_export_backends)",
+    ),
+    # JAX's export goes through jax2tf at several times the cost; its cell of
+    # the backend x format matrix is in test_export_formats / test_keras_export.
+    pytest.mark.fast_on("tensorflow", "SavedModel export and its serving checks"),
+]
 
 ATOL = 1e-5
 RTOL = 1e-5
