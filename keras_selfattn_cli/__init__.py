@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from keras_selfattn_cli import _process
 
@@ -102,13 +102,27 @@ def _add_tolerances(sub: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_export(sub: argparse.ArgumentParser) -> None:
+def _add_command(
+    commands,
+    name: str,
+    summary: str,
+    *,
+    saved_model: tuple[str, str],
+    options: Callable[[argparse.ArgumentParser], None],
+    **defaults,
+) -> None:
+    """A command: MODEL.keras, --saved-model (metavar, help), `options`, the
+    tolerances and --verbose; `defaults` name the command to run."""
+    sub = commands.add_parser(name, help=summary)
     sub.add_argument("model", metavar="MODEL.keras", help="model saved with model.save")
-    sub.add_argument(
-        "--saved-model",
-        metavar="BASE_DIR",
-        help="write BASE_DIR/NAME/VERSION/ (TF Serving layout)",
-    )
+    sub.add_argument("--saved-model", metavar=saved_model[0], help=saved_model[1])
+    options(sub)
+    _add_tolerances(sub)
+    _add_verbose(sub, argparse.SUPPRESS)
+    sub.set_defaults(**defaults)
+
+
+def _add_export_options(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--name", help="model name (default: MODEL file name)")
     sub.add_argument(
         "--version",
@@ -159,18 +173,9 @@ def _add_export(sub: argparse.ArgumentParser) -> None:
         type=_positive_int,
         help="with --decode-step: the caches' length (longest sequence)",
     )
-    _add_tolerances(sub)
-    _add_verbose(sub, argparse.SUPPRESS)
-    sub.set_defaults(run="export")
 
 
-def _add_verify(sub: argparse.ArgumentParser) -> None:
-    sub.add_argument("model", metavar="MODEL.keras", help="model saved with model.save")
-    sub.add_argument(
-        "--saved-model",
-        metavar="VERSION_DIR",
-        help="a SavedModel version folder (BASE_DIR/NAME/VERSION)",
-    )
+def _add_verify_options(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--onnx", metavar="PATH", help="an ONNX file")
     sub.add_argument("--litert", metavar="PATH", help="a LiteRT (.tflite) file")
     sub.add_argument(
@@ -188,9 +193,6 @@ def _add_verify(sub: argparse.ArgumentParser) -> None:
         "default on CPUs with AVX512-BF16: pass tolerances that fit it)",
     )
     sub.add_argument("--torch", metavar="PATH", help="a torch .pt2 file")
-    _add_tolerances(sub)
-    _add_verbose(sub, argparse.SUPPRESS)
-    sub.set_defaults(run="verify")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -200,21 +202,39 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(
         dest="command", required=True, parser_class=_Parser
     )
-    _add_export(
-        commands.add_parser(
-            "export",
-            help="export to SavedModel, ONNX, LiteRT, OpenVINO and/or torch, "
-            "verify, then move into place",
-        )
+    export = {
+        "saved_model": (
+            "BASE_DIR",
+            "write BASE_DIR/NAME/VERSION/ (TF Serving layout)",
+        ),
+        "options": _add_export_options,
+        "run": "export",
+    }
+    _add_command(
+        commands,
+        "export",
+        "export to SavedModel, ONNX, LiteRT, OpenVINO and/or torch, verify, "
+        "then move into place",
+        **export,
     )
     # The earlier name of `export --decode-step` (docs/decoding.md uses it).
-    alias = commands.add_parser(
-        "export-decode-step", help="the same as: export --decode-step"
+    _add_command(
+        commands,
+        "export-decode-step",
+        "the same as: export --decode-step",
+        **export,
+        decode_step=True,
     )
-    _add_export(alias)
-    alias.set_defaults(decode_step=True)
-    _add_verify(
-        commands.add_parser("verify", help="compare exports with the Keras model")
+    _add_command(
+        commands,
+        "verify",
+        "compare exports with the Keras model",
+        saved_model=(
+            "VERSION_DIR",
+            "a SavedModel version folder (BASE_DIR/NAME/VERSION)",
+        ),
+        options=_add_verify_options,
+        run="verify",
     )
     return parser
 
