@@ -1,16 +1,12 @@
 """keras-selfattn: export and verify from .keras files; one-line errors.
 
-Most cases call `main(argv)` in-process (fast); a few run the installed
-console script and the export/ scripts as real subprocesses.
+The cases call `main(argv)` in-process (fast); tests/test_cli_startup.py
+runs the console script's entry point in subprocesses.
 """
 
 from __future__ import annotations
 
 import os
-import re
-import runpy
-import subprocess
-import sys
 import zipfile
 
 import keras
@@ -24,14 +20,6 @@ from tests import model_zoo
 from tests.files import tree_digest
 
 pytestmark = pytest.mark.tensorflow_only("the CLI fixture exports ONNX through tf2onnx")
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Lines TensorFlow's native logging prints while it is imported (before main).
-_TF_NATIVE_LOG = re.compile(
-    r"^(WARNING: All log messages before absl::InitializeLog\(\)"
-    r"|[IWEF]\d{4} "
-    r"|To enable the following instructions)"
-)
 
 
 def run(argv, capsys) -> tuple[int, str, str]:
@@ -343,56 +331,6 @@ def test_usage_errors_exit_2_with_one_line(capsys, argv, fragment):
         main(argv)
     assert caught.value.code == 2
     assert_one_line_error(capsys.readouterr().err, fragment)
-
-
-# ------------------------------------------------- scripts and console script
-@pytest.mark.parametrize(
-    "script, argv, artifact",
-    [
-        (
-            "export_saved_model.py",
-            ["{root}/clf.keras", "{tmp}/serving", "--version", "3"],
-            "serving/clf/3",
-        ),
-        (
-            "export_onnx_model.py",
-            ["{root}/clf.keras", "{tmp}/clf.onnx", "--opset", "16"],
-            "clf.onnx",
-        ),
-    ],
-)
-def test_export_scripts(work, tmp_path, monkeypatch, capsys, script, argv, artifact):
-    root, _, _ = work
-    places = {"root": root, "tmp": tmp_path}
-    path = os.path.join(REPO, "export", script)
-    monkeypatch.setattr(sys, "argv", [path] + [a.format(**places) for a in argv])
-    with pytest.raises(SystemExit) as caught:
-        runpy.run_path(path, run_name="__main__")
-    out, err = capsys.readouterr()
-    assert caught.value.code == 0, err
-    assert "Verifying against Keras ... done" in out
-    assert os.path.exists(tmp_path / artifact)
-
-
-def test_console_script_runs_in_a_subprocess(work, tmp_path):
-    root, _, _ = work
-    console = os.path.join(os.path.dirname(sys.executable), "keras-selfattn")
-    argv = [console, "export", root / "clf.keras", "--saved-model", tmp_path]
-    result = subprocess.run(
-        [str(a) for a in argv + ["--name", "../x"]],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 1 and result.stdout == ""
-    ours = [
-        line for line in result.stderr.splitlines() if not _TF_NATIVE_LOG.match(line)
-    ]
-    assert ours == [
-        "keras-selfattn: error: `name` must be a single directory name without "
-        "path separators. Received: name='../x'"
-    ]
-    assert os.listdir(tmp_path) == []
 
 
 # ------------------------------------------------------- staged, verified once

@@ -1,0 +1,297 @@
+"""The `keras-selfattn` command: export a .keras model and verify exports.
+
+    keras-selfattn [--verbose] export MODEL.keras [--saved-model BASE_DIR
+                   [--name NAME] [--version N] [--warmup]] [--onnx OUT.onnx
+                   [--opset N] [--fuse-attention]] [--litert OUT.tflite
+                   [--litert-shape B,T]] [--openvino OUT.xml] [--torch OUT.pt2]
+                   [--decode-step --max-length N]
+    keras-selfattn [--verbose] verify MODEL.keras [--saved-model VERSION_DIR]
+                   [--onnx PATH] [--litert PATH [--litert-shape B,T]]
+                   [--openvino PATH [--openvino-precision f32|bf16]]
+                   [--torch PATH]
+
+`export-decode-step ...` is the same as `export --decode-step ...`.
+This package parses the arguments and dispatches; the commands are in
+keras_selfattn/cli.py. It lives outside `keras_selfattn` because importing
+that package imports Keras and TensorFlow (it must: it registers the layer
+for `keras.saving.load_model`, which imports no module of a package outside
+Keras to find a class), and `--help` or an argument error should not wait for
+them: they are imported once a command runs, with TensorFlow's native log
+discarded unless `--verbose` (see `_process`). Any failure prints one line,
+`keras-selfattn: error: ...`, on stderr and exits with status 1 (2 for usage
+errors, 130 when interrupted, 143 when terminated by SIGTERM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Sequence
+
+from keras_selfattn_cli import _process
+
+PROG = "keras-selfattn"
+# The file formats' options and metavars, in staging order.
+FILE_FORMATS = (
+    ("onnx", "OUT.onnx"),
+    ("litert", "OUT.tflite"),
+    ("openvino", "OUT.xml"),
+    ("torch", "OUT.pt2"),
+)
+
+
+class CLIError(Exception):
+    """A failure reported as one line, without a traceback."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (exit status 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{PROG}: error: {message} (see {PROG} --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
+def _shape(text: str) -> tuple[int, int]:
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"not BATCH,TIME: {text!r}")
+    return (_positive_int(parts[0]), _positive_int(parts[1]))
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0: {text!r}")
+    return value
+
+
+def _add_verbose(parser: argparse.ArgumentParser, default) -> None:
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        default=default,
+        help="show TensorFlow's native log (oneDNN, CUDA, CPU-feature notices)",
+    )
+
+
+def _add_tolerances(sub: argparse.ArgumentParser) -> None:
+    # None: keras_selfattn.export.verify's defaults, which the help repeats
+    # (tests/test_cli_startup.py checks they agree) without importing it.
+    sub.add_argument(
+        "--atol",
+        type=_tolerance,
+        help="absolute tolerance (default 1e-05)",
+    )
+    sub.add_argument(
+        "--rtol",
+        type=_tolerance,
+        help="relative tolerance (default 0.0001)",
+    )
+
+
+def _add_command(
+    commands,
+    name: str,
+    summary: str,
+    *,
+    saved_model: tuple[str, str],
+    options: Callable[[argparse.ArgumentParser], None],
+    **defaults,
+) -> None:
+    """A command: MODEL.keras, --saved-model (metavar, help), `options`, the
+    tolerances and --verbose; `defaults` name the command to run."""
+    sub = commands.add_parser(name, help=summary)
+    sub.add_argument("model", metavar="MODEL.keras", help="model saved with model.save")
+    sub.add_argument("--saved-model", metavar=saved_model[0], help=saved_model[1])
+    options(sub)
+    _add_tolerances(sub)
+    _add_verbose(sub, argparse.SUPPRESS)
+    sub.set_defaults(**defaults)
+
+
+def _add_export_options(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument("--name", help="model name (default: MODEL file name)")
+    sub.add_argument(
+        "--version",
+        type=_positive_int,
+        help="version number (default: highest existing + 1)",
+    )
+    sub.add_argument(
+        "--warmup",
+        action="store_true",
+        help="add assets.extra/tf_serving_warmup_requests",
+    )
+    sub.add_argument("--onnx", metavar="OUT.onnx", help="write an ONNX file")
+    sub.add_argument(
+        "--opset",
+        type=int,
+        help="ONNX opset, 13 to 18 (default 17 on TensorFlow, the "
+        "converter's own on JAX and torch)",
+    )
+    sub.add_argument(
+        "--fuse-attention",
+        action="store_true",
+        help="make each SelfAttention one ONNX Attention node (upgrades to "
+        "opset 23; TensorFlow)",
+    )
+    sub.add_argument(
+        "--litert", metavar="OUT.tflite", help="write a LiteRT (.tflite) file"
+    )
+    sub.add_argument(
+        "--litert-shape",
+        type=_shape,
+        metavar="BATCH,TIME",
+        help="fix the LiteRT file's input shape (required on torch)",
+    )
+    sub.add_argument(
+        "--openvino", metavar="OUT.xml", help="write OpenVINO IR (.xml + .bin)"
+    )
+    sub.add_argument(
+        "--torch", metavar="OUT.pt2", help="write a torch.export program (torch)"
+    )
+    sub.add_argument(
+        "--decode-step",
+        action="store_true",
+        help="export the decoding step (inputs + key/value caches + index) "
+        "instead of the forward pass, verified step by step",
+    )
+    sub.add_argument(
+        "--max-length",
+        type=_positive_int,
+        help="with --decode-step: the caches' length (longest sequence)",
+    )
+
+
+def _add_verify_options(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument("--onnx", metavar="PATH", help="an ONNX file")
+    sub.add_argument("--litert", metavar="PATH", help="a LiteRT (.tflite) file")
+    sub.add_argument(
+        "--litert-shape",
+        type=_shape,
+        metavar="BATCH,TIME",
+        help="the LiteRT file's fixed input shape, if it has one",
+    )
+    sub.add_argument("--openvino", metavar="PATH", help="an OpenVINO .xml file")
+    sub.add_argument(
+        "--openvino-precision",
+        choices=("f32", "bf16"),
+        default="f32",
+        help="OpenVINO's inference precision (default f32; bf16 is OpenVINO's "
+        "default on CPUs with AVX512-BF16: pass tolerances that fit it)",
+    )
+    sub.add_argument("--torch", metavar="PATH", help="a torch .pt2 file")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `keras-selfattn`."""
+    parser = _Parser(prog=PROG, description=__doc__.split("\n")[0])
+    _add_verbose(parser, False)
+    commands = parser.add_subparsers(
+        dest="command", required=True, parser_class=_Parser
+    )
+    export = {
+        "saved_model": (
+            "BASE_DIR",
+            "write BASE_DIR/NAME/VERSION/ (TF Serving layout)",
+        ),
+        "options": _add_export_options,
+        "run": "export",
+    }
+    _add_command(
+        commands,
+        "export",
+        "export to SavedModel, ONNX, LiteRT, OpenVINO and/or torch, verify, "
+        "then move into place",
+        **export,
+    )
+    # The earlier name of `export --decode-step` (docs/decoding.md uses it).
+    _add_command(
+        commands,
+        "export-decode-step",
+        "the same as: export --decode-step",
+        **export,
+        decode_step=True,
+    )
+    _add_command(
+        commands,
+        "verify",
+        "compare exports with the Keras model",
+        saved_model=(
+            "VERSION_DIR",
+            "a SavedModel version folder (BASE_DIR/NAME/VERSION)",
+        ),
+        options=_add_verify_options,
+        run="verify",
+    )
+    return parser
+
+
+def _check_export_options(args: argparse.Namespace) -> None:
+    asked = [fmt for fmt, _ in FILE_FORMATS if getattr(args, fmt) is not None]
+    if args.saved_model is None and not asked:
+        raise CLIError(
+            "export needs at least one of --saved-model BASE_DIR, --onnx OUT.onnx, "
+            "--litert OUT.tflite, --openvino OUT.xml, --torch OUT.pt2"
+        )
+    if args.saved_model is None and (args.name or args.version or args.warmup):
+        raise CLIError("--name, --version and --warmup need --saved-model")
+    if args.onnx is None and args.opset is not None:
+        raise CLIError("--opset needs --onnx")
+    if args.onnx is None and args.fuse_attention:
+        raise CLIError("--fuse-attention needs --onnx")
+    if args.litert is None and args.litert_shape is not None:
+        raise CLIError("--litert-shape needs --litert")
+    if args.decode_step and args.max_length is None:
+        raise CLIError("--decode-step needs --max-length N")
+    if not args.decode_step and args.max_length is not None:
+        raise CLIError("--max-length needs --decode-step")
+    if args.decode_step and (args.warmup or args.fuse_attention):
+        raise CLIError("--warmup and --fuse-attention do not apply to --decode-step")
+
+
+def _check_verify_options(args: argparse.Namespace) -> None:
+    exports = [args.saved_model, *(getattr(args, fmt) for fmt, _ in FILE_FORMATS)]
+    exports = [path for path in exports if path is not None]
+    if not exports:
+        raise CLIError(
+            "verify needs at least one of --saved-model VERSION_DIR, --onnx, "
+            "--litert, --openvino, --torch"
+        )
+    for path in exports:
+        if not os.path.exists(path):
+            raise CLIError(f"export not found: {path}")
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    """Checks the options, then runs the command (importing Keras)."""
+    if args.run == "export":
+        _check_export_options(args)
+    else:
+        _check_verify_options(args)
+    from keras_selfattn import cli  # Keras and TensorFlow; registers the layer
+
+    return cli.run_export(args) if args.run == "export" else cli.run_verify(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs `keras-selfattn` with `argv` (default: sys.argv[1:]).
+
+    Returns:
+        The exit status: 0 success, 1 failure, 2 usage error, 130 interrupt
+        (SIGINT), 143 terminated (SIGTERM).
+    """
+    args = build_parser().parse_args(argv)
+    return _process.run(lambda: _dispatch(args), prog=PROG, verbose=args.verbose)

@@ -1,0 +1,164 @@
+"""A command's process: signals, exit status, one error line, TensorFlow's log.
+
+`run` runs one command and turns how it ended into an exit status: 0, 1 with
+one line `keras-selfattn: error: ...` on stderr (never a traceback), 130 for
+SIGINT, 143 for SIGTERM. Unless verbose, TensorFlow's native (C++) log, which
+it writes straight to file descriptor 2 (oneDNN, CUDA and CPU-feature notices
+while it is imported, and more while it works), is discarded so it cannot
+bury that line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised like KeyboardInterrupt so every cleanup runs."""
+
+
+# Exit status and message per signal. Python swallows an exception raised
+# while a `__del__` runs ("Exception ignored in ..."), and libraries may wrap
+# it in their own error, so the received signal is also recorded and decides
+# the outcome whatever the work ended with.
+_SIGNALS = {
+    signal.SIGINT: (130, "interrupted", KeyboardInterrupt),
+    signal.SIGTERM: (143, "terminated", Terminated),
+}
+# The signals received during the current `run` (signal handlers are
+# process-wide, and so is this record; `check_signals` reads it between steps).
+_RECEIVED: list[int] = []
+
+
+def check_signals() -> None:
+    """Raises KeyboardInterrupt if a signal arrived whose exception was
+    swallowed: the command stops at its next step."""
+    if _RECEIVED:
+        raise KeyboardInterrupt
+
+
+def one_line(error: BaseException) -> str:
+    """A one-line description of `error` for the command line."""
+    if isinstance(error, OSError) and error.strerror and error.filename:
+        text = f"{error.strerror}: {error.filename}"
+    else:
+        text = str(error) or type(error).__name__
+    return " ".join(_ANSI.sub("", text).split())
+
+
+def run(command: Callable[[], int], *, prog: str, verbose: bool) -> int:
+    """Runs `command` and returns the process's exit status.
+
+    Args:
+        command: the work; returns its exit status.
+        prog: the name that starts the error line.
+        verbose: keep TensorFlow's native log (else it is discarded, and
+            `TF_CPP_MIN_LOG_LEVEL` is 2 unless set, for TensorFlow imported
+            during the command).
+
+    Returns:
+        `command`'s status; 1 if it raised (the error in one line on stderr,
+        and a parity report it carries on stdout), 130 after SIGINT, 143
+        after SIGTERM.
+    """
+    received = _RECEIVED
+    received.clear()
+    status, message = 0, ""
+    quiet = contextlib.nullcontext() if verbose else _native_log_discarded()
+    with quiet, _signals_recorded(received) as disarm:
+        stderr = sys.stderr
+        try:
+            status = command()
+        except (KeyboardInterrupt, Terminated):
+            if not received:  # raised without our handler (not the main thread)
+                received.append(signal.SIGINT)
+        except Exception as error:  # every failure ends in one line, no traceback
+            if not received:
+                if getattr(getattr(error, "report", None), "rows", ()):
+                    print(error.report, flush=True)
+                status, message = 1, one_line(error)
+        finally:
+            disarm()
+        if received:  # whatever the work ended with (see _SIGNALS)
+            status, word, _ = _SIGNALS[received[0]]
+            message = f"{word}; nothing partial was left on disk"
+        if status:
+            print(f"{prog}: error: {message}", file=stderr, flush=True)
+        return status
+
+
+@contextlib.contextmanager
+def _signals_recorded(received: list[int]) -> Iterator[Callable[[], None]]:
+    """Appends SIGINT/SIGTERM to `received` and raises their exception.
+
+    Yields a function that stops the raising (once the work is over, a
+    signal is only recorded, so it cannot escape `run` as a traceback).
+    After a signal, `sys.stderr` is silenced until the end: what Python and
+    libraries print about the cut-off work (an exception ignored in a
+    `__del__`, a SystemError from a C callback) would bury the one line that
+    `run` prints to the stream it saved.
+    """
+    armed = [True]
+    if threading.current_thread() is not threading.main_thread():
+        yield armed.clear
+        return
+    original = sys.stderr
+    quiet = open(os.devnull, "w")
+
+    def handler(signum, frame):
+        received.append(signum)
+        sys.stderr = quiet
+        if armed:
+            raise _SIGNALS[signum][2]
+
+    previous = {signum: signal.signal(signum, handler) for signum in _SIGNALS}
+    try:
+        yield armed.clear
+    finally:
+        for signum, action in previous.items():
+            signal.signal(signum, action)
+        sys.stderr = original
+        quiet.close()
+
+
+@contextlib.contextmanager
+def _native_log_discarded() -> Iterator[None]:
+    """Points fd 2 at /dev/null (Python's `sys.stderr` keeps the real one)
+    and sets TF_CPP_MIN_LOG_LEVEL=2 unless set.
+
+    The variable alone is not enough: TensorFlow 2.21 prints its oneDNN and
+    CUDA notices while it is imported whatever its value.
+    """
+    level_was_set = "TF_CPP_MIN_LOG_LEVEL" in os.environ
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        python_uses_fd2 = sys.stderr.fileno() == 2
+    except (AttributeError, OSError, ValueError):  # e.g. replaced by pytest
+        python_uses_fd2 = False
+    original = sys.stderr
+    if python_uses_fd2:
+        sys.stderr = os.fdopen(os.dup(saved), "w", buffering=1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        if python_uses_fd2:
+            sys.stderr.close()
+            sys.stderr = original
+        if not level_was_set:
+            os.environ.pop("TF_CPP_MIN_LOG_LEVEL", None)

@@ -1,0 +1,132 @@
+"""keras-selfattn's start: `--help` and argument errors import neither Keras
+nor TensorFlow; a command prints none of TensorFlow's native log unless
+`--verbose`.
+
+The subprocesses run the console script's entry point as pyproject.toml
+names it, from this checkout, on the TensorFlow backend: their result does
+not depend on the suite's backend.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from keras_selfattn.export.verify import DEFAULT_ATOL, DEFAULT_RTOL
+from keras_selfattn_cli import _process, build_parser
+
+REPO = Path(__file__).resolve().parents[1]
+ENTRY_POINT = re.search(
+    r'^keras-selfattn = "([\w.]+):(\w+)"$',
+    (REPO / "pyproject.toml").read_text(),
+    flags=re.M,
+)
+# The entry point called as the console script calls it.
+SCRIPT = textwrap.dedent(
+    f"""
+    import sys
+    from {ENTRY_POINT[1]} import {ENTRY_POINT[2]} as main
+    sys.exit(main())
+    """
+)
+HEAVY = ("tensorflow", "keras", "jax", "torch", "keras_selfattn")
+
+
+def _console(*argv: str, probe: str = "") -> subprocess.CompletedProcess:
+    """The console script with `argv` in a fresh interpreter; TensorFlow's
+    log level unset. `probe` runs after it, whatever its exit status."""
+    code = SCRIPT
+    if probe:
+        code = f"try:\n{textwrap.indent(SCRIPT, '    ')}\nfinally:\n{probe}"
+    return subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "KERAS_BACKEND": "tensorflow"},
+    )
+
+
+@pytest.mark.one_suite("runs the console script in its own interpreters")
+@pytest.mark.parametrize(
+    "argv, status, output",
+    [
+        (["--help"], 0, "usage: keras-selfattn [-h] [--verbose]"),
+        (["export", "--help"], 0, "--saved-model BASE_DIR"),
+        (["export"], 2, "the following arguments are required: MODEL.keras"),
+        (["verify", "m.keras", "--atol", "x"], 2, "--atol: not a number"),
+        (["export", "m.keras"], 1, "export needs at least one of"),
+        (["verify", "m.keras", "--onnx", "none.onnx"], 1, "export not found"),
+    ],
+)
+def test_help_and_argument_errors_import_no_keras(argv, status, output):
+    probe = f"    print(sorted(set({HEAVY!r}) & set(sys.modules)))"
+    result = _console(*argv, probe=probe)
+    assert result.returncode == status, result.stderr
+    assert output in (result.stdout if status == 0 else result.stderr)
+    assert result.stdout.splitlines()[-1] == "[]", result.stdout
+    if status:
+        assert len(result.stderr.splitlines()) == 1, result.stderr
+
+
+@pytest.mark.one_suite("runs the console script in its own interpreter")
+def test_a_command_prints_no_tensorflow_log(tmp_path):
+    """The name is refused after TensorFlow is imported, before the model is
+    read: stderr holds the one error line and nothing else."""
+    argv = ["export", str(tmp_path / "m.keras"), "--saved-model", str(tmp_path)]
+    result = _console(*argv, "--name", "../x")
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "keras-selfattn: error: `name` must be a single directory name without "
+        "path separators. Received: name='../x'"
+    ]
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_native_log_discarded_unless_verbose(verbose, capfd, monkeypatch):
+    """TensorFlow writes its native log to file descriptor 2, as this command
+    does; the error line still reaches stderr."""
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    level = []
+
+    def command() -> int:
+        level.append(os.environ.get("TF_CPP_MIN_LOG_LEVEL"))
+        os.write(2, b"I0000 cpu_feature_guard.cc:227] native\n")
+        raise ValueError("`x` is bad")
+
+    status = _process.run(command, prog="keras-selfattn", verbose=verbose)
+    native = "I0000 cpu_feature_guard.cc:227] native\n" if verbose else ""
+    assert status == 1
+    assert capfd.readouterr().err == native + "keras-selfattn: error: `x` is bad\n"
+    assert level == [None if verbose else "2"]
+    assert "TF_CPP_MIN_LOG_LEVEL" not in os.environ
+
+
+@pytest.mark.parametrize(
+    "argv, verbose",
+    [
+        (["verify", "m.keras"], False),
+        (["--verbose", "verify", "m.keras"], True),
+        (["verify", "m.keras", "--verbose"], True),
+        (["export", "m.keras", "--verbose"], True),
+    ],
+)
+def test_verbose_before_or_after_the_command(argv, verbose):
+    assert build_parser().parse_args(argv).verbose is verbose
+
+
+@pytest.mark.parametrize("command", ["export", "verify"])
+def test_help_states_the_default_tolerances_of_verify(command, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"absolute tolerance (default {DEFAULT_ATOL:g})" in text
+    assert f"relative tolerance (default {DEFAULT_RTOL:g})" in text
