@@ -220,22 +220,7 @@ def test_formats_keras_cannot_export_are_refused_in_one_line(matrix, backend, fm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "backend",
-    [
-        "jax",
-        "tensorflow",
-        pytest.param(
-            "torch",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="OpenVINO's torch frontend lacks conversions the layer "
-                "traces to (aten::negative in rotary, aten::divide); openvino "
-                "2026.4.1",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("backend", ["jax", "tensorflow", "torch"])
 def test_grouped_query_rotary_block_on_longer_shapes(model_files, tmp_path, backend):
     """More shapes, and each artifact fails against other weights."""
     result = _run_backend(

@@ -57,7 +57,9 @@ def rotate(
     angles = ops.expand_dims(angles, (0, 1) if time_axis == 2 else (0, 2))
     x = ops.cast(x, "float32")
     x1, x2 = ops.split(x, 2, axis=-1)
-    rotated_half = ops.concatenate([ops.negative(x2), x1], axis=-1)
+    # `-x2`, not ops.negative: traced on torch inside the export pipeline the
+    # latter is aten::negative, which OpenVINO's converter lacks (aten::neg).
+    rotated_half = ops.concatenate([-x2, x1], axis=-1)
     out = ops.add(
         ops.multiply(x, ops.cos(angles)), ops.multiply(rotated_half, ops.sin(angles))
     )
