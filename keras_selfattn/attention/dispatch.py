@@ -183,9 +183,8 @@ class Implementation:
 
     def reasons(self, facts: CallFacts) -> list[str]:
         """Why it cannot serve a call with these facts (empty: it can)."""
-        fields = dataclasses.asdict(facts)
         return [
-            reason.format(**fields)
+            reason.format(**vars(facts))
             for rules_out, reason in self.cannot
             if rules_out(facts)
         ]
