@@ -10,7 +10,6 @@ from keras import constraints, initializers, ops, regularizers
 from keras_selfattn import _checks
 from keras_selfattn import projections as projections_lib
 from keras_selfattn.attention import (
-    FUSABLE_CORE_SCOPE,
     Masks,
     SeededDropout,
     choose,
@@ -22,7 +21,7 @@ from keras_selfattn.attention import heads as heads_lib
 from keras_selfattn.attention import masks as masks_lib
 from keras_selfattn.attention.fused import on_gpu
 
-__all__ = ["FUSABLE_CORE_SCOPE", "SelfAttention"]
+__all__ = ["SelfAttention"]
 
 
 @keras.saving.register_keras_serializable(package="keras_selfattn")
@@ -562,7 +561,7 @@ class SelfAttention(keras.layers.Layer):
 
     def _masks(self, mask, attention_mask, query_offset=None) -> Masks:
         return Masks(
-            padding=mask,
+            key_padding=mask,
             attention=attention_mask,
             causal=self.causal,
             sliding_window=self.sliding_window,
@@ -699,10 +698,10 @@ class SelfAttention(keras.layers.Layer):
     def _queries_to_keep(self, inputs, masks: Masks):
         """Bool (B, Tq): queries with something to attend, or None (all)."""
         time = ops.shape(inputs)[1]
-        query_padding = masks.padding
+        query_padding = masks.key_padding
         if query_padding is not None:
             query_padding = ops.cast(query_padding, "bool")
-            if not masks_lib.aligned(masks):  # the new positions' own mask
+            if masks.decoding:  # the new positions' own mask
                 batch = ops.shape(query_padding)[0]
                 start = ops.cast(masks.query_offset, "int32")
                 query_padding = ops.slice(query_padding, (0, start), (batch, time))

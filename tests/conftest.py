@@ -102,9 +102,9 @@ def _float32_policy():
 @pytest.fixture(params=["explicit", "chunked", "fused"])
 def every_path(request):
     """Runs a test once per attention path: within it, every call takes that
-    path wherever the path can serve it (`dispatch.preferred`). Modules opt in
-    with `pytestmark = pytest.mark.usefixtures("every_path")`."""
-    from keras_selfattn.attention.dispatch import preferred
+    path wherever the path can serve it (`tests.preferred_path.preferred`).
+    Modules opt in with `pytestmark = pytest.mark.usefixtures("every_path")`."""
+    from tests.preferred_path import preferred
 
     if request.param == "fused" and BACKEND == "tensorflow":
         pytest.skip("TensorFlow has no fused attention kernel")

@@ -20,7 +20,7 @@ from keras_selfattn import SelfAttention
 from keras_selfattn.cli import main as cli_main
 from keras_selfattn.export import export_onnx, verify
 from keras_selfattn.export.fused_attention import FUSED_OPSET, collect_log
-from keras_selfattn.self_attention import FUSABLE_CORE_SCOPE
+from keras_selfattn.fusable_core import FUSABLE_CORE_SCOPE
 from tests import model_zoo
 
 pytestmark = pytest.mark.tensorflow_only(

@@ -30,9 +30,9 @@ import pytest
 from keras import ops
 
 from keras_selfattn import SelfAttention
-from keras_selfattn.attention.dispatch import preferred
 from tests.backend import BACKEND, compiled, to_numpy
 from tests.decode_step_runtimes import PRELUDE
+from tests.preferred_path import preferred
 
 # JAX without x64 truncates an int64 tensor to int32 (and warns).
 pytestmark = pytest.mark.filterwarnings("ignore:Explicitly requested dtype int64")

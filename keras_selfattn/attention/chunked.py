@@ -102,14 +102,13 @@ def chunked_attention(
         scale: Multiplier of the raw scores.
         chunk_size: Queries per block (C). Blocks are min(C, T) long.
         dropout: None or a `SeededDropout`.
-        return_weights: Must be False: the weights are never built whole.
+        return_weights: False: the weights are never built whole
+            (`dispatch.IMPLEMENTATIONS["chunked"]` rules it out).
 
     Returns:
         Tuple (output (B, H, T, V), None), equal to the explicit path's
         output. A query with no key to attend outputs zeros.
     """
-    if return_weights:
-        raise ValueError("The chunked path cannot return the attention weights.")
     time = ops.shape(query)[2]
 
     def empty():  # an empty sequence: no block to run

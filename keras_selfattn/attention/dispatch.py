@@ -7,13 +7,16 @@ Every implementation has one signature,
 
 with query, key, value and output in the head layout the implementation
 declares (`heads.TIME_FIRST` or `heads.HEADS_FIRST`), weights
-`(B, H, Tq, Tk)` and `masks` a `Masks`; `IMPLEMENTATIONS` says what each
-supports (an implementation with `grouped_key_value` takes key and value
-with fewer heads than query, H a multiple of theirs). `choose` picks one
-from the call's static facts only (backend, device, masks present, dropout
-in training, returned weights, `chunk_size`, `flash_attention`, whether
-PyTorch is tracing it for export), never from tensor values, so a traced or
-exported call takes one fixed path.
+`(B, H, Tq, Tk)` and `masks` a `Masks`.
+
+A call is described once, by its static facts (`CallFacts`: backend, dtype,
+device, masks present, decoding, dropout in training, returned weights, the
+layer's `chunk_size` and `flash_attention`, whether PyTorch is tracing it for
+export), never by tensor values, so a traced or exported call takes one fixed
+path. Each implementation in `IMPLEMENTATIONS` declares what it cannot do, as
+(predicate over the facts, reason) pairs, and `choose` takes the first one,
+in the order fused, chunked, explicit, that nothing rules out; those
+declarations are the only rules.
 
 While PyTorch traces a call for export, the path taken is one its exporters
 convert for every length: the fused path with key and value repeated to the
@@ -24,16 +27,14 @@ would unroll at the traced length). Both compute the same numbers.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from typing import Any
 
 import keras
 
 from keras_selfattn.attention import chunked, explicit, fused, heads
-from keras_selfattn.attention import masks as masks_lib
 from keras_selfattn.attention.masks import Masks
 
 
@@ -53,214 +54,261 @@ def exporting() -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class Implementation:
-    """One attention implementation and what it supports."""
+class CallFacts:
+    """The static facts of one call that decide its implementation.
+
+    Attributes:
+        backend: The Keras backend.
+        dtype: The compute dtype.
+        on_gpu: Whether the call runs on an accelerator.
+        same_head_dims: Whether value_dim equals key_dim.
+        attention_mask: Whether an `attention_mask` is given.
+        sliding_window: Whether the layer has a `sliding_window`.
+        decoding: Whether the call decodes with a key/value cache.
+        dropout: Whether dropout is active in this call.
+        return_weights: Whether the weights are returned.
+        exporting: Whether PyTorch is tracing the call for export.
+        chunk_size: The layer's `chunk_size`.
+        flash_attention: The layer's `flash_attention`, or where that is
+            None, `keras.config.is_flash_attention_enabled()`: None
+            (automatic), True (required) or False (never).
+    """
+
+    backend: str
+    dtype: str
+    on_gpu: bool
+    same_head_dims: bool
+    attention_mask: bool
+    sliding_window: bool
+    decoding: bool
+    dropout: bool
+    return_weights: bool
+    exporting: bool
+    chunk_size: int | None
+    flash_attention: bool | None
+
+    @classmethod
+    def of(
+        cls,
+        masks: Masks,
+        *,
+        query_on_gpu: bool,
+        same_head_dims: bool,
+        dtype: str,
+        flash_attention: bool | None,
+        chunk_size: int | None,
+        dropout: bool,
+        return_weights: bool,
+    ) -> CallFacts:
+        """The facts of a call with these masks and arguments.
+
+        Args:
+            masks: The call's `Masks`.
+            query_on_gpu: Whether the call runs on an accelerator.
+            same_head_dims: Whether value_dim equals key_dim.
+            dtype: The compute dtype.
+            flash_attention: The layer's argument: None (automatic: the
+                fused path where it applies, unless `keras.config.
+                disable_flash_attention()` was called), True (require it)
+                or False (never).
+            chunk_size: The layer's `chunk_size`.
+            dropout: Whether dropout is active in this call.
+            return_weights: Whether the weights are returned.
+        """
+        if flash_attention is None:
+            flash_attention = keras.config.is_flash_attention_enabled()
+        return cls(
+            backend=keras.backend.backend(),
+            dtype=dtype,
+            on_gpu=query_on_gpu,
+            same_head_dims=same_head_dims,
+            attention_mask=masks.attention is not None,
+            sliding_window=masks.sliding_window is not None,
+            decoding=masks.decoding,
+            dropout=dropout,
+            return_weights=return_weights,
+            exporting=exporting(),
+            chunk_size=chunk_size,
+            flash_attention=flash_attention,
+        )
+
+
+# What an implementation cannot do: a predicate over the facts, and the
+# reason (a `str.format` template over the facts' fields).
+Limit = tuple[Callable[[CallFacts], bool], str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The implementation a call takes, with its arguments from the facts.
+
+    Attributes:
+        name: "fused", "chunked" or "explicit".
+        fn: The implementation, called with the signature above.
+        layout: `heads.TIME_FIRST` or `heads.HEADS_FIRST`.
+        grouped_key_value: Whether key and value may have fewer heads than
+            query (each shared by a group of consecutive query heads); else
+            the layer repeats them.
+    """
 
     name: str
     fn: Callable
-    layout: str  # heads.TIME_FIRST or heads.HEADS_FIRST
-    returns_weights: bool
-    dropout: bool
-    attention_mask: bool
-    memory: str  # how its peak memory grows with time T
-    # Whether key and value may have fewer heads than query (each shared by
-    # a group of consecutive query heads); else the layer repeats them.
-    grouped_key_value: bool = False
+    layout: str
+    grouped_key_value: bool
 
 
+def _no_arguments(facts: CallFacts) -> dict[str, Any]:
+    return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One attention implementation and what it cannot do.
+
+    Attributes:
+        name: Its name, as `SelfAttention.implementation` reports it.
+        fn: The implementation.
+        layout: The head layout of its query, key, value and output.
+        cannot: The `Limit`s that rule it out for a call.
+        arguments: The keyword arguments `fn` takes from the facts; a
+            `grouped_key_value=True` among them means key and value keep
+            fewer heads than query.
+    """
+
+    name: str
+    fn: Callable
+    layout: str
+    cannot: tuple[Limit, ...] = ()
+    arguments: Callable[[CallFacts], dict[str, Any]] = _no_arguments
+
+    def reasons(self, facts: CallFacts) -> list[str]:
+        """Why it cannot serve a call with these facts (empty: it can)."""
+        return [
+            reason.format(**vars(facts))
+            for rules_out, reason in self.cannot
+            if rules_out(facts)
+        ]
+
+    def choice(self, facts: CallFacts) -> Choice:
+        """It, as a call with these facts takes it."""
+        arguments = self.arguments(facts)
+        return Choice(
+            self.name,
+            functools.partial(self.fn, **arguments) if arguments else self.fn,
+            self.layout,
+            grouped_key_value=bool(arguments.get("grouped_key_value")),
+        )
+
+
+_WEIGHTS = "return_attention_scores=True needs the weights"
+
+# In the order `choose` prefers them.
 IMPLEMENTATIONS = {
-    "explicit": Implementation(
-        "explicit",
-        explicit.explicit_attention,
-        heads.HEADS_FIRST,
-        True,
-        True,
-        True,
-        "O(T^2)",
+    "fused": Implementation(
+        "fused",
+        fused.fused_attention,
+        heads.TIME_FIRST,
+        cannot=(
+            (
+                lambda f: f.backend not in ("jax", "torch"),
+                "the {backend} backend has no fused attention kernel",
+            ),
+            (
+                lambda f: f.backend == "torch" and f.sliding_window,
+                "the {backend} fused kernel takes no sliding_window",
+            ),
+            (
+                lambda f: f.backend == "jax" and not f.same_head_dims,
+                "JAX's kernel needs value_dim equal to key_dim",
+            ),
+            (
+                # XLA's CPU dot has no float16 x float16 -> float32 algorithm.
+                lambda f: f.backend == "jax" and f.dtype == "float16" and not f.on_gpu,
+                "JAX's kernel takes float16 only on a GPU",
+            ),
+            (lambda f: f.return_weights, _WEIGHTS),
+            (
+                lambda f: f.dropout,
+                "dropout on the weights (in training) needs the weights",
+            ),
+            (
+                lambda f: f.attention_mask,
+                "an attention_mask is not a mask the kernels take",
+            ),
+            (lambda f: f.flash_attention is False, "flash_attention=False"),
+            (
+                # chunk_size asks for bounded memory: the fused kernels bound
+                # it on a GPU, not on every CPU backend.
+                lambda f: (
+                    f.flash_attention is None
+                    and f.chunk_size is not None
+                    and not f.decoding
+                    and not f.on_gpu
+                ),
+                "chunk_size bounds memory, which the fused kernels do on a GPU only",
+            ),
+        ),
+        # PyTorch's exporters refuse `enable_gqa=True`: while exporting, the
+        # layer repeats key and value to the query's heads instead.
+        arguments=lambda f: {"grouped_key_value": not f.exporting},
     ),
     "chunked": Implementation(
         "chunked",
         chunked.chunked_attention,
         heads.HEADS_FIRST,
-        False,
-        True,
-        True,
-        "O(chunk_size * T)",
+        cannot=(
+            (lambda f: f.chunk_size is None, "the layer has no chunk_size"),
+            (
+                lambda f: f.decoding,
+                "decoding with a cache attends a few new queries, not the "
+                "blocks of a whole sequence",
+            ),
+            (lambda f: f.return_weights, _WEIGHTS),
+            (
+                lambda f: f.exporting,
+                "PyTorch's exporters would unroll its blocks at the traced length",
+            ),
+        ),
+        arguments=lambda f: {"chunk_size": f.chunk_size},
     ),
-    "fused": Implementation(
-        "fused",
-        fused.fused_attention,
-        heads.TIME_FIRST,
-        False,
-        False,
-        False,
-        "O(T) on a GPU",
-        grouped_key_value=True,
+    "explicit": Implementation(
+        "explicit", explicit.explicit_attention, heads.HEADS_FIRST
     ),
 }
 
 
-# Set by `preferred`: the path calls take wherever it can serve them.
-_PREFERRED: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "keras_selfattn_preferred_path", default=None
-)
-# The block size of the chunked path when `preferred("chunked")` picks it for
-# a layer without chunk_size: small, so short test sequences span blocks.
-PREFERRED_CHUNK_SIZE = 2
-
-
-@contextlib.contextmanager
-def preferred(name: str) -> Iterator[None]:
-    """Within this context, calls take the `name` path wherever it can serve
-    them, whatever the layers' `flash_attention` and `chunk_size` say (the
-    tests run the numerics suites once per path with it). A call the path
-    cannot serve (say, returned scores on the fused path) is chosen as usual.
+def choose(masks: Masks, *, layer_name: str, **arguments: Any) -> Choice:
+    """The implementation for one call: the first in `IMPLEMENTATIONS` that
+    no `Limit` rules out.
 
     Args:
-        name: "explicit", "chunked" or "fused".
-    """
-    if name not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"`name` must be one of {sorted(IMPLEMENTATIONS)}. Received: name={name!r}"
-        )
-    token = _PREFERRED.set(name)
-    try:
-        yield
-    finally:
-        _PREFERRED.reset(token)
-
-
-def _chunked(chunk_size: int) -> Implementation:
-    implementation = IMPLEMENTATIONS["chunked"]
-    return dataclasses.replace(
-        implementation, fn=functools.partial(implementation.fn, chunk_size=chunk_size)
-    )
-
-
-def _fused_blockers(
-    masks: Masks,
-    dropout: bool,
-    return_weights: bool,
-    same_head_dims: bool,
-    float16_on_cpu: bool,
-) -> list[str]:
-    """Why this call cannot take the fused path (empty: it can)."""
-    backend = keras.backend.backend()
-    reasons = []
-    if backend not in fused.SUPPORTS_SLIDING_WINDOW:
-        reasons.append(f"the {backend} backend has no fused attention kernel")
-    elif (
-        masks.sliding_window is not None and not fused.SUPPORTS_SLIDING_WINDOW[backend]
-    ):
-        reasons.append(f"the {backend} fused kernel takes no sliding_window")
-    elif backend == "jax" and not same_head_dims:
-        reasons.append("JAX's kernel needs value_dim equal to key_dim")
-    elif backend == "jax" and float16_on_cpu:
-        # XLA's CPU dot has no float16 x float16 -> float32 algorithm.
-        reasons.append("JAX's kernel takes float16 only on a GPU")
-    if return_weights:
-        reasons.append("return_attention_scores=True needs the weights")
-    if dropout:
-        reasons.append("dropout on the weights (in training) needs the weights")
-    if masks.attention is not None:
-        reasons.append("an attention_mask is not a mask the kernels take")
-    return reasons
-
-
-def _exportable(implementation: Implementation) -> Implementation:
-    """The implementation PyTorch's exporters convert for every length, with
-    the same numbers (see the module docstring)."""
-    if implementation.name == "chunked":
-        return IMPLEMENTATIONS["explicit"]
-    if implementation.name == "fused":
-        return dataclasses.replace(
-            implementation,
-            fn=functools.partial(implementation.fn, grouped_key_value=False),
-            grouped_key_value=False,
-        )
-    return implementation
-
-
-def _exportable_while_exporting(choose_fn):
-    """`choose_fn`, its choice made exportable while an exporter traces."""
-
-    @functools.wraps(choose_fn)
-    def wrapper(*args, **kwargs) -> Implementation:
-        implementation = choose_fn(*args, **kwargs)
-        return _exportable(implementation) if exporting() else implementation
-
-    return wrapper
-
-
-@_exportable_while_exporting
-def choose(
-    masks: Masks,
-    *,
-    query_on_gpu: bool,
-    same_head_dims: bool,
-    dtype: str,
-    flash_attention: bool | None,
-    chunk_size: int | None,
-    dropout: bool,
-    return_weights: bool,
-    layer_name: str,
-) -> Implementation:
-    """The implementation for one call.
-
-    Args:
-        query_on_gpu: Whether the call runs on an accelerator.
-        same_head_dims: Whether value_dim equals key_dim.
-        dtype: The compute dtype.
         masks: The call's `Masks`.
-        flash_attention: The layer's argument: None (automatic: the fused
-            path where it applies, unless `keras.config.
-            disable_flash_attention()` was called), True (require it) or
-            False (never).
-        chunk_size: The layer's `chunk_size`.
-        dropout: Whether dropout is active in this call.
-        return_weights: Whether the weights are returned.
         layer_name: For error messages.
+        **arguments: The rest of the call's facts, as `CallFacts.of` takes
+            them (`query_on_gpu`, `same_head_dims`, `dtype`,
+            `flash_attention`, `chunk_size`, `dropout`, `return_weights`).
 
     Returns:
-        An `Implementation`.
+        A `Choice`.
 
     Raises:
         ValueError: `flash_attention=True` requires the fused path, and
             this call cannot take it; the message says why.
     """
-    float16_on_cpu = dtype == "float16" and not query_on_gpu
-    blockers = _fused_blockers(
-        masks, dropout, return_weights, same_head_dims, float16_on_cpu
+    facts = CallFacts.of(masks, **arguments)
+    if facts.flash_attention:
+        reasons = IMPLEMENTATIONS["fused"].reasons(facts)
+        if reasons:
+            raise ValueError(
+                f"SelfAttention '{layer_name}' has flash_attention=True, but "
+                f"this call cannot use a fused kernel: {'; '.join(reasons)}. "
+                "Use flash_attention=None to fall back to the explicit path "
+                "where needed. Received: "
+                f"flash_attention={arguments['flash_attention']}, "
+                f"backend={facts.backend!r}"
+            )
+    return next(
+        implementation.choice(facts)
+        for implementation in IMPLEMENTATIONS.values()
+        if not implementation.reasons(facts)
     )
-    if not masks_lib.aligned(masks):
-        # Decoding with a cache: a few new queries against the cached keys;
-        # the chunked path blocks the queries of a whole sequence.
-        chunk_size = None
-    preference = _PREFERRED.get()
-    if preference == "fused" and not blockers:
-        return IMPLEMENTATIONS["fused"]
-    if preference == "chunked" and not return_weights and masks_lib.aligned(masks):
-        return _chunked(chunk_size or PREFERRED_CHUNK_SIZE)
-    if preference == "explicit":
-        return IMPLEMENTATIONS["explicit"]
-    wanted = flash_attention
-    if wanted is None:
-        wanted = keras.config.is_flash_attention_enabled()
-    if wanted and blockers:
-        raise ValueError(
-            f"SelfAttention '{layer_name}' has flash_attention=True, but this "
-            f"call cannot use a fused kernel: {'; '.join(blockers)}. Use "
-            "flash_attention=None to fall back to the explicit path where "
-            f"needed. Received: flash_attention={flash_attention}, "
-            f"backend={keras.backend.backend()!r}"
-        )
-    use_fused = not blockers and wanted is not False
-    if use_fused and wanted is None and chunk_size is not None:
-        # chunk_size asks for bounded memory: the fused kernels bound it on a
-        # GPU, not on every CPU backend.
-        use_fused = query_on_gpu
-    if use_fused:
-        return IMPLEMENTATIONS["fused"]
-    if chunk_size is not None:
-        return _chunked(chunk_size)
-    return IMPLEMENTATIONS["explicit"]

@@ -11,12 +11,7 @@ import keras
 from keras import ops
 
 from keras_selfattn.attention import masks as masks_lib
-
-# Name scope around the core: (B, H, T, K) query and key, (B, H, T, V) value
-# and the bool mask in, (B, H, T, V) heads out. `export_onnx(
-# fuse_attention=True)` replaces the ops under it with ONNX's Attention
-# operator; a name scope adds no computation.
-FUSABLE_CORE_SCOPE = "fusable_attention_core"
+from keras_selfattn.fusable_core import FUSABLE_CORE_SCOPE
 
 # Softmax always runs in float32; this is float32's lowest finite value, so
 # masked scores never overflow and a fully masked row never becomes NaN.

@@ -33,9 +33,6 @@ from keras import ops
 from keras_selfattn.attention import masks as masks_lib
 from keras_selfattn.attention.masks import Masks
 
-# What each backend's kernel takes, beyond no mask and `causal`.
-SUPPORTS_SLIDING_WINDOW = {"jax": True, "torch": False}
-
 
 def on_gpu(query) -> bool:
     """Whether `query` lives on an accelerator (where the kernels are flash)."""
@@ -84,9 +81,9 @@ def _jax_attention(query, key, value, masks: Masks, scale: float):
                 continue
         return run(implementations[-1])
 
-    if masks.padding is None:
+    if masks.key_padding is None:
         return attend()
-    padding = jnp.asarray(masks.padding).astype(bool)
+    padding = jnp.asarray(masks.key_padding).astype(bool)
     lengths = jnp.sum(padding, axis=1, dtype="int32")
     real = masks_lib.positions(padding.shape[1])[None, :] < lengths[:, None]
     right_padded = jnp.all(padding == real)
@@ -123,7 +120,7 @@ def _sdpa(query, key, value, scale: float, grouped: bool, mask=None, causal=Fals
 
 
 def _torch_attention(query, key, value, masks: Masks, scale: float, grouped: bool):
-    if masks.padding is None:
+    if masks.key_padding is None:
         return _sdpa(query, key, value, scale, grouped, causal=masks.causal)
     # SDPA takes a mask or is_causal, not both: the band joins the mask.
     return _dense_mask_attention(query, key, value, masks, scale, grouped)
@@ -161,7 +158,10 @@ def fused_attention(
     return_weights=False,
     grouped_key_value=True,
 ):
-    """Attention through the backend's fused kernel.
+    """Attention through the backend's fused kernel (JAX or PyTorch).
+
+    Called only for what `dispatch.IMPLEMENTATIONS["fused"]` does not rule
+    out: no dropout, no returned weights, no `attention_mask`.
 
     Args:
         query: (B, Tq, H, K).
@@ -172,8 +172,8 @@ def fused_attention(
         masks: A `Masks` with no `attention` mask (and, on PyTorch, no
             `sliding_window`).
         scale: Multiplier of the raw scores.
-        dropout: Must be None: the kernels do not expose their weights.
-        return_weights: Must be False, likewise.
+        dropout: None: the kernels do not expose their weights.
+        return_weights: False, likewise.
         grouped_key_value: False when key and value have as many heads as
             query (the caller repeated them): PyTorch's kernel is then
             called with `enable_gqa=False`, which its exporters require.
@@ -181,21 +181,11 @@ def fused_attention(
     Returns:
         Tuple (output (B, Tq, H, V) in the inputs' dtype, None).
     """
-    if dropout is not None or return_weights or masks.attention is not None:
-        raise ValueError(
-            "The fused path takes no dropout, returned weights or attention_mask."
-        )
     backend = keras.backend.backend()
-    if backend not in ("jax", "torch"):
-        raise ValueError(f"The {backend} backend has no fused attention kernel.")
     grouped = grouped_key_value
-    if not masks_lib.aligned(masks) or (
-        backend == "jax" and not _static_time(query, key)
-    ):
+    if masks.decoding or (backend == "jax" and not _static_time(query, key)):
         output = _dense_mask_attention(query, key, value, masks, scale, grouped)
         return output, None
     if backend == "jax":
         return _jax_attention(query, key, value, masks, scale), None
-    if masks.sliding_window is not None:
-        raise ValueError("PyTorch's fused kernel takes no sliding_window.")
     return _torch_attention(query, key, value, masks, scale, grouped), None

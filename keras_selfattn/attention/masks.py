@@ -22,8 +22,9 @@ class Masks:
     """What each query may attend.
 
     Attributes:
-        padding: None or bool `(B, Tk)`, True for real keys. Padded queries
-            are computed as usual; the layer zeroes their outputs.
+        key_padding: None or bool `(B, Tk)`, True for real keys (the Keras
+            mask). Padded queries are computed as usual; the layer zeroes
+            their outputs.
         attention: None or bool `(B, Tq, Tk)`, True where a query may attend
             a key.
         causal: Whether a query sees only itself and earlier keys.
@@ -33,7 +34,7 @@ class Masks:
             query among the cached keys (an int or scalar int32 tensor).
     """
 
-    padding: Any = None
+    key_padding: Any = None
     attention: Any = None
     causal: bool = False
     sliding_window: int | None = None
@@ -44,10 +45,12 @@ class Masks:
         """Whether causal or sliding-window positions are excluded."""
         return self.causal or self.sliding_window is not None
 
-
-def aligned(masks: Masks) -> bool:
-    """Whether query i is key i (not decoding with a cache)."""
-    return masks.query_offset is None
+    @property
+    def decoding(self) -> bool:
+        """Whether the call decodes with a key/value cache: the queries are
+        new positions after `query_offset` cached keys (else query i is key
+        i)."""
+        return self.query_offset is not None
 
 
 def positions(length, dtype: str = "int32"):
@@ -129,13 +132,13 @@ def block(masks: Masks, query_start=0, key_start=0, query_len=None, key_len=None
     rules = []
     if masks.has_band:
         first_query = query_start
-        if not aligned(masks):
+        if masks.decoding:
             first_query = ops.add(masks.query_offset, query_start)
         query_pos = ops.reshape(first_query + positions(query_len), (1, 1, -1, 1))
         key_pos = ops.reshape(key_start + positions(key_len), (1, 1, 1, -1))
         rules.append(band(masks, query_pos, key_pos))
-    if masks.padding is not None:
-        keys = _cut(ops.cast(masks.padding, "bool"), 1, key_start, key_len)
+    if masks.key_padding is not None:
+        keys = _cut(ops.cast(masks.key_padding, "bool"), 1, key_start, key_len)
         rules.append(ops.expand_dims(keys, (1, 2)))
     if masks.attention is not None:
         rows = _cut(ops.cast(masks.attention, "bool"), 1, query_start, query_len)

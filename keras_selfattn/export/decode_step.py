@@ -52,6 +52,7 @@ from keras_selfattn.export.verify import (
     DEFAULT_RTOL,
     PATH_ARGUMENT,
     ParityReport,
+    artifact_paths,
     check_artifacts,
     check_tolerance,
     collect_artifacts,
@@ -346,10 +347,10 @@ def verify_decode_step(
     saved_model_dir: str | os.PathLike | None = None,
     onnx_path: str | os.PathLike | None = None,
     *,
+    max_length: int,
     litert_path: str | os.PathLike | None = None,
     openvino_path: str | os.PathLike | None = None,
     torch_path: str | os.PathLike | None = None,
-    max_length: int,
     schedules: Sequence[tuple[int, int]] = DEFAULT_SCHEDULES,
     atol: float = DEFAULT_ATOL,
     rtol: float = DEFAULT_RTOL,
@@ -382,13 +383,9 @@ def verify_decode_step(
     step = build_decode_step(model, max_length)
     atol = check_tolerance("atol", atol)
     rtol = check_tolerance("rtol", rtol)
-    paths = {
-        _runtimes.SAVED_MODEL: saved_model_dir,
-        _runtimes.ONNX: onnx_path,
-        _runtimes.LITERT: litert_path,
-        _runtimes.OPENVINO: openvino_path,
-        _runtimes.TORCH: torch_path,
-    }
+    paths = artifact_paths(
+        saved_model_dir, onnx_path, litert_path, openvino_path, torch_path
+    )
     artifacts = (
         {} if all(p is None for p in paths.values()) else collect_artifacts(paths)
     )
@@ -534,17 +531,15 @@ def export_decode_step_saved_model(
         FileExistsError: if the version exists.
         ParityError: if the check fails (nothing is left on disk).
     """
+    options = {"name": name, "version": version, "models_config": models_config}
+    checks = {"check": check, "atol": atol, "rtol": rtol}
     return export_decode_step(
         model,
         base_dir,
         _runtimes.SAVED_MODEL,
         max_length=max_length,
-        name=name,
-        version=version,
-        models_config=models_config,
-        check=check,
-        atol=atol,
-        rtol=rtol,
+        **options,
+        **checks,
     )
 
 
@@ -575,13 +570,7 @@ def export_decode_step_onnx(
     Returns:
         `path`, as a string.
     """
+    checks = {"check": check, "atol": atol, "rtol": rtol}
     return export_decode_step(
-        model,
-        path,
-        _runtimes.ONNX,
-        max_length=max_length,
-        opset=opset,
-        check=check,
-        atol=atol,
-        rtol=rtol,
+        model, path, _runtimes.ONNX, max_length=max_length, opset=opset, **checks
     )

@@ -8,7 +8,7 @@ process running only its runtime before it appears (`verify`).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import keras
 
@@ -24,16 +24,17 @@ from keras_selfattn.export.verify import (
 
 
 def _export(
+    export_format: str,
     model: keras.Model,
     path: str | os.PathLike,
-    export_format: str,
-    *,
-    attention_outputs: str | Mapping[str, str] | None,
     shape: tuple[int, int] | None,
+    attention_outputs: str | Mapping[str, str] | None,
     check: bool,
     atol: float,
     rtol: float,
 ) -> str:
+    """`model` staged, written in `export_format`, verified (if `check`), then
+    moved to `path`; the public functions' arguments, in their order."""
     destination = pipeline.check_destination(export_format, path, shape=shape)
     target = build_endpoint(model, attention_outputs).target()
     with pipeline.stage(target, destination) as staged:
@@ -90,27 +91,34 @@ def export_litert(
     >>> export_litert(model, "artifacts/model.tflite")  # doctest: +SKIP
     'artifacts/model.tflite'
     """
-    return _export(
-        model,
-        path,
-        LITERT,
-        attention_outputs=attention_outputs,
-        shape=shape,
-        check=check,
-        atol=atol,
-        rtol=rtol,
-    )
+    return _export(LITERT, model, path, shape, attention_outputs, check, atol, rtol)
 
 
-def export_openvino(
-    model: keras.Model,
-    path: str | os.PathLike,
-    *,
-    attention_outputs: str | Mapping[str, str] | None = None,
-    check: bool = True,
-    atol: float = DEFAULT_ATOL,
-    rtol: float = DEFAULT_RTOL,
-) -> str:
+def _dynamic_exporter(export_format: str, name: str, doc: str) -> Callable[..., str]:
+    """The public exporter `name` to `export_format`: `export_litert`'s
+    arguments but `shape` (these formats keep batch and time dynamic)."""
+
+    def export(
+        model: keras.Model,
+        path: str | os.PathLike,
+        *,
+        attention_outputs: str | Mapping[str, str] | None = None,
+        check: bool = True,
+        atol: float = DEFAULT_ATOL,
+        rtol: float = DEFAULT_RTOL,
+    ) -> str:
+        return _export(
+            export_format, model, path, None, attention_outputs, check, atol, rtol
+        )
+
+    export.__name__ = export.__qualname__ = name
+    export.__doc__ = doc
+    return export
+
+
+export_openvino = _dynamic_exporter(
+    OPENVINO,
+    "export_openvino",
     """Exports `model` to OpenVINO IR (`path` .xml and its .bin) with Keras.
 
     Checked in a fresh `openvino` process at f32
@@ -134,28 +142,12 @@ def export_openvino(
 
     >>> export_openvino(model, "artifacts/model.xml")  # doctest: +SKIP
     'artifacts/model.xml'
-    """
-    return _export(
-        model,
-        path,
-        OPENVINO,
-        attention_outputs=attention_outputs,
-        shape=None,
-        check=check,
-        atol=atol,
-        rtol=rtol,
-    )
+    """,
+)
 
-
-def export_torch(
-    model: keras.Model,
-    path: str | os.PathLike,
-    *,
-    attention_outputs: str | Mapping[str, str] | None = None,
-    check: bool = True,
-    atol: float = DEFAULT_ATOL,
-    rtol: float = DEFAULT_RTOL,
-) -> str:
+export_torch = _dynamic_exporter(
+    TORCH,
+    "export_torch",
     """Exports `model` as a `torch.export` program (.pt2), torch backend only.
 
     The program takes the inputs as one list, in the model's input order,
@@ -179,14 +171,5 @@ def export_torch(
 
     >>> export_torch(model, "artifacts/model.pt2")  # doctest: +SKIP
     'artifacts/model.pt2'
-    """
-    return _export(
-        model,
-        path,
-        TORCH,
-        attention_outputs=attention_outputs,
-        shape=None,
-        check=check,
-        atol=atol,
-        rtol=rtol,
-    )
+    """,
+)

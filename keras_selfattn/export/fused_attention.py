@@ -1,9 +1,10 @@
 """Replaces each SelfAttention core in an ONNX graph by ONNX's Attention op.
 
 `SelfAttention` computes its full-attention core under the name scope
-`FUSABLE_CORE_SCOPE`: (B, H, T, K) query and key, (B, H, T, V) value and a
-bool mask broadcastable to (B, 1, T, T) in, `softmax(Q K^T * scale)` with
-masked keys at weight 0 times V out, (B, H, T, V). tf2onnx keeps TensorFlow's
+`fusable_core.FUSABLE_CORE_SCOPE` (the contract with this pass): (B, H, T, K)
+query and key, (B, H, T, V) value and a bool mask broadcastable to
+(B, 1, T, T) in, `softmax(Q K^T * scale)` with masked keys at weight 0 times
+V out, (B, H, T, V). tf2onnx keeps TensorFlow's
 op names, so after conversion every node of one call's core shares the
 prefix ".../<layer scope>/fusable_attention_core/". `fuse_attention`
 
@@ -43,7 +44,8 @@ from onnx import TensorProto, helper, version_converter
 
 from keras_selfattn.export import _onnx_graph as og
 from keras_selfattn.export._endpoint import Endpoint
-from keras_selfattn.self_attention import FUSABLE_CORE_SCOPE, SelfAttention
+from keras_selfattn.fusable_core import FUSABLE_CORE_SCOPE
+from keras_selfattn.self_attention import SelfAttention
 
 FUSED_OPSET = 23
 logger = logging.getLogger(__name__)

@@ -296,6 +296,12 @@ def _check_shapes(shapes) -> tuple[tuple[int, int], ...]:
     return tuple((shape[0], shape[1]) for shape in shapes)
 
 
+def artifact_paths(*paths: str | os.PathLike | None) -> dict:
+    """{format: path or None} of the artifact arguments of `verify` and
+    `verify_decode_step`, given in `PATH_ARGUMENT`'s order."""
+    return dict(zip(PATH_ARGUMENT, paths, strict=True))
+
+
 def collect_artifacts(
     paths: Mapping[str, str | os.PathLike | None], openvino_precision: str = "f32"
 ) -> dict[str, _runtimes.Artifact]:
@@ -432,13 +438,9 @@ def verify(
     >>> path = export_onnx(model, "model.onnx")  # doctest: +SKIP
     >>> print(verify(model, onnx_path=path))  # doctest: +SKIP
     """
-    paths = {
-        _runtimes.SAVED_MODEL: saved_model_dir,
-        _runtimes.ONNX: onnx_path,
-        _runtimes.LITERT: litert_path,
-        _runtimes.OPENVINO: openvino_path,
-        _runtimes.TORCH: torch_path,
-    }
+    paths = artifact_paths(
+        saved_model_dir, onnx_path, litert_path, openvino_path, torch_path
+    )
     artifacts = collect_artifacts(paths, openvino_precision)
     shapes = _check_shapes(DEFAULT_SHAPES if shapes is None else shapes)
     atol = check_tolerance("atol", atol)
