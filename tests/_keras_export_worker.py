@@ -1,11 +1,11 @@
 """Keras's own `model.export` of SelfAttention models, and their check in
 fresh processes (run by tests/test_keras_export.py).
 
-    KERAS_BACKEND=jax python tests/_keras_export_worker.py export OUT fast
+    KERAS_BACKEND=jax python tests/_keras_export_worker.py export OUT
     python tests/_keras_export_worker.py check onnxruntime OUT
 
-`export` builds the suite's models (seeded, tiny), saves their `predict`
-outputs on the suite's inputs, and tries every format Keras offers on the
+`export` builds the models (seeded, tiny), saves their `predict`
+outputs on the inputs, and tries every format Keras offers on the
 backend; `OUT/<backend>/manifest.json` records each cell: the artifact, or
 Keras's error when it refuses. `check` loads every artifact of one runtime's
 format in this process, which never imports keras or keras_selfattn, runs it
@@ -46,22 +46,19 @@ RUNTIMES = {
 # What `check` must not import.
 BLOCKED = ("keras", "keras_selfattn")
 VOCAB, FEATURES = 50, 16
-# (batch, time) of the cases each suite checks.
-SHAPES = {"fast": [(2, 7), (2, 33)], "slow": [(2, 7), (2, 33), (3, 16), (1, 5)]}
+# (batch, time) of the cases checked.
+SHAPES = [(2, 7), (2, 33), (3, 16), (1, 5)]
 # Keras's torch LiteRT export takes fixed shapes only: one artifact per shape.
-LITERT_TORCH_SHAPES = {"fast": [(2, 7)], "slow": [(2, 7), (2, 33)]}
+LITERT_TORCH_SHAPES = [(2, 7), (2, 33)]
 
 
 # --------------------------------------------------------------------- models
-def _models(suite: str, backend: str) -> dict:
+def _models(backend: str) -> dict:
     """name -> (builder, formats it is exported to).
 
-    The fast suite exports one model with every feature of the issue's two
-    to every format, and on PyTorch the issue's grouped-query block to
-    LiteRT as well (litert_torch once got it wrong, and not the other); the
-    slow one exports the issue's two models everywhere and, on PyTorch, the
-    same with `flash_attention=False` (a path that once baked in the
-    length)."""
+    One model with every feature of the issue's two, and the issue's two
+    models, to every format; on PyTorch the issue's two again with
+    `flash_attention=False` (a path that once baked in the length)."""
     import keras
 
     from keras_selfattn import SelfAttention
@@ -103,16 +100,16 @@ def _models(suite: str, backend: str) -> dict:
         x = keras.layers.GlobalAveragePooling1D()(x)
         return keras.Model(tokens, keras.layers.Dense(3)(x))
 
-    models = {"combined": (combined, FORMATS)}
-    if suite == "fast" and backend == "torch":
-        models["rotary"] = (rotary, ("litert",))
-    if suite == "slow":
-        models.update(classifier=(classifier, FORMATS), rotary=(rotary, FORMATS))
-        if backend == "torch":
-            models.update(
-                classifier_explicit=(lambda: classifier(False), FORMATS),
-                rotary_explicit=(lambda: rotary(False), FORMATS),
-            )
+    models = {
+        "combined": (combined, FORMATS),
+        "classifier": (classifier, FORMATS),
+        "rotary": (rotary, FORMATS),
+    }
+    if backend == "torch":
+        models.update(
+            classifier_explicit=(lambda: classifier(False), FORMATS),
+            rotary_explicit=(lambda: rotary(False), FORMATS),
+        )
     return models
 
 
@@ -149,11 +146,11 @@ def _export_kwargs(fmt: str, backend: str, model, shape) -> dict:
     return {}
 
 
-def _export_targets(suite: str, backend: str, formats):
+def _export_targets(backend: str, formats):
     """(format, fixed shape or None) for each artifact of one model."""
     for fmt in formats:
         if fmt == "litert" and backend == "torch":
-            for shape in LITERT_TORCH_SHAPES[suite]:
+            for shape in LITERT_TORCH_SHAPES:
                 yield fmt, shape
         else:
             yield fmt, None
@@ -176,13 +173,13 @@ def _export_one(model, backend: str, fmt: str, shape, path: Path) -> dict:
     return cell
 
 
-def _export_in_child(out: Path, suite: str, name: str, shape, path: Path) -> dict:
+def _export_in_child(out: Path, name: str, shape, path: Path) -> dict:
     """`_export_one` of a torch -> LiteRT artifact in a fresh interpreter:
     after one conversion, litert_torch fails the next conversion of a model
     with int32 inputs in the same process (an int32/int64 operand mismatch;
     Keras 3.15.1, litert-torch 0.10)."""
     result = out / f"{path.name}.json"
-    argv = [sys.executable, __file__, "export-litert", str(out), suite, name]
+    argv = [sys.executable, __file__, "export-litert", str(out), name]
     subprocess.run(argv + [f"{shape[0]}x{shape[1]}"], check=True)
     return json.loads(result.read_text())
 
@@ -201,10 +198,10 @@ def _build(name: str, build, root: Path):
     return model
 
 
-def export_litert(out: Path, suite: str, name: str, shape: str) -> None:
+def export_litert(out: Path, name: str, shape: str) -> None:
     """The child of `_export_in_child`."""
     backend = "torch"
-    build, _ = _models(suite, backend)[name]
+    build, _ = _models(backend)[name]
     model = _build(name, build, out / backend)
     fixed = tuple(int(size) for size in shape.split("x"))
     model(_inputs(name, *fixed))
@@ -213,7 +210,7 @@ def export_litert(out: Path, suite: str, name: str, shape: str) -> None:
     (out / f"{path.name}.json").write_text(json.dumps(cell))
 
 
-def export(out: Path, suite: str) -> None:
+def export(out: Path) -> None:
     import keras
 
     backend = keras.backend.backend()
@@ -221,16 +218,16 @@ def export(out: Path, suite: str) -> None:
     root.mkdir(parents=True, exist_ok=True)
     cells = []
     converted_litert = False
-    for name, (build, formats) in _models(suite, backend).items():
+    for name, (build, formats) in _models(backend).items():
         model = _build(name, build, root)
         cases = {}
-        for batch, length in SHAPES[suite]:
+        for batch, length in SHAPES:
             x = _inputs(name, batch, length)
             cases[f"in_{batch}x{length}"] = x
             cases[f"ref_{batch}x{length}"] = model.predict(x, verbose=0)
         model(cases[next(iter(cases))])  # Keras exports only called models.
         np.savez(root / f"{name}.npz", **cases)
-        for fmt, shape in _export_targets(suite, backend, formats):
+        for fmt, shape in _export_targets(backend, formats):
             label = fmt if shape is None else f"{fmt}_{shape[0]}x{shape[1]}"
             path = root / f"{name}_{label}{SUFFIX[fmt]}"
             cell = {
@@ -248,7 +245,7 @@ def export(out: Path, suite: str) -> None:
                 and converted_litert
                 and int_inputs
             ):
-                cell.update(_export_in_child(out, suite, name, shape, path))
+                cell.update(_export_in_child(out, name, shape, path))
             else:
                 cell.update(_export_one(model, backend, fmt, shape, path))
             converted_litert |= backend == "torch" and fmt == "litert"
@@ -347,7 +344,7 @@ def check(runtime: str, out: Path) -> None:
 
 def main(argv: list[str]) -> None:
     if argv[0] == "export":
-        export(Path(argv[1]), argv[2])
+        export(Path(argv[1]))
     elif argv[0] == "export-litert":
         export_litert(Path(argv[1]), *argv[2:])
     elif argv[0] == "check":

@@ -7,10 +7,14 @@ dynamic batch and time except where Keras requires fixed shapes (LiteRT from
 PyTorch); then one fresh interpreter per runtime (onnxruntime, OpenVINO at
 f32, LiteRT, `torch.export.load`, `tf.saved_model.load`), in which keras and
 keras_selfattn cannot be imported, runs every artifact of its format and
-compares it with `predict` at T=7 and T=33, token rows padded at the end and
-at the start. The whole matrix runs once per module (tests/_keras_export_
-worker.py does the work); the slow suite adds the issue's two models (and,
-on PyTorch, both with `flash_attention=False`) at more shapes.
+compares it with `predict` at four shapes (T=5 to 33), token rows padded at
+the end and at the start: the issue's two models and one with every feature
+of both (on PyTorch also with `flash_attention=False`). The whole matrix
+runs once per module (tests/_keras_export_worker.py does the work).
+
+It is in the slow suite: the fast one exports every one of these cells with
+the package's own pipeline (tests/test_export_formats.py), which calls this
+same `model.export` and checks the artifact in its runtime.
 
 Cells where Keras itself cannot export are checked as refusals, with
 Keras's own error.
@@ -27,9 +31,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.one_suite(
-    "exports from every backend in interpreters of its own"
-)
+pytestmark = [
+    pytest.mark.one_suite("exports from every backend in interpreters of its own"),
+    pytest.mark.slow,
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "_keras_export_worker.py"
@@ -104,12 +109,12 @@ def _run_all(commands: list[tuple[list[str], dict, Path]], timeout: int) -> None
         raise AssertionError("\n\n".join(failed))
 
 
-def _matrix(out: Path, suite: str, timeout: int) -> dict:
+def _matrix(out: Path, timeout: int) -> dict:
     """(backend, format) -> list of cells, each with its runtime's result."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     exports = [
         (
-            [sys.executable, str(WORKER), "export", str(out), suite],
+            [sys.executable, str(WORKER), "export", str(out)],
             dict(env, KERAS_BACKEND=backend),
             out / f"export_{backend}.log",
         )
@@ -152,12 +157,7 @@ def _key(cell: dict) -> tuple:
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
-    return _matrix(tmp_path_factory.mktemp("keras_export"), "fast", timeout=600)
-
-
-@pytest.fixture(scope="module")
-def slow_matrix(tmp_path_factory):
-    return _matrix(tmp_path_factory.mktemp("keras_export_slow"), "slow", timeout=1500)
+    return _matrix(tmp_path_factory.mktemp("keras_export"), timeout=1500)
 
 
 def _check_cell(matrix: dict, backend: str, fmt: str) -> None:
@@ -187,22 +187,15 @@ def _check_cell(matrix: dict, backend: str, fmt: str) -> None:
             assert error <= TOLERANCE, f"{what} at {shape}: max error {error}"
 
 
-@pytest.mark.parametrize("backend,fmt", CELLS, ids=[f"{b}-{f}" for b, f in CELLS])
-def test_keras_export_cell(matrix, backend, fmt):
-    """Every artifact Keras writes computes `predict`'s numbers at T=7 and
-    T=33 (dynamic shapes) in its own runtime; Keras's refusals are its own."""
-    _check_cell(matrix, backend, fmt)
-
-
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_runtimes_run_without_keras(matrix, runtime):
     """The runtimes never imported keras or keras_selfattn."""
     assert matrix["imported"][runtime] == []
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("backend,fmt", CELLS, ids=[f"{b}-{f}" for b, f in CELLS])
-def test_keras_export_cell_slow(slow_matrix, backend, fmt):
-    """The issue's two models (on PyTorch also with flash_attention=False)
-    at four shapes, batch 1 to 3; LiteRT from PyTorch at T=7 and T=33."""
-    _check_cell(slow_matrix, backend, fmt)
+def test_keras_export_cell(matrix, backend, fmt):
+    """Every artifact Keras writes computes `predict`'s numbers at four
+    shapes, batch 1 to 3 (dynamic shapes; LiteRT from PyTorch at T=7 and
+    T=33, fixed) in its own runtime; Keras's refusals are its own."""
+    _check_cell(matrix, backend, fmt)
