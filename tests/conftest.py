@@ -10,9 +10,11 @@ backends, so their result does not depend on the suite's backend: they run in
 the KERAS_BACKEND=torch suite only (the lightest of the three), or wherever
 KERAS_SELFATTN_ONE_SUITE=1 is set.
 
-Tests marked `fast_on(BACKEND, "why")` check on the other backends what their
-run on BACKEND checks in `make test`, at several times its cost (exports
-through jax2tf, say): off BACKEND they are `slow` (run by `make test-slow`).
+Tests (or parameters) marked `slow_on("jax", "why")` are `slow` (run by `make
+test-slow`) on the backends named, fast on the others: for checks that cost
+several times more there (JAX's eager calls compile every new shape; its
+SavedModel goes through jax2tf) while the other backends check the same in
+`make test`.
 """
 
 import os
@@ -26,6 +28,7 @@ import pytest  # noqa: E402
 from tests.backend import BACKEND  # noqa: E402
 
 ONE_SUITE_BACKEND = "torch"
+BACKENDS = {"tensorflow", "jax", "torch"}
 
 
 def _reason(item, marker) -> str:
@@ -52,31 +55,26 @@ def _skip_off_the_one_suite(items) -> None:
             )
 
 
-def _slow_off_their_fast_backend(items) -> None:
+def _slow_where_marked(items) -> None:
     for item in items:
-        marker = item.get_closest_marker("fast_on")
-        if marker is None:
-            continue
-        if len(marker.args) != 2 or marker.args[0] not in (
-            "tensorflow",
-            "jax",
-            "torch",
-        ):
-            raise pytest.UsageError(
-                f'{item.nodeid}: use @pytest.mark.fast_on("tensorflow", "why")'
-            )
-        if marker.args[0] != BACKEND:
-            item.add_marker(pytest.mark.slow)
+        for marker in item.iter_markers("slow_on"):
+            *backends, reason = marker.args or (None,)
+            if not backends or not reason or not set(backends) <= BACKENDS:
+                raise pytest.UsageError(
+                    f'{item.nodeid}: use @pytest.mark.slow_on("jax", "why")'
+                )
+            if BACKEND in backends:
+                item.add_marker(pytest.mark.slow)
 
 
 # Before `-m "not slow"` deselects: the slow mark must be there by then.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Skips `tensorflow_only` tests off TensorFlow and `one_suite` tests off
-    the one suite, saying why; marks `fast_on` tests slow off their
-    backend."""
+    the one suite, saying why; marks `slow_on` tests slow on their
+    backends."""
     _skip_off_the_one_suite(items)
-    _slow_off_their_fast_backend(items)
+    _slow_where_marked(items)
     for item in items:
         marker = item.get_closest_marker("tensorflow_only")
         if marker is None:

@@ -1,7 +1,8 @@
 """examples/cross_backend.py: trained on JAX or PyTorch, exported under TensorFlow.
 
 The example runs as a driver in a fresh interpreter for each training
-backend (both at once); the driver starts its train stage with
+backend (PyTorch in `make test`, JAX in `make test-slow`: the same driver and
+export path, where JAX's training costs most); the driver starts its train stage with
 `KERAS_BACKEND=jax` or `torch` and its export stage with
 `KERAS_BACKEND=tensorflow`, each in its own process. Beyond the example's
 own checks (which make it exit non-zero), this test reads what it wrote:
@@ -15,11 +16,12 @@ so the test runs once, from the TensorFlow suite.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +34,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "cross_backend.py"
-TRAIN_BACKENDS = ("jax", "torch")
+TRAIN_BACKENDS = (
+    pytest.param("jax", marks=pytest.mark.slow_on("tensorflow", "JAX's driver")),
+    "torch",
+)
 ATOL = 1e-5
 TIMEOUT = 600
 
@@ -65,14 +70,15 @@ def drive(out: Path, train_backend: str) -> tuple[Path, str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Future]:
-    """{train backend: Future of (out folder, driver stdout)}, run in parallel."""
+def runs(tmp_path_factory) -> Callable[[str], tuple[Path, str]]:
+    """runs(train backend) -> (out folder, driver stdout), run once each."""
     root = tmp_path_factory.mktemp("cross_backend")
-    with ThreadPoolExecutor(max_workers=len(TRAIN_BACKENDS)) as pool:
-        yield {
-            backend: pool.submit(drive, root / backend / "artifacts", backend)
-            for backend in TRAIN_BACKENDS
-        }
+
+    @functools.cache
+    def run(backend: str) -> tuple[Path, str]:
+        return drive(root / backend / "artifacts", backend)
+
+    return run
 
 
 def saved_arrays(out: Path, backend: str) -> dict[str, np.ndarray]:
@@ -82,7 +88,7 @@ def saved_arrays(out: Path, backend: str) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("backend", TRAIN_BACKENDS)
 def test_driver_runs_each_stage_under_its_backend(runs, backend):
-    out, stdout = runs[backend].result()
+    out, stdout = runs(backend)
     train_step = stdout.index(f"step 1/2, train: KERAS_BACKEND={backend} ")
     export_step = stdout.index("step 2/2, export: KERAS_BACKEND=tensorflow ")
     trained = re.search(rf"stage 1: training under Keras 3\.\S+ on {backend}\n", stdout)
@@ -94,7 +100,7 @@ def test_driver_runs_each_stage_under_its_backend(runs, backend):
 
 @pytest.mark.parametrize("backend", TRAIN_BACKENDS)
 def test_printed_checks_within_tolerance(runs, backend):
-    _, stdout = runs[backend].result()
+    _, stdout = runs(backend)
     assert re.search(r"11 weights, bit-identical: embed/embeddings, attention/", stdout)
     diffs = re.findall(
         r"^  (.+): max abs diff (\S+) \(tolerance 1e-05\)$", stdout, re.M
@@ -125,7 +131,7 @@ def test_keras_file_loads_here_with_the_trained_weights(runs, backend):
 
     import keras_selfattn  # noqa: F401  (registers SelfAttention)
 
-    out, _ = runs[backend].result()
+    out, _ = runs(backend)
     saved = saved_arrays(out, backend)
     model = keras.models.load_model(out / f"cross_backend_{backend}.keras")
     assert [w.path for w in model.weights] == saved["weight_paths"].tolist()
@@ -149,7 +155,7 @@ def test_exports_reproduce_the_training_backend(runs, backend):
     import onnxruntime
     import tensorflow as tf
 
-    out, _ = runs[backend].result()
+    out, _ = runs(backend)
     saved = saved_arrays(out, backend)
     tokens, expected = saved["tokens"], saved["predictions"]
     (version,) = (out / "serving" / f"cross_backend_{backend}").iterdir()

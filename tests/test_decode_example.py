@@ -60,6 +60,12 @@ def benchmark(tmp_path_factory) -> tuple[str, dict]:
     return stdout, json.loads(path.read_text())
 
 
+# JAX trains and generates op by op, each new shape compiled: minutes; the
+# example runs on JAX in `make test-slow`.
+SLOW_ON_JAX = pytest.mark.slow_on("jax", "the text generation example")
+
+
+@SLOW_ON_JAX
 def test_example_cached_and_uncached_tokens_are_equal(example):
     stdout, report = example
     assert report["backend"] == BACKEND
@@ -71,6 +77,7 @@ def test_example_cached_and_uncached_tokens_are_equal(example):
     assert "cached tokens == uncached tokens: True" in stdout
 
 
+@SLOW_ON_JAX
 def test_example_prints_its_lines(example):
     stdout, report = example
     assert re.search(
@@ -98,7 +105,7 @@ def test_example_prints_its_lines(example):
 
 # The benchmark's smoke run: cached decoding is checked on every backend in
 # `make test` by the example above and by tests/test_kv_cache.py.
-@pytest.mark.fast_on("torch", "the decode benchmark's quick run")
+@pytest.mark.slow_on("tensorflow", "jax", "the decode benchmark's quick run")
 def test_benchmark_cached_step_equals_the_full_forward(benchmark):
     _, results = benchmark
     rows = results["rows"]
@@ -114,7 +121,7 @@ def test_benchmark_cached_step_equals_the_full_forward(benchmark):
 
 # The benchmark's smoke run: cached decoding is checked on every backend in
 # `make test` by the example above and by tests/test_kv_cache.py.
-@pytest.mark.fast_on("torch", "the decode benchmark's quick run")
+@pytest.mark.slow_on("tensorflow", "jax", "the decode benchmark's quick run")
 def test_benchmark_prints_every_row_and_target(benchmark):
     stdout, results = benchmark
     assert results["machine"]["backend"] == BACKEND

@@ -50,7 +50,16 @@ def _decode(layer, x, step, run=None, **masks):
 
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("step", [1, 4])
+@pytest.mark.parametrize(
+    "step",
+    [
+        # One token a call: nine eager calls, each compiled anew on JAX;
+        # test_cached_decoding_under_jit_with_a_tensor_index decodes one token
+        # a call there in `make test`.
+        pytest.param(1, marks=pytest.mark.slow_on("jax", "one token a call")),
+        4,
+    ],
+)
 @pytest.mark.parametrize("padded", [False, True])
 def test_cached_decoding_equals_full_forward(path, config, step, padded):
     if PATHS[path] and BACKEND == "tensorflow":

@@ -52,7 +52,7 @@ pytestmark = [
     ),
     # JAX's export goes through jax2tf at several times the cost; its cell of
     # the backend x format matrix is in test_export_formats / test_keras_export.
-    pytest.mark.fast_on("tensorflow", "SavedModel export and its serving checks"),
+    pytest.mark.slow_on("jax", "SavedModel export and its serving checks"),
 ]
 
 ATOL = 1e-5
