@@ -75,6 +75,9 @@ _SPEEDUPS = {
     "fused_vs_onnx",
     "fused_vs_saved_model",
     "speedup",
+    "vs_saved_model",
+    "vs_predict",
+    "vs_call",
 }
 
 
@@ -87,7 +90,7 @@ def _format(key: str, value) -> str:
         return f"{value:.2f}x"
     if key == "fraction_of_matmul":
         return f"{100 * value:.0f}%"
-    if key == "max_abs_difference":
+    if key in ("max_abs_difference", "max_abs_error"):
         return f"{value:.1e}"
     if key in ("peak_mib", "baseline_mib"):
         return f"{value:.0f}"
@@ -209,7 +212,8 @@ def targets(sections: dict[str, list[dict]], full_shapes: list[str]) -> list[dic
     return result
 
 
-def _table(columns: list[tuple[str, str]], rows: list[dict]) -> list[str]:
+def table(columns: list[tuple[str, str]], rows: list[dict]) -> list[str]:
+    """Markdown table lines: a header, then one line per row (blank if absent)."""
     lines = [
         "| " + " | ".join(header for _, header in columns) + " |",
         "|" + "---|" * len(columns),
@@ -256,7 +260,7 @@ def to_markdown(results: dict) -> str:
         if name not in results["sections"]:
             continue
         lines += [f"## {title}", ""]
-        lines += _table(columns, results["sections"][name])
+        lines += table(columns, results["sections"][name])
         lines.append("")
     lines += [
         "## Targets",

@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from benchmarks import cases, report, subprocesses, timing
+from benchmarks import cases, report, runtimes, subprocesses, timing
 from benchmarks import run as bench_run
 
 pytestmark = pytest.mark.tensorflow_only(
@@ -172,3 +172,49 @@ def test_memory_probe_runs_in_a_fresh_process():
     result = subprocesses.peak_memory(spec)
     assert result["peak_mib"] >= result["baseline_mib"] > 0
     assert result["seconds"] > 0
+
+
+@pytest.fixture(scope="module")
+def runtimes_results(tmp_path_factory):
+    results = runtimes.run(quick=True)
+    json_path, markdown_path = runtimes.write(
+        results, str(tmp_path_factory.mktemp("runtimes"))
+    )
+    with open(json_path, encoding="utf-8") as handle:
+        loaded = json.load(handle)
+    with open(markdown_path, encoding="utf-8") as handle:
+        return loaded, handle.read()
+
+
+def test_runtimes_time_every_runtime_at_every_shape(runtimes_results):
+    loaded, markdown = runtimes_results
+    expected = {"keras_predict", "keras_call", "saved_model", *runtimes.NEEDS}
+    shapes = {f"({b}, {t})" for b, t in runtimes.QUICK.shapes}
+    seen = {(row["shape"], row["runtime"]) for row in loaded["rows"]}
+    assert seen == {(shape, name) for shape in shapes for name in expected}
+    for row in loaded["rows"]:
+        if "status" in row:  # a runtime that is not installed
+            assert row["status"].startswith("not installed: pip install"), row
+            continue
+        for key in ("ms", "vs_saved_model", "vs_predict", "vs_call"):
+            assert math.isfinite(row[key]) and row[key] > 0, row
+        assert f"| {row['shape']} | {row['runtime']} |" in markdown
+    assert str(loaded["machine"]["load_average_1_5_15min"]) in markdown
+
+
+def test_runtimes_agree_with_keras(runtimes_results):
+    loaded, _ = runtimes_results
+    for row in loaded["rows"]:
+        if "status" in row:
+            continue
+        # OpenVINO's default may compute in bf16; every other runtime is f32.
+        bound = 5e-2 if row["runtime"] == "openvino_default" else 1e-4
+        assert 0 <= row["max_abs_error"] < bound, row
+
+
+def test_runtimes_tokens_are_right_padded():
+    ids = runtimes.tokens(3, 10)
+    lengths = (ids != 0).sum(axis=1)
+    assert lengths.tolist() == [5, 7, 10]
+    for row, length in zip(ids, lengths, strict=True):
+        assert (row[:length] > 0).all() and (row[length:] == 0).all()
