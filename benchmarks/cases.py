@@ -1,7 +1,8 @@
 """What is benchmarked: shapes, the two layers at equal configuration, FLOPs.
 
 `SelfAttention` and `keras.layers.MultiHeadAttention` get the same weights
-(`build_pair`), so both compute the same function and only speed differs.
+(`pairs.build_layer`), so both compute the same function and only speed
+differs. TensorFlow callables: this is `python -m benchmarks.cpu`'s side.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from benchmarks import pairs
 from keras_selfattn import SelfAttention
 
 MASK_KINDS = ("none", "padding", "causal")
@@ -40,25 +42,28 @@ class AttentionConfig:
     output_dim: int = 256
 
 
-def forward_flops(shape: Shape, config: AttentionConfig) -> int:
-    """Multiply-add FLOPs (2 per MAC) of one forward pass.
+def row(shape: Shape, config: AttentionConfig, causal: bool = False) -> pairs.Row:
+    """The `pairs.Row` of `shape` and `config` (mask "causal" or "none")."""
+    return pairs.Row(
+        name=shape.label,
+        batch=shape.batch,
+        time=shape.time,
+        features=shape.features,
+        num_heads=config.num_heads,
+        key_dim=config.key_dim,
+        output_dim=config.output_dim,
+        mask="causal" if causal else "none",
+    )
 
-    Counts the Q/K/V projections, Q K^T, weights x V and the output
-    projection; softmax, masking and biases are not counted. Causal attention
-    is counted in full (neither layer skips the masked half).
-    """
-    b, t, f = shape.batch, shape.time, shape.features
-    h, d, o = config.num_heads, config.key_dim, config.output_dim
-    projections = 2 * b * t * f * 3 * h * d
-    scores = 2 * b * h * t * t * d
-    mix = 2 * b * h * t * t * d
-    output = 2 * b * t * h * d * o
-    return projections + scores + mix + output
+
+def forward_flops(shape: Shape, config: AttentionConfig) -> int:
+    """FLOPs of one forward pass: `pairs.forward_flops` (causal in full)."""
+    return pairs.forward_flops(row(shape, config))
 
 
 def training_flops(shape: Shape, config: AttentionConfig) -> int:
     """FLOPs of forward + backward, taken as 3x the forward (2x for backward)."""
-    return 3 * forward_flops(shape, config)
+    return pairs.train_flops(row(shape, config))
 
 
 def matmul_size(flops: int) -> int:
@@ -80,60 +85,21 @@ def random_input(shape: Shape, seed: int = 0) -> tf.Tensor:
 
 
 def padding_mask(shape: Shape, seed: int = 0) -> tf.Tensor:
-    """(batch, time) bool, True for real tokens; lengths from time/2 to time."""
+    """(batch, time) bool, True for real tokens (`pairs.padding_mask`)."""
     rng = np.random.default_rng(seed)
-    lengths = rng.integers(max(1, shape.time // 2), shape.time + 1, shape.batch)
-    lengths[0] = shape.time
-    return tf.constant(np.arange(shape.time)[None, :] < lengths[:, None])
-
-
-def _copy_weights_to_mha(
-    ours: SelfAttention, mha: keras.layers.MultiHeadAttention, config: AttentionConfig
-) -> None:
-    h, d = config.num_heads, config.key_dim
-    weights = []
-    for prefix in ("query", "key", "value"):
-        kernel = getattr(ours, f"{prefix}_kernel").numpy()
-        weights.append(kernel.reshape(kernel.shape[0], h, d))
-        weights.append(getattr(ours, f"{prefix}_bias").numpy().reshape(h, d))
-    weights.append(ours.output_kernel.numpy().reshape(h, d, config.output_dim))
-    weights.append(ours.output_bias.numpy())
-    mha.set_weights(weights)
+    return tf.constant(pairs.padding_mask(shape.batch, shape.time, rng))
 
 
 def build_layers(
-    shape: Shape, config: AttentionConfig, seed: int = 0, **options
+    shape: Shape, config: AttentionConfig, seed: int = 0, causal: bool = False
 ) -> tuple[SelfAttention, keras.layers.MultiHeadAttention]:
-    """A SelfAttention (with `options`) and a MultiHeadAttention, same weights.
-
-    The weights are drawn independently (normal, std 1/sqrt(fan_in)), so the
-    query, key and value projections differ.
-    """
-    ours = SelfAttention(
-        num_heads=config.num_heads,
-        key_dim=config.key_dim,
-        output_dim=config.output_dim,
-        use_bias=True,
-        **options,
+    """A SelfAttention and a MultiHeadAttention with the same weights
+    (`pairs.build_layer`), float32; `causal` for SelfAttention."""
+    pair_row = row(shape, config, causal)
+    return (
+        pairs.build_layer(pairs.SA, pair_row, seed=seed),
+        pairs.build_layer(pairs.MHA, pair_row, seed=seed),
     )
-    ours.build((None, None, shape.features))
-    rng = np.random.default_rng(seed)
-    ours.set_weights(
-        [
-            rng.normal(0.0, 1.0 / np.sqrt(w.shape[0]), w.shape).astype("float32")
-            for w in ours.get_weights()
-        ]
-    )
-    mha = keras.layers.MultiHeadAttention(
-        num_heads=config.num_heads,
-        key_dim=config.key_dim,
-        output_shape=config.output_dim,
-        use_bias=True,
-    )
-    full = (shape.batch, shape.time, shape.features)
-    mha.build(full, full)
-    _copy_weights_to_mha(ours, mha, config)
-    return ours, mha
 
 
 def forward_calls(

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
-import json
 import os
 import tempfile
 import time
@@ -102,19 +101,23 @@ def _missing(runtime: str) -> str | None:
     return f"not installed: pip install keras-selfattn[{extra}]"
 
 
-def _saved_model(directory: str) -> Callable[[np.ndarray], np.ndarray]:
+def saved_model_call(
+    directory: str, input_name: str
+) -> Callable[[np.ndarray], np.ndarray]:
+    """The SavedModel's `serving_default` on one input, as numpy -> numpy."""
     import tensorflow as tf
 
     signature = tf.saved_model.load(directory).signatures["serving_default"]
 
     def call(x: np.ndarray) -> np.ndarray:
-        (output,) = signature(tokens=tf.constant(x)).values()
+        (output,) = signature(**{input_name: tf.constant(x)}).values()
         return output.numpy()
 
     return call
 
 
-def _onnx(path: str) -> Callable[[np.ndarray], np.ndarray]:
+def onnx_call(path: str) -> Callable[[np.ndarray], np.ndarray]:
+    """An onnxruntime CPU session (default options) on one input."""
     import onnxruntime
 
     session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
@@ -164,17 +167,18 @@ def export_all(model, directory: str) -> tuple[dict, dict]:
     calls: dict[str, Callable] = {}
     notes: dict[str, str] = {}
     builders = {
-        "saved_model": lambda: _saved_model(
+        "saved_model": lambda: saved_model_call(
             export.export_saved_model(
                 model, directory, "bench", 1, models_config=False, check=False
-            )
+            ),
+            "tokens",
         ),
-        "onnx": lambda: _onnx(
+        "onnx": lambda: onnx_call(
             export.export_onnx(
                 model, os.path.join(directory, "plain.onnx"), check=False
             )
         ),
-        "onnx_fused": lambda: _onnx(
+        "onnx_fused": lambda: onnx_call(
             export.export_onnx(
                 model,
                 os.path.join(directory, "fused.onnx"),
@@ -303,27 +307,14 @@ def to_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(results: dict, out_dir: str) -> tuple[str, str]:
-    """Writes runtimes.json and runtimes.md into `out_dir`."""
-    os.makedirs(out_dir, exist_ok=True)
-    json_path = os.path.join(out_dir, "runtimes.json")
-    markdown_path = os.path.join(out_dir, "runtimes.md")
-    with open(json_path, "w", encoding="utf-8") as handle:
-        handle.write(json.dumps(results, indent=2, allow_nan=False) + "\n")
-    with open(markdown_path, "w", encoding="utf-8") as handle:
-        handle.write(to_markdown(results))
-    return json_path, markdown_path
-
-
 def main(argv: list[str] | None = None) -> None:
-    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds")
     parser.add_argument("--out", default=RESULTS_DIR, help="output folder")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per shape")
     args = parser.parse_args(argv)
     results = run(quick=args.quick, rounds=args.rounds)
-    json_path, markdown_path = write(results, args.out)
+    json_path, markdown_path = report.write(results, args.out, "runtimes", to_markdown)
     print(to_markdown(results))
     print(f"Wrote {json_path} and {markdown_path} at {datetime.datetime.now()}")
 

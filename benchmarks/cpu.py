@@ -1,7 +1,8 @@
-"""`make bench`: runs every benchmark, prints and writes the table.
+"""`python -m benchmarks.cpu`: SelfAttention vs MultiHeadAttention on the CPU
+(TensorFlow), prints and writes the tables (`make bench` runs it first).
 
 Usage:
-    python -m benchmarks.run [--quick] [--out DIR] [--only SECTION ...]
+    python -m benchmarks.cpu [--quick] [--out DIR] [--only SECTION ...]
 
 `--quick` uses tiny sizes and few rounds (seconds; the test suite runs it so
 the code cannot rot); its numbers mean nothing. Results go to
