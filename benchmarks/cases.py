@@ -8,7 +8,7 @@ differs. TensorFlow callables: this is `python -m benchmarks.cpu`'s side.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import keras
 import numpy as np
@@ -40,6 +40,57 @@ class AttentionConfig:
     num_heads: int = 4
     key_dim: int = 64
     output_dim: int = 256
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes and repetitions of one run."""
+
+    config: AttentionConfig
+    forward_shapes: list[Shape]
+    export_shapes: list[Shape]
+    memory_times: list[int]
+    long_time: int
+    long_window: int
+    long_chunk: int
+    rounds: int
+    min_round_s: float
+    long_rounds: int
+    in_process: bool = False
+    full_shapes: list[str] = field(default_factory=list)
+
+
+FULL = Plan(
+    config=AttentionConfig(num_heads=4, key_dim=64, output_dim=256),
+    forward_shapes=[
+        Shape(8, 128, 256),
+        Shape(2, 1024, 256),
+        Shape(1, 4096, 256),
+    ],
+    export_shapes=[Shape(8, 512, 256), Shape(1, 4096, 256)],
+    memory_times=[4096, 8192],
+    long_time=32768,
+    long_window=256,
+    long_chunk=512,
+    rounds=15,
+    min_round_s=0.1,
+    long_rounds=3,
+    full_shapes=["(8, 128, 256)", "(2, 1024, 256)", "(1, 4096, 256)"],
+)
+
+QUICK = Plan(
+    config=AttentionConfig(num_heads=2, key_dim=8, output_dim=16),
+    forward_shapes=[Shape(2, 16, 16)],
+    export_shapes=[Shape(2, 16, 16)],
+    memory_times=[64],
+    long_time=256,
+    long_window=16,
+    long_chunk=64,
+    rounds=3,
+    min_round_s=0.0,
+    long_rounds=2,
+    in_process=True,
+)
 
 
 def row(shape: Shape, config: AttentionConfig, causal: bool = False) -> pairs.Row:

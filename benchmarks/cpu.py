@@ -15,92 +15,42 @@ import argparse
 import dataclasses
 import os
 import time
-from dataclasses import dataclass, field
 
 from benchmarks import cases, exported, layer_bench, machine, report, subprocesses
 
 RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
 
 
-@dataclass(frozen=True)
-class Plan:
-    """Sizes and repetitions of one run."""
-
-    config: cases.AttentionConfig
-    forward_shapes: list[cases.Shape]
-    export_shapes: list[cases.Shape]
-    memory_times: list[int]
-    long_time: int
-    long_window: int
-    long_chunk: int
-    rounds: int
-    min_round_s: float
-    long_rounds: int
-    in_process: bool = False
-    full_shapes: list[str] = field(default_factory=list)
-
-
-FULL = Plan(
-    config=cases.AttentionConfig(num_heads=4, key_dim=64, output_dim=256),
-    forward_shapes=[
-        cases.Shape(8, 128, 256),
-        cases.Shape(2, 1024, 256),
-        cases.Shape(1, 4096, 256),
-    ],
-    export_shapes=[cases.Shape(8, 512, 256), cases.Shape(1, 4096, 256)],
-    memory_times=[4096, 8192],
-    long_time=32768,
-    long_window=256,
-    long_chunk=512,
-    rounds=15,
-    min_round_s=0.1,
-    long_rounds=3,
-    full_shapes=["(8, 128, 256)", "(2, 1024, 256)", "(1, 4096, 256)"],
-)
-
-QUICK = Plan(
-    config=cases.AttentionConfig(num_heads=2, key_dim=8, output_dim=16),
-    forward_shapes=[cases.Shape(2, 16, 16)],
-    export_shapes=[cases.Shape(2, 16, 16)],
-    memory_times=[64],
-    long_time=256,
-    long_window=16,
-    long_chunk=64,
-    rounds=3,
-    min_round_s=0.0,
-    long_rounds=2,
-    in_process=True,
-)
-
-
-def _sections(plan: Plan) -> dict:
+def _memory_rows(plan: cases.Plan) -> list[dict]:
     config = plan.config
-    timing = (plan.rounds, plan.min_round_s)
-    features = plan.forward_shapes[0].features
-    return {
-        "forward": lambda: layer_bench.forward_rows(
-            plan.forward_shapes, config, *timing
-        ),
-        "training": lambda: layer_bench.training_rows(
-            plan.forward_shapes, config, *timing
-        ),
-        "exported": lambda: exported.exported_rows(plan.export_shapes, config, *timing),
-        "memory": lambda: subprocesses.memory_rows(
-            plan.memory_times,
-            features,
-            config.num_heads,
-            config.key_dim,
-            config.output_dim,
-            plan.in_process,
-        ),
-        "long_sequences": lambda: subprocesses.long_sequence_rows(
-            plan.long_time,
-            plan.long_window,
-            plan.long_chunk,
-            plan.long_rounds,
-            plan.in_process,
-        ),
-    }
+    return subprocesses.memory_rows(
+        plan.memory_times,
+        plan.forward_shapes[0].features,
+        config.num_heads,
+        config.key_dim,
+        config.output_dim,
+        plan.in_process,
+    )
+
+
+def _long_sequence_rows(plan: cases.Plan) -> list[dict]:
+    return subprocesses.long_sequence_rows(
+        plan.long_time,
+        plan.long_window,
+        plan.long_chunk,
+        plan.long_rounds,
+        plan.in_process,
+    )
+
+
+# section -> function of the plan returning its rows
+SECTIONS = {
+    "forward": layer_bench.forward_rows,
+    "training": layer_bench.training_rows,
+    "exported": exported.exported_rows,
+    "memory": _memory_rows,
+    "long_sequences": _long_sequence_rows,
+}
 
 
 def run(quick: bool = False, only: list[str] | None = None) -> dict:
@@ -113,14 +63,14 @@ def run(quick: bool = False, only: list[str] | None = None) -> dict:
     Returns:
         {"machine", "mode", "seconds", "sections", "targets"}.
     """
-    plan = QUICK if quick else FULL
+    plan = cases.QUICK if quick else cases.FULL
     start = time.perf_counter()
     sections = {}
-    for name, measure in _sections(plan).items():
+    for name, measure in SECTIONS.items():
         if only and name not in only:
             continue
         section_start = time.perf_counter()
-        sections[name] = measure()
+        sections[name] = measure(plan)
         print(
             f"[bench] {name}: {time.perf_counter() - section_start:.0f} s", flush=True
         )

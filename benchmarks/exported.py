@@ -40,23 +40,18 @@ def _export_all(model: keras.Model, directory: str) -> dict:
     }
 
 
-def exported_rows(
-    shapes: list[cases.Shape],
-    config: cases.AttentionConfig,
-    rounds: int,
-    min_round_s: float,
-) -> list[dict]:
+def exported_rows(plan: cases.Plan) -> list[dict]:
     """One row per shape: speedups of onnxruntime over the SavedModel."""
     rows = []
-    for shape in shapes:
+    for shape in plan.export_shapes:
         x = cases.random_input(shape).numpy()
         with tempfile.TemporaryDirectory() as directory:
-            calls = _export_all(_model(shape, config), directory)
+            calls = _export_all(_model(shape, plan.config), directory)
             outputs = {name: call(x) for name, call in calls.items()}
             result = interleave(
                 {name: (lambda c=call, x=x: c(x)) for name, call in calls.items()},
-                rounds=rounds,
-                min_round_s=min_round_s,
+                rounds=plan.rounds,
+                min_round_s=plan.min_round_s,
             )
         row = {
             "shape": shape.label,
@@ -67,7 +62,7 @@ def exported_rows(
                 float(np.max(np.abs(out - outputs["saved_model"])))
                 for out in outputs.values()
             ),
-            "rounds": rounds,
+            "rounds": plan.rounds,
         }
         row["fused_vs_onnx"] = result.speedup("onnx", "onnx_fused")
         row["fused_vs_saved_model"] = result.speedup("saved_model", "onnx_fused")

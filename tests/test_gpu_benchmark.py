@@ -2,8 +2,9 @@
 current backend, tiny shapes.
 
 The suite runs under each Keras backend, so this runs the GPU benchmark on
-CPU with the `tiny` rows (every mask, both dtype policies, the training step
-and the peak-RSS child processes) once per backend, in a fresh interpreter.
+CPU with the `tiny` rows but the RSS one (every mask, both dtype policies, the
+training step) once per backend, in a fresh interpreter; the peak-RSS child
+processes run once, in one suite.
 No timing is asserted: benchmarks are not tests. On JAX and torch that
 interpreter has TensorFlow blocked (`import tensorflow` fails, as on a
 machine with only keras + jax or keras + torch), and no TensorFlow module may
@@ -23,7 +24,7 @@ import keras
 import numpy as np
 import pytest
 
-from benchmarks import pairs
+from benchmarks import pairs, probe
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKEND = keras.backend.backend()
@@ -52,10 +53,14 @@ RUNNER = textwrap.dedent(
 )
 
 
+# The tiny rows the per-backend run times (the RSS row runs once, below).
+TIMED = [row for row in pairs.TINY_ROWS if not row.rss]
+
+
 def _expected_rows() -> set[tuple[str, str]]:
     return {
         (row.name, dtype)
-        for row in pairs.TINY_ROWS
+        for row in TIMED
         for dtype in pairs.DTYPES
         if row.dtypes is None or dtype in row.dtypes
     }
@@ -66,8 +71,8 @@ def smoke(tmp_path_factory):
     """(completed process, loaded JSON) of one tiny run on this backend."""
     path = tmp_path_factory.mktemp("gpu") / "gpu.json"
     mode = "allow" if BACKEND == "tensorflow" else "block"
-    args = ["--shapes", "tiny", "--repeats", "1", "--min-round-s", "0"]
-    args += ["--rss-runs", "1", "--json", str(path)]
+    args = ["--shapes", *(row.name for row in TIMED), "--repeats", "1"]
+    args += ["--min-round-s", "0", "--json", str(path)]
     completed = subprocess.run(
         [sys.executable, "-c", RUNNER, mode, *args],
         capture_output=True,
@@ -113,15 +118,16 @@ def test_times_ratios_and_flops_are_finite_and_positive(smoke):
             assert "sa_train_ms" not in row
 
 
-def test_peak_rss_comes_from_child_processes(smoke):
-    _, results = smoke
-    rss_rows = [row for row in results["rows"] if row["rss"]]
-    assert rss_rows
-    for row in rss_rows:
-        for layer in ("self_attention", "mha"):
-            measured = row["peak_rss"][layer]
-            assert measured["peak_mib"] >= measured["baseline_mib"] > 0, measured
-            assert len(measured["peak_mib_runs"]) == 1
+@pytest.mark.one_suite("two child interpreters on a fixed backend (jax)")
+def test_peak_rss_comes_from_child_processes(monkeypatch):
+    # The children read KERAS_BACKEND; jax: no TensorFlow needed there.
+    monkeypatch.setenv("KERAS_BACKEND", "jax")
+    (row,) = [row for row in pairs.TINY_ROWS if row.rss]
+    result = probe.peak_rss(row.to_dict(), "float32", "auto", runs=1)
+    for layer in ("self_attention", "mha"):
+        measured = result[layer]
+        assert measured["peak_mib"] >= measured["baseline_mib"] > 0, measured
+        assert measured["peak_mib_runs"] == [measured["peak_mib"]]
 
 
 def test_the_two_layers_compute_the_same_function(smoke):
