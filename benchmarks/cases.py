@@ -8,7 +8,7 @@ differs. TensorFlow callables: this is `python -m benchmarks.cpu`'s side.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
 import keras
 import numpy as np
@@ -94,17 +94,12 @@ QUICK = Plan(
 
 
 def row(shape: Shape, config: AttentionConfig, causal: bool = False) -> pairs.Row:
-    """The `pairs.Row` of `shape` and `config` (mask "causal" or "none")."""
-    return pairs.Row(
-        name=shape.label,
-        batch=shape.batch,
-        time=shape.time,
-        features=shape.features,
-        num_heads=config.num_heads,
-        key_dim=config.key_dim,
-        output_dim=config.output_dim,
-        mask="causal" if causal else "none",
-    )
+    """The `pairs.Row` of `shape` and `config` (mask "causal" or "none").
+
+    Row's fields after the name are Shape's, then AttentionConfig's.
+    """
+    mask = "causal" if causal else "none"
+    return pairs.Row(shape.label, *astuple(shape), *astuple(config), mask=mask)
 
 
 def forward_flops(shape: Shape, config: AttentionConfig) -> int:
