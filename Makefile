@@ -81,7 +81,7 @@ lock:
 		--output-file $(LOCK) pyproject.toml
 
 bench: install
-	$(PY) -m benchmarks.run
+	$(PY) -m benchmarks.cpu && $(PY) -m benchmarks.runtimes
 
 clean:
 	rm -rf $(VENV) $(LATEST_VENV) $(TOOLS_VENV) artifacts .pytest_cache .ruff_cache

@@ -1,18 +1,20 @@
 """What is benchmarked: shapes, the two layers at equal configuration, FLOPs.
 
 `SelfAttention` and `keras.layers.MultiHeadAttention` get the same weights
-(`build_pair`), so both compute the same function and only speed differs.
+(`pairs.build_layer`), so both compute the same function and only speed
+differs. TensorFlow callables: this is `python -m benchmarks.cpu`'s side.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, field
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from benchmarks import pairs
 from keras_selfattn import SelfAttention
 
 MASK_KINDS = ("none", "padding", "causal")
@@ -40,25 +42,74 @@ class AttentionConfig:
     output_dim: int = 256
 
 
-def forward_flops(shape: Shape, config: AttentionConfig) -> int:
-    """Multiply-add FLOPs (2 per MAC) of one forward pass.
+@dataclass(frozen=True)
+class Plan:
+    """Sizes and repetitions of one run."""
 
-    Counts the Q/K/V projections, Q K^T, weights x V and the output
-    projection; softmax, masking and biases are not counted. Causal attention
-    is counted in full (neither layer skips the masked half).
+    config: AttentionConfig
+    forward_shapes: list[Shape]
+    export_shapes: list[Shape]
+    memory_times: list[int]
+    long_time: int
+    long_window: int
+    long_chunk: int
+    rounds: int
+    min_round_s: float
+    long_rounds: int
+    in_process: bool = False
+    full_shapes: list[str] = field(default_factory=list)
+
+
+FULL = Plan(
+    config=AttentionConfig(num_heads=4, key_dim=64, output_dim=256),
+    forward_shapes=[
+        Shape(8, 128, 256),
+        Shape(2, 1024, 256),
+        Shape(1, 4096, 256),
+    ],
+    export_shapes=[Shape(8, 512, 256), Shape(1, 4096, 256)],
+    memory_times=[4096, 8192],
+    long_time=32768,
+    long_window=256,
+    long_chunk=512,
+    rounds=15,
+    min_round_s=0.1,
+    long_rounds=3,
+    full_shapes=["(8, 128, 256)", "(2, 1024, 256)", "(1, 4096, 256)"],
+)
+
+QUICK = Plan(
+    config=AttentionConfig(num_heads=2, key_dim=8, output_dim=16),
+    forward_shapes=[Shape(2, 16, 16)],
+    export_shapes=[Shape(2, 16, 16)],
+    memory_times=[64],
+    long_time=256,
+    long_window=16,
+    long_chunk=64,
+    rounds=3,
+    min_round_s=0.0,
+    long_rounds=2,
+    in_process=True,
+)
+
+
+def row(shape: Shape, config: AttentionConfig, causal: bool = False) -> pairs.Row:
+    """The `pairs.Row` of `shape` and `config` (mask "causal" or "none").
+
+    Row's fields after the name are Shape's, then AttentionConfig's.
     """
-    b, t, f = shape.batch, shape.time, shape.features
-    h, d, o = config.num_heads, config.key_dim, config.output_dim
-    projections = 2 * b * t * f * 3 * h * d
-    scores = 2 * b * h * t * t * d
-    mix = 2 * b * h * t * t * d
-    output = 2 * b * t * h * d * o
-    return projections + scores + mix + output
+    mask = "causal" if causal else "none"
+    return pairs.Row(shape.label, *astuple(shape), *astuple(config), mask=mask)
+
+
+def forward_flops(shape: Shape, config: AttentionConfig) -> int:
+    """FLOPs of one forward pass: `pairs.forward_flops` (causal in full)."""
+    return pairs.forward_flops(row(shape, config))
 
 
 def training_flops(shape: Shape, config: AttentionConfig) -> int:
     """FLOPs of forward + backward, taken as 3x the forward (2x for backward)."""
-    return 3 * forward_flops(shape, config)
+    return pairs.train_flops(row(shape, config))
 
 
 def matmul_size(flops: int) -> int:
@@ -80,60 +131,21 @@ def random_input(shape: Shape, seed: int = 0) -> tf.Tensor:
 
 
 def padding_mask(shape: Shape, seed: int = 0) -> tf.Tensor:
-    """(batch, time) bool, True for real tokens; lengths from time/2 to time."""
+    """(batch, time) bool, True for real tokens (`pairs.padding_mask`)."""
     rng = np.random.default_rng(seed)
-    lengths = rng.integers(max(1, shape.time // 2), shape.time + 1, shape.batch)
-    lengths[0] = shape.time
-    return tf.constant(np.arange(shape.time)[None, :] < lengths[:, None])
-
-
-def _copy_weights_to_mha(
-    ours: SelfAttention, mha: keras.layers.MultiHeadAttention, config: AttentionConfig
-) -> None:
-    h, d = config.num_heads, config.key_dim
-    weights = []
-    for prefix in ("query", "key", "value"):
-        kernel = getattr(ours, f"{prefix}_kernel").numpy()
-        weights.append(kernel.reshape(kernel.shape[0], h, d))
-        weights.append(getattr(ours, f"{prefix}_bias").numpy().reshape(h, d))
-    weights.append(ours.output_kernel.numpy().reshape(h, d, config.output_dim))
-    weights.append(ours.output_bias.numpy())
-    mha.set_weights(weights)
+    return tf.constant(pairs.padding_mask(shape.batch, shape.time, rng))
 
 
 def build_layers(
-    shape: Shape, config: AttentionConfig, seed: int = 0, **options
+    shape: Shape, config: AttentionConfig, seed: int = 0, causal: bool = False
 ) -> tuple[SelfAttention, keras.layers.MultiHeadAttention]:
-    """A SelfAttention (with `options`) and a MultiHeadAttention, same weights.
-
-    The weights are drawn independently (normal, std 1/sqrt(fan_in)), so the
-    query, key and value projections differ.
-    """
-    ours = SelfAttention(
-        num_heads=config.num_heads,
-        key_dim=config.key_dim,
-        output_dim=config.output_dim,
-        use_bias=True,
-        **options,
+    """A SelfAttention and a MultiHeadAttention with the same weights
+    (`pairs.build_layer`), float32; `causal` for SelfAttention."""
+    pair_row = row(shape, config, causal)
+    return (
+        pairs.build_layer(pairs.SA, pair_row, seed=seed),
+        pairs.build_layer(pairs.MHA, pair_row, seed=seed),
     )
-    ours.build((None, None, shape.features))
-    rng = np.random.default_rng(seed)
-    ours.set_weights(
-        [
-            rng.normal(0.0, 1.0 / np.sqrt(w.shape[0]), w.shape).astype("float32")
-            for w in ours.get_weights()
-        ]
-    )
-    mha = keras.layers.MultiHeadAttention(
-        num_heads=config.num_heads,
-        key_dim=config.key_dim,
-        output_shape=config.output_dim,
-        use_bias=True,
-    )
-    full = (shape.batch, shape.time, shape.features)
-    mha.build(full, full)
-    _copy_weights_to_mha(ours, mha, config)
-    return ours, mha
 
 
 def forward_calls(

@@ -43,7 +43,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from benchmarks import gpu_backends, gpu_report
+from benchmarks import machine, report, runners
 from benchmarks.timing import Interleaved, interleave
 from keras_selfattn import SelfAttention
 
@@ -350,9 +350,9 @@ def targets(rows: list[dict], gqa_rows: list[dict]) -> list[dict]:
 
 def run(settings: Settings) -> dict:
     """Measures every context; returns rows, GQA comparisons and targets."""
-    backend = gpu_backends.current()
+    backend = runners.current()
     results = {
-        "machine": gpu_report.describe(backend),
+        "machine": machine.describe(backend),
         "settings": {**asdict(settings), "gqa_divisor": GQA_DIVISOR},
         "rows": [],
         "gqa": [],
@@ -443,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = run(settings)
     print(to_markdown(results), end="")
     if args.json:
-        gpu_report.write_json(results, args.json)
+        report.write_json(results, args.json)
         _log(f"wrote {args.json}")
     return 0
 

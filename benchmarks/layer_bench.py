@@ -48,59 +48,46 @@ def _max_difference(calls: dict, shape: cases.Shape, mask=None) -> float:
     return float(np.max(np.abs(ours - mha)))
 
 
-def forward_rows(
-    shapes: list[cases.Shape],
-    config: cases.AttentionConfig,
-    rounds: int,
-    min_round_s: float,
-) -> list[dict]:
+def _timed_row(
+    plan: cases.Plan, calls: dict, shape: cases.Shape, flops: int, **fields
+) -> dict:
+    """`calls` and a matmul of about `flops` interleaved, as one row."""
+    matmul_n = cases.matmul_size(flops)
+    result = interleave(
+        {**calls, "matmul": cases.matmul_fn(matmul_n)},
+        rounds=plan.rounds,
+        min_round_s=plan.min_round_s,
+    )
+    return _row(result, shape, flops, matmul_n, **fields)
+
+
+def forward_rows(plan: cases.Plan) -> list[dict]:
     """One row per shape and mask kind ("none", "padding", "causal")."""
     rows = []
-    for shape in shapes:
-        flops = cases.forward_flops(shape, config)
-        matmul_n = cases.matmul_size(flops)
-        matmul = cases.matmul_fn(matmul_n)
+    for shape in plan.forward_shapes:
         x = cases.random_input(shape)
         mask = cases.padding_mask(shape)
         for kind in cases.MASK_KINDS:
-            ours, mha = cases.build_layers(shape, config, causal=kind == "causal")
+            ours, mha = cases.build_layers(shape, plan.config, causal=kind == "causal")
             calls = cases.forward_calls(ours, mha, x, kind, mask)
             difference = _max_difference(
                 calls, shape, mask if kind == "padding" else None
             )
-            result = interleave(
-                {**calls, "matmul": matmul}, rounds=rounds, min_round_s=min_round_s
-            )
+            flops = cases.forward_flops(shape, plan.config)
             rows.append(
-                _row(
-                    result,
-                    shape,
-                    flops,
-                    matmul_n,
-                    mask=kind,
-                    max_abs_difference=difference,
+                _timed_row(
+                    plan, calls, shape, flops, mask=kind, max_abs_difference=difference
                 )
             )
     return rows
 
 
-def training_rows(
-    shapes: list[cases.Shape],
-    config: cases.AttentionConfig,
-    rounds: int,
-    min_round_s: float,
-) -> list[dict]:
+def training_rows(plan: cases.Plan) -> list[dict]:
     """One row per shape: forward + gradients of every weight, no mask."""
     rows = []
-    for shape in shapes:
-        flops = cases.training_flops(shape, config)
-        matmul_n = cases.matmul_size(flops)
-        ours, mha = cases.build_layers(shape, config)
+    for shape in plan.forward_shapes:
+        ours, mha = cases.build_layers(shape, plan.config)
         calls = cases.training_calls(ours, mha, cases.random_input(shape))
-        result = interleave(
-            {**calls, "matmul": cases.matmul_fn(matmul_n)},
-            rounds=rounds,
-            min_round_s=min_round_s,
-        )
-        rows.append(_row(result, shape, flops, matmul_n, mask="none"))
+        flops = cases.training_flops(shape, plan.config)
+        rows.append(_timed_row(plan, calls, shape, flops, mask="none"))
     return rows

@@ -1,23 +1,36 @@
-"""Child process of the memory and long-sequence benchmarks.
+"""The one RSS probe: a measurement in a fresh child process (`run_child`).
 
 Peak RSS only grows, so each measurement runs in a fresh process and reads
 the peak from /proc/self/status (VmHWM, the high-water mark of this process
 image). `ru_maxrss` is not used: after fork + exec it keeps the parent's
 peak, so a child of a big benchmark process would report the parent's RSS.
-`python -m benchmarks.probe memory SPEC` prints
-{"baseline_mib", "peak_mib", "seconds"} and `python -m benchmarks.probe speed
-SPEC_A SPEC_B ROUNDS` prints {"speedup", "ms_a", "ms_b"} (median of the pairwise
-ratios time_a / time_b). A SPEC is a JSON object: "layer" ("self_attention"
-or "mha"), "batch", "time", "features", "num_heads", "key_dim",
-"output_dim" (None: no output projection), "options" (extra SelfAttention
-arguments such as chunk_size, sliding_window, causal).
+
+- `python -m benchmarks.probe memory SPEC` (TensorFlow, `benchmarks.cpu`)
+  prints {"baseline_mib", "peak_mib", "seconds"}; a SPEC is a JSON object:
+  "layer" ("self_attention" or "mha"), "batch", "time", "features",
+  "num_heads", "key_dim", "output_dim" (None: no output projection),
+  "options" (extra SelfAttention arguments such as chunk_size,
+  sliding_window, causal).
+- `python -m benchmarks.probe speed SPEC_A SPEC_B ROUNDS` prints {"speedup",
+  "ms_a", "ms_b"} (median of the pairwise ratios time_a / time_b).
+- `python -m benchmarks.probe layer SPEC` (any backend, `benchmarks.backends`;
+  imports TensorFlow only on that backend) prints the same as memory; SPEC:
+  {"row": `pairs.Row` fields, "layer", "dtype", "flash"}. Its baseline is
+  VmRSS after building the layer and a warm-up call at a tiny length (and,
+  on JAX, compiling the full-size call), just before the measured pass.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import statistics
+import subprocess
 import sys
 import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WARMUP_TIME = 16
 
 
 def _status_mib(field: str) -> float:
@@ -102,14 +115,90 @@ def speed(spec_a: dict, spec_b: dict, rounds: int) -> dict:
     }
 
 
+def layer_memory(spec: dict) -> dict:
+    """One forward pass of a `pairs` layer on the current backend, in MiB."""
+    from benchmarks import pairs, runners
+
+    row = pairs.Row.from_dict(spec["row"])
+    kind = spec["layer"]
+    backend = runners.current()
+    layer = pairs.build_layer(kind, row, spec["dtype"], spec["flash"])
+    apply = pairs.apply_fn(kind, row)
+    x, mask = pairs.inputs(row)
+    full = backend.prepare(layer, apply, x, mask, train=False)
+    small_x, small_mask = pairs.inputs(row, time=min(WARMUP_TIME, row.time))
+    backend.prepare(layer, apply, small_x, small_mask, train=False).calls["forward"]()
+    baseline = _status_mib("VmRSS")
+    start = time.perf_counter()
+    full.calls["forward"]()
+    seconds = time.perf_counter() - start
+    return {
+        "baseline_mib": baseline,
+        "peak_mib": _status_mib("VmHWM"),
+        "seconds": seconds,
+    }
+
+
 def run(argv: list[str]) -> dict:
-    """Runs `memory SPEC` or `speed SPEC_A SPEC_B ROUNDS`; returns the result."""
+    """Runs `memory SPEC`, `speed SPEC_A SPEC_B ROUNDS` or `layer SPEC`."""
     mode, *args = argv
     if mode == "memory":
         return memory(json.loads(args[0]))
     if mode == "speed":
         return speed(json.loads(args[0]), json.loads(args[1]), int(args[2]))
-    raise ValueError(f"Unknown probe mode {mode!r}: expected 'memory' or 'speed'")
+    if mode == "layer":
+        return layer_memory(json.loads(args[0]))
+    raise ValueError(
+        f"Unknown probe mode {mode!r}: expected 'memory', 'speed' or 'layer'"
+    )
+
+
+def run_child(argv: list[str], timeout_s: float) -> dict:
+    """`run(argv)` in a fresh interpreter; raises RuntimeError if it fails."""
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.probe", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+        cwd=REPO,
+    )
+    if completed.returncode != 0:
+        tail = completed.stderr.strip().splitlines()[-3:]
+        raise RuntimeError(
+            f"probe {argv[0]} failed (exit {completed.returncode}): {tail}"
+        )
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def _summary(results: list[dict]) -> dict:
+    peaks = [r["peak_mib"] for r in results]
+    return {
+        "peak_mib": statistics.median(peaks),
+        "baseline_mib": statistics.median(r["baseline_mib"] for r in results),
+        "growth_mib": statistics.median(
+            r["peak_mib"] - r["baseline_mib"] for r in results
+        ),
+        "seconds": statistics.median(r["seconds"] for r in results),
+        "peak_mib_runs": peaks,
+    }
+
+
+def peak_rss(
+    row_dict: dict, dtype: str, flash: str, runs: int, timeout_s: float = 1800
+) -> dict:
+    """{layer: medians over `runs` `layer` children}, the two layers in turn.
+
+    The order alternates (SA MHA, MHA SA, ...), so neither layer always runs
+    after the other on a machine whose load drifts.
+    """
+    layers = ["self_attention", "mha"]
+    results: dict[str, list[dict]] = {layer: [] for layer in layers}
+    for index in range(runs):
+        for layer in layers if index % 2 == 0 else layers[::-1]:
+            spec = {"row": row_dict, "layer": layer, "dtype": dtype, "flash": flash}
+            results[layer].append(run_child(["layer", json.dumps(spec)], timeout_s))
+    return {layer: _summary(values) for layer, values in results.items()}
 
 
 def main(argv: list[str]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 
@@ -75,6 +76,9 @@ _SPEEDUPS = {
     "fused_vs_onnx",
     "fused_vs_saved_model",
     "speedup",
+    "vs_saved_model",
+    "vs_predict",
+    "vs_call",
 }
 
 
@@ -87,7 +91,7 @@ def _format(key: str, value) -> str:
         return f"{value:.2f}x"
     if key == "fraction_of_matmul":
         return f"{100 * value:.0f}%"
-    if key == "max_abs_difference":
+    if key in ("max_abs_difference", "max_abs_error"):
         return f"{value:.1e}"
     if key in ("peak_mib", "baseline_mib"):
         return f"{value:.0f}"
@@ -209,13 +213,26 @@ def targets(sections: dict[str, list[dict]], full_shapes: list[str]) -> list[dic
     return result
 
 
-def _table(columns: list[tuple[str, str]], rows: list[dict]) -> list[str]:
+def table(columns: list[tuple[str | Callable, str]], rows: list[dict]) -> list[str]:
+    """The one Markdown table writer of the benchmarks.
+
+    Args:
+        columns: (cell, header) pairs; a cell is a row key (formatted by
+            `_format`, blank if absent) or a function of the row to text.
+        rows: one dict per line.
+
+    Returns:
+        The header line, the separator, then one line per row.
+    """
     lines = [
         "| " + " | ".join(header for _, header in columns) + " |",
         "|" + "---|" * len(columns),
     ]
     for row in rows:
-        cells = [_format(key, row.get(key)) for key, _ in columns]
+        cells = [
+            cell(row) if callable(cell) else _format(cell, row.get(cell))
+            for cell, _ in columns
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -256,7 +273,7 @@ def to_markdown(results: dict) -> str:
         if name not in results["sections"]:
             continue
         lines += [f"## {title}", ""]
-        lines += _table(columns, results["sections"][name])
+        lines += table(columns, results["sections"][name])
         lines.append("")
     lines += [
         "## Targets",
@@ -276,21 +293,48 @@ def to_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(results: dict, out_dir: str, stem: str = "latest") -> tuple[str, str]:
+def write_json(results: dict, path: str) -> None:
+    """Writes `results` to `path` (non-finite floats as null), replaced whole."""
+    _replace(path, json.dumps(_finite(results), indent=2, allow_nan=False) + "\n")
+
+
+def _replace(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+def _finite(value):
+    """`value` with non-finite floats as None (JSON has no NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def write(
+    results: dict,
+    out_dir: str,
+    stem: str = "latest",
+    markdown: Callable[[dict], str] | None = None,
+) -> tuple[str, str]:
     """Writes `stem`.json and `stem`.md into `out_dir` (each replaced whole).
+
+    Args:
+        results: the run.
+        out_dir: the folder.
+        stem: the files' name.
+        markdown: results -> Markdown (default: `to_markdown`, the CPU run's).
 
     Returns:
         The paths (json, markdown).
     """
-    os.makedirs(out_dir, exist_ok=True)
     paths = (os.path.join(out_dir, f"{stem}.json"), os.path.join(out_dir, f"{stem}.md"))
-    texts = (
-        json.dumps(results, indent=2, allow_nan=False) + "\n",
-        to_markdown(results),
-    )
-    for path, text in zip(paths, texts, strict=True):
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
+    write_json(results, paths[0])
+    _replace(paths[1], (markdown or to_markdown)(results))
     return paths

@@ -8,15 +8,10 @@ process instead: faster, but the peak RSS is then this process's.
 
 from __future__ import annotations
 
-import inspect
 import json
-import subprocess
-import sys
 
 from benchmarks import probe
-from keras_selfattn import SelfAttention
 
-NOT_LANDED = "not available: feature not landed"
 GIB = 1024**3
 # Headroom kept free for the rest of the machine besides the estimate.
 MARGIN_BYTES = 3 * GIB // 2
@@ -25,11 +20,6 @@ MARGIN_BYTES = 3 * GIB // 2
 # scores' buffer), about 2.4 with one (bool mask, masked scores, weights).
 COPIES_UNMASKED = 1.25
 COPIES_MASKED = 2.5
-
-
-def chunking_available() -> bool:
-    """Whether SelfAttention accepts `chunk_size`."""
-    return "chunk_size" in inspect.signature(SelfAttention.__init__).parameters
 
 
 def spec(
@@ -75,7 +65,13 @@ def available_bytes() -> int:
 
 
 def _too_big(probe_spec: dict) -> str | None:
-    needed = estimated_bytes(probe_spec) + MARGIN_BYTES
+    return refusal(estimated_bytes(probe_spec))
+
+
+def refusal(estimate: int) -> str | None:
+    """Why a measurement needing about `estimate` bytes is not started, or
+    None when it fits in MemAvailable with `MARGIN_BYTES` to spare."""
+    needed = estimate + MARGIN_BYTES
     available = available_bytes()
     if needed > available:
         return (
@@ -86,21 +82,7 @@ def _too_big(probe_spec: dict) -> str | None:
 
 
 def _run_probe(args: list[str], timeout_s: float, in_process: bool) -> dict:
-    if in_process:
-        return probe.run(args)
-    completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks.probe", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        check=False,
-    )
-    if completed.returncode != 0:
-        tail = completed.stderr.strip().splitlines()[-3:]
-        raise RuntimeError(
-            f"probe {args[0]} failed (exit {completed.returncode}): {tail}"
-        )
-    return json.loads(completed.stdout.strip().splitlines()[-1])
+    return probe.run(args) if in_process else probe.run_child(args, timeout_s)
 
 
 def peak_memory(
@@ -160,11 +142,6 @@ def long_sequence_rows(
     - speed of sliding_window=`window` chunked vs unchunked.
     """
     shape = f"(1, {time}, 64)"
-    if not chunking_available():
-        return [
-            {"case": case, "shape": shape, "status": NOT_LANDED}
-            for case in ("memory chunked", "memory unchunked", "sliding window")
-        ]
 
     def probe_spec(**options) -> dict:
         return spec("self_attention", 1, time, 64, 1, 64, None, **options)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
-from benchmarks import cases, report, subprocesses, timing
-from benchmarks import run as bench_run
+from benchmarks import cases, cpu, report, runtimes, subprocesses, timing
 
 pytestmark = pytest.mark.tensorflow_only(
     "the benchmark runs tf.function, SavedModel and ONNX"
@@ -51,7 +51,7 @@ def _numbers(row: dict):
 
 @pytest.fixture(scope="module")
 def quick_results(tmp_path_factory):
-    results = bench_run.run(quick=True)
+    results = cpu.run(quick=True)
     out = tmp_path_factory.mktemp("bench")
     json_path, markdown_path = report.write(results, str(out))
     with open(json_path, encoding="utf-8") as handle:
@@ -121,6 +121,25 @@ def test_forward_flops_counts_every_matmul():
     assert cases.training_flops(shape, config) == 3 * 288
 
 
+def test_cpu_layers_share_weights_and_compute_the_same_function():
+    # The pair of benchmarks.cpu comes from pairs.build_layer; checked here
+    # against numpy attention written out independently.
+    shape = cases.Shape(2, 5, 6)
+    config = cases.AttentionConfig(num_heads=2, key_dim=3, output_dim=4)
+    ours, mha = cases.build_layers(shape, config)
+    x = np.random.default_rng(3).normal(size=(2, 5, 6)).astype("float32")
+    wq, bq, wk, bk, wv, bv, wo, bo = mha.get_weights()
+    q = np.einsum("btd,dhk->bhtk", x, wq) + bq[None, :, None]
+    k = np.einsum("btd,dhk->bhtk", x, wk) + bk[None, :, None]
+    v = np.einsum("btd,dhk->bhtk", x, wv) + bv[None, :, None]
+    scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(3)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    expected = np.einsum("bhtk,hko->bto", weights @ v, wo) + bo
+    np.testing.assert_allclose(np.asarray(ours(x)), expected, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(mha(x, x)), expected, atol=1e-5)
+
+
 def test_speedup_is_the_median_of_per_round_ratios():
     result = timing.Interleaved({"a": [2.0, 4.0, 6.0], "b": [1.0, 1.0, 3.0]})
     # per-round a / b = 2, 4, 2
@@ -152,7 +171,7 @@ def test_targets_compare_with_the_issue_thresholds():
         ],
         "exported": [
             {"shape": "(8, 512, 256)", "onnx_vs_saved_model": 1.6,
-             "fused_vs_onnx": "not available: feature not landed"},
+             "fused_vs_onnx": "not run: needs about 9.0 GiB"},
         ],
     }  # fmt: skip
     found = {t["target"]: t for t in report.targets(sections, ["(2, 1024, 256)"])}
@@ -164,7 +183,7 @@ def test_targets_compare_with_the_issue_thresholds():
     assert fraction["met"] is False
     assert found["export (8, 512, 256): onnxruntime vs SavedModel"]["met"] is True
     fused = found["export (8, 512, 256): fused ONNX vs unfused ONNX"]
-    assert fused["met"] is None and "not landed" in fused["value"]
+    assert fused["met"] is None and fused["value"].startswith("not run")
 
 
 def test_memory_probe_runs_in_a_fresh_process():
@@ -172,3 +191,52 @@ def test_memory_probe_runs_in_a_fresh_process():
     result = subprocesses.peak_memory(spec)
     assert result["peak_mib"] >= result["baseline_mib"] > 0
     assert result["seconds"] > 0
+
+
+@pytest.fixture(scope="module")
+def runtimes_results(tmp_path_factory):
+    results = runtimes.run(quick=True)
+    json_path, markdown_path = report.write(
+        results,
+        str(tmp_path_factory.mktemp("runtimes")),
+        "runtimes",
+        runtimes.to_markdown,
+    )
+    with open(json_path, encoding="utf-8") as handle:
+        loaded = json.load(handle)
+    with open(markdown_path, encoding="utf-8") as handle:
+        return loaded, handle.read()
+
+
+def test_runtimes_time_every_runtime_at_every_shape(runtimes_results):
+    loaded, markdown = runtimes_results
+    expected = {"keras_predict", "keras_call", "saved_model", *runtimes.NEEDS}
+    shapes = {f"({b}, {t})" for b, t in runtimes.QUICK.shapes}
+    seen = {(row["shape"], row["runtime"]) for row in loaded["rows"]}
+    assert seen == {(shape, name) for shape in shapes for name in expected}
+    for row in loaded["rows"]:
+        if "status" in row:  # a runtime that is not installed
+            assert row["status"].startswith("not installed: pip install"), row
+            continue
+        for key in ("ms", "vs_saved_model", "vs_predict", "vs_call"):
+            assert math.isfinite(row[key]) and row[key] > 0, row
+        assert f"| {row['shape']} | {row['runtime']} |" in markdown
+    assert str(loaded["machine"]["load_average_1_5_15min"]) in markdown
+
+
+def test_runtimes_agree_with_keras(runtimes_results):
+    loaded, _ = runtimes_results
+    for row in loaded["rows"]:
+        if "status" in row:
+            continue
+        # OpenVINO's default may compute in bf16; every other runtime is f32.
+        bound = 5e-2 if row["runtime"] == "openvino_default" else 1e-4
+        assert 0 <= row["max_abs_error"] < bound, row
+
+
+def test_runtimes_tokens_are_right_padded():
+    ids = runtimes.tokens(3, 10)
+    lengths = (ids != 0).sum(axis=1)
+    assert lengths.tolist() == [5, 7, 10]
+    for row, length in zip(ids, lengths, strict=True):
+        assert (row[:length] > 0).all() and (row[length:] == 0).all()

@@ -1,8 +1,10 @@
-"""`python -m benchmarks.gpu` runs end to end on the current backend, tiny shapes.
+"""`python -m benchmarks.backends` (alias `benchmarks.gpu`) runs end to end on the
+current backend, tiny shapes.
 
 The suite runs under each Keras backend, so this runs the GPU benchmark on
-CPU with the `tiny` rows (every mask, both dtype policies, the training step
-and the peak-RSS child processes) once per backend, in a fresh interpreter.
+CPU with the `tiny` rows but the RSS one (every mask, both dtype policies, the
+training step) once per backend, in a fresh interpreter; the peak-RSS child
+processes run once, in one suite.
 No timing is asserted: benchmarks are not tests. On JAX and torch that
 interpreter has TensorFlow blocked (`import tensorflow` fails, as on a
 machine with only keras + jax or keras + torch), and no TensorFlow module may
@@ -22,7 +24,7 @@ import keras
 import numpy as np
 import pytest
 
-from benchmarks import gpu_cases
+from benchmarks import pairs, probe
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKEND = keras.backend.backend()
@@ -51,11 +53,15 @@ RUNNER = textwrap.dedent(
 )
 
 
+# The tiny rows the per-backend run times (the RSS row runs once, below).
+TIMED = [row for row in pairs.TINY_ROWS if not row.rss]
+
+
 def _expected_rows() -> set[tuple[str, str]]:
     return {
         (row.name, dtype)
-        for row in gpu_cases.TINY_ROWS
-        for dtype in gpu_cases.DTYPES
+        for row in TIMED
+        for dtype in pairs.DTYPES
         if row.dtypes is None or dtype in row.dtypes
     }
 
@@ -65,8 +71,8 @@ def smoke(tmp_path_factory):
     """(completed process, loaded JSON) of one tiny run on this backend."""
     path = tmp_path_factory.mktemp("gpu") / "gpu.json"
     mode = "allow" if BACKEND == "tensorflow" else "block"
-    args = ["--shapes", "tiny", "--repeats", "1", "--min-round-s", "0"]
-    args += ["--rss-runs", "1", "--json", str(path)]
+    args = ["--shapes", *(row.name for row in TIMED), "--repeats", "1"]
+    args += ["--min-round-s", "0", "--json", str(path)]
     completed = subprocess.run(
         [sys.executable, "-c", RUNNER, mode, *args],
         capture_output=True,
@@ -112,21 +118,22 @@ def test_times_ratios_and_flops_are_finite_and_positive(smoke):
             assert "sa_train_ms" not in row
 
 
-def test_peak_rss_comes_from_child_processes(smoke):
-    _, results = smoke
-    rss_rows = [row for row in results["rows"] if row["rss"]]
-    assert rss_rows
-    for row in rss_rows:
-        for layer in ("self_attention", "mha"):
-            measured = row["peak_rss"][layer]
-            assert measured["peak_mib"] >= measured["baseline_mib"] > 0, measured
-            assert len(measured["peak_mib_runs"]) == 1
+@pytest.mark.one_suite("two child interpreters on a fixed backend (jax)")
+def test_peak_rss_comes_from_child_processes(monkeypatch):
+    # The children read KERAS_BACKEND; jax: no TensorFlow needed there.
+    monkeypatch.setenv("KERAS_BACKEND", "jax")
+    (row,) = [row for row in pairs.TINY_ROWS if row.rss]
+    result = probe.peak_rss(row.to_dict(), "float32", "auto", runs=1)
+    for layer in ("self_attention", "mha"):
+        measured = result[layer]
+        assert measured["peak_mib"] >= measured["baseline_mib"] > 0, measured
+        assert measured["peak_mib_runs"] == [measured["peak_mib"]]
 
 
 def test_the_two_layers_compute_the_same_function(smoke):
     _, results = smoke
     checks = results["checks"]
-    assert sorted(c["mask"] for c in checks) == sorted(gpu_cases.MASKS)
+    assert sorted(c["mask"] for c in checks) == sorted(pairs.MASKS)
     for check in checks:
         assert check["passed"], check
         assert check["max_abs_difference"] < 1e-4, check
@@ -141,18 +148,21 @@ def test_no_tensorflow_module_is_imported(smoke):
 
 def test_forward_flops_by_hand():
     # B1, T4, D8, H2, K3: projections 4 * 2*1*4*8*2*3 = 1536; attention
-    # 4*1*2*16*3 = 384, causal 192.
-    row = gpu_cases.Row("r", 1, 4, features=8, num_heads=2, key_dim=3)
-    assert gpu_cases.forward_flops(row) == 1536 + 384
-    causal = gpu_cases.Row("r", 1, 4, features=8, num_heads=2, key_dim=3, mask="causal")
-    assert gpu_cases.forward_flops(causal) == 1536 + 192
-    assert gpu_cases.train_flops(row) == 3 * (1536 + 384)
+    # 4*1*2*16*3 = 384, causal counted in full too (one convention).
+    row = pairs.Row("r", 1, 4, features=8, num_heads=2, key_dim=3)
+    assert pairs.forward_flops(row) == 1536 + 384
+    causal = pairs.Row("r", 1, 4, features=8, num_heads=2, key_dim=3, mask="causal")
+    assert pairs.forward_flops(causal) == 1536 + 384
+    assert pairs.train_flops(row) == 3 * (1536 + 384)
+    # output projection to 5 instead of 8: 3 * 384 + 2*1*4*2*3*5 = 1392
+    narrow = pairs.Row("r", 1, 4, features=8, num_heads=2, key_dim=3, output_dim=5)
+    assert pairs.forward_flops(narrow) == 1392 + 384
 
 
 def test_mha_weights_map_to_self_attention_columns_per_head():
-    row = gpu_cases.Row("r", 1, 4, features=5, num_heads=2, key_dim=3)
-    mha = gpu_cases.mha_weights(row)
-    sa = gpu_cases.to_self_attention(mha, row)
+    row = pairs.Row("r", 1, 4, features=5, num_heads=2, key_dim=3)
+    mha = pairs.mha_weights(row)
+    sa = pairs.to_self_attention(mha, row)
     assert [w.shape for w in sa] == [(5, 6), (6,)] * 3 + [(6, 5), (5,)]
     # head h of the query kernel: columns [h*K:(h+1)*K]
     np.testing.assert_array_equal(sa[0][:, 3:6], mha[0][:, 1, :])
@@ -162,21 +172,20 @@ def test_mha_weights_map_to_self_attention_columns_per_head():
 
 
 def test_shapes_accept_rows_and_groups_only():
-    names = [row.name for row in gpu_cases.select_rows(["tiny", "tiny-none"])]
-    assert names == [row.name for row in gpu_cases.TINY_ROWS]
-    assert len(gpu_cases.select_rows(["gpu"])) == 5
+    names = [row.name for row in pairs.select_rows(["tiny", "tiny-none"])]
+    assert names == [row.name for row in pairs.TINY_ROWS]
+    assert len(pairs.select_rows(["gpu"])) == 5
     with pytest.raises(ValueError, match="Unknown shape"):
-        gpu_cases.select_rows(["b9-t1"])
+        pairs.select_rows(["b9-t1"])
 
 
-def test_flash_is_passed_to_self_attention_only_when_accepted():
-    # Today's layer has no flash_attention argument (base Layer would raise
-    # on it); after the fused-kernel change it has: both must build.
-    row = gpu_cases.TINY_ROWS[0]
-    for flash in gpu_cases.FLASH:
-        layer = gpu_cases.build_layer(gpu_cases.SA, row, "float32", flash=flash)
+def test_flash_is_passed_to_both_layers_unless_auto():
+    row = pairs.TINY_ROWS[0]
+    for flash in pairs.FLASH:
+        layer = pairs.build_layer(pairs.SA, row, "float32", flash=flash)
         assert layer.built
-    assert gpu_cases._flash_kwargs("auto", True) == {}
-    assert gpu_cases._flash_kwargs("on", False) == {}
-    assert gpu_cases._flash_kwargs("on", True) == {"flash_attention": True}
-    assert gpu_cases._flash_kwargs("off", True) == {"flash_attention": False}
+    assert pairs.flash_kwargs("auto") == {}
+    assert pairs.flash_kwargs("on") == {"flash_attention": True}
+    assert pairs.flash_kwargs("off") == {"flash_attention": False}
+    with pytest.raises(ValueError, match="flash must be one of"):
+        pairs.flash_kwargs("yes")

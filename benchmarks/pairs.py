@@ -1,7 +1,9 @@
-"""Rows of `python -m benchmarks.gpu`: shapes, FLOPs, the two layers, inputs.
+"""The SelfAttention / MultiHeadAttention pair every benchmark compares.
 
-Backend-agnostic: numpy and Keras only, never TensorFlow, so the GPU
-benchmark runs on a machine with only keras + jax or keras + torch.
+One pair builder (`build_layer`), one FLOP count (`forward_flops`), the rows
+of `python -m benchmarks.backends` and their inputs. Backend-agnostic: numpy
+and Keras only, never TensorFlow, so the backends benchmark runs on a machine
+with only keras + jax or keras + torch.
 
 Both layers get the same weights: MultiHeadAttention's are drawn at random
 (normal, std 1/sqrt(fan_in), biases included) and copied into SelfAttention by
@@ -10,7 +12,6 @@ reshape, so both compute the same function and only speed and memory differ.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -30,12 +31,13 @@ class Row:
     """One benchmark row: a shape, a mask and the layers' configuration.
 
     Both layers have `num_heads` heads of size `key_dim`, biases, and an
-    output projection back to `features` (D).
+    output projection to `output_dim` (default: back to `features`, D).
 
     Attributes:
         name: CLI name (`--shapes NAME`).
         batch, time, features: the input (B, T, D).
         num_heads, key_dim: H and K.
+        output_dim: the output projection's size (None: `features`).
         mask: "none", "causal" or "padding" (right-padded Keras mask).
         train: whether the training step is timed too.
         dtypes: the policies this row runs in (None: any).
@@ -48,6 +50,7 @@ class Row:
     features: int = 256
     num_heads: int = 4
     key_dim: int = 64
+    output_dim: int | None = None
     mask: str = "none"
     train: bool = True
     dtypes: tuple[str, ...] | None = None
@@ -60,6 +63,11 @@ class Row:
         if self.features != 256:
             text += f"·D{self.features}"
         return text if self.mask == "none" else f"{text} {self.mask}"
+
+    @property
+    def output_size(self) -> int:
+        """The output projection's size."""
+        return self.features if self.output_dim is None else self.output_dim
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -130,19 +138,19 @@ def select_rows(names: list[str]) -> list[Row]:
 
 
 def forward_flops(row: Row) -> int:
-    """FLOPs (2 per multiply-add) of one forward pass.
+    """FLOPs (2 per multiply-add) of one forward pass, every benchmark's count.
 
-    Projections: Q, K, V (2·B·T·D·H·K each) and output (2·B·T·H·K·D).
-    Attention: Q K^T and weights x V, 4·B·H·T²·K, halved when causal (the
-    useful half; a kernel that skips the masked blocks does only that).
-    Padding is counted in full. Softmax, masks and biases are not counted.
+    Projections: Q, K, V (2·B·T·D·H·K each) and output (2·B·T·H·K·O).
+    Attention: Q K^T and weights x V, 4·B·H·T²·K. Causal and padding masks
+    are counted in full: the dense work a kernel that skips no masked block
+    does, so GFLOP/s of different masks, rows and benchmarks compare (a
+    kernel that skips the masked half of causal attention shows up as a
+    higher rate). Softmax, masks and biases are not counted.
     """
     b, t, d = row.batch, row.time, row.features
     h, k = row.num_heads, row.key_dim
-    projections = 4 * 2 * b * t * d * h * k
+    projections = 2 * b * t * h * k * (3 * d + row.output_size)
     attention = 4 * b * h * t * t * k
-    if row.mask == "causal":
-        attention //= 2
     return projections + attention
 
 
@@ -169,14 +177,14 @@ def mha_weights(row: Row, seed: int = 0) -> list[np.ndarray]:
     and bias (D,); normal with std 1/sqrt(fan_in), biases included, so the
     projections differ and the biases matter.
     """
-    d, h, k = row.features, row.num_heads, row.key_dim
+    d, h, k, o = row.features, row.num_heads, row.key_dim, row.output_size
     rng = np.random.default_rng(seed)
     weights = []
     for _ in ("query", "key", "value"):
         weights.append(rng.normal(0.0, d**-0.5, (d, h, k)))
         weights.append(rng.normal(0.0, d**-0.5, (h, k)))
-    weights.append(rng.normal(0.0, (h * k) ** -0.5, (h, k, d)))
-    weights.append(rng.normal(0.0, (h * k) ** -0.5, (d,)))
+    weights.append(rng.normal(0.0, (h * k) ** -0.5, (h, k, o)))
+    weights.append(rng.normal(0.0, (h * k) ** -0.5, (o,)))
     return [w.astype("float32") for w in weights]
 
 
@@ -188,44 +196,44 @@ def to_self_attention(weights: list[np.ndarray], row: Row) -> list[np.ndarray]:
     h uses columns [h*K:(h+1)*K], which is MultiHeadAttention's (D, H, K)
     kernel flattened row-major.
     """
-    d, hk = row.features, row.num_heads * row.key_dim
-    shapes = [(d, hk), (hk,)] * 3 + [(hk, d), (d,)]
+    d, hk, o = row.features, row.num_heads * row.key_dim, row.output_size
+    shapes = [(d, hk), (hk,)] * 3 + [(hk, o), (o,)]
     return [w.reshape(shape) for w, shape in zip(weights, shapes, strict=True)]
 
 
-def sa_accepts_flash() -> bool:
-    """Whether SelfAttention's __init__ takes `flash_attention`."""
-    return "flash_attention" in inspect.signature(SelfAttention.__init__).parameters
-
-
-def _flash_kwargs(flash: str, accepted: bool) -> dict:
+def flash_kwargs(flash: str) -> dict:
+    """`flash_attention=` for both layers: nothing for "auto"."""
     if flash not in FLASH:
         raise ValueError(f"flash must be one of {sorted(FLASH)}: {flash!r}")
-    if flash == "auto" or not accepted:
-        return {}
-    return {"flash_attention": FLASH[flash]}
+    return {} if flash == "auto" else {"flash_attention": FLASH[flash]}
 
 
 def build_layer(
-    kind: str, row: Row, dtype: str, flash: str = "auto", seed: int = 0
+    kind: str,
+    row: Row,
+    dtype: str = "float32",
+    flash: str = "auto",
+    seed: int = 0,
+    **options,
 ) -> keras.layers.Layer:
     """SelfAttention (`kind` SA) or MultiHeadAttention (MHA), built, same weights.
 
-    `flash` ("auto", "on", "off") is passed as `flash_attention` to
-    MultiHeadAttention, and to SelfAttention only if its __init__ accepts it;
+    `flash` ("auto", "on", "off") is passed as `flash_attention` to both;
     "auto" passes nothing. Note: Keras 3.15's MultiHeadAttention stores
     `flash_attention or is_flash_attention_enabled()`, so its False means auto.
+    `options` go to SelfAttention only (e.g. `chunk_size`); `causal` is the
+    row's mask.
     """
     weights = mha_weights(row, seed)
-    full = (row.batch, row.time, row.features)
+    full = (None, None, row.features)
     if kind == MHA:
         layer = keras.layers.MultiHeadAttention(
             num_heads=row.num_heads,
             key_dim=row.key_dim,
-            output_shape=row.features,
+            output_shape=row.output_size,
             use_bias=True,
             dtype=dtype,
-            **_flash_kwargs(flash, True),
+            **flash_kwargs(flash),
         )
         layer.build(full, full)
         layer.set_weights(weights)
@@ -235,11 +243,12 @@ def build_layer(
     layer = SelfAttention(
         num_heads=row.num_heads,
         key_dim=row.key_dim,
-        output_dim=row.features,
+        output_dim=row.output_size,
         use_bias=True,
         causal=row.mask == "causal",
         dtype=dtype,
-        **_flash_kwargs(flash, sa_accepts_flash()),
+        **flash_kwargs(flash),
+        **options,
     )
     layer.build(full)
     layer.set_weights(to_self_attention(weights, row))
@@ -279,9 +288,15 @@ def inputs(row: Row, batch: int | None = None, time: int | None = None, seed: in
     x = rng.normal(size=(b, t, row.features)).astype("float32")
     if row.mask != "padding":
         return x, None
-    lengths = rng.integers(max(1, t // 2), t + 1, b)
-    lengths[0] = t
-    return x, np.arange(t)[None, :] < lengths[:, None]
+    return x, padding_mask(b, t, rng)
+
+
+def padding_mask(batch: int, time: int, rng: np.random.Generator) -> np.ndarray:
+    """(batch, time) bool, True for real tokens: right-padded, lengths from
+    time/2 to time, the first sequence full."""
+    lengths = rng.integers(max(1, time // 2), time + 1, batch)
+    lengths[0] = time
+    return np.arange(time)[None, :] < lengths[:, None]
 
 
 def max_difference(ours: np.ndarray, theirs: np.ndarray, mask) -> float:

@@ -1,4 +1,5 @@
-"""Per-backend forward and training-step callables of `python -m benchmarks.gpu`.
+"""Per-backend compiled forward and training-step callables (`benchmarks.backends`,
+`benchmarks.decode`).
 
 - JAX: `jax.jit` over `stateless_call` (forward) and `jax.value_and_grad` of
   the mean squared output (train step), compiled ahead of time; temporary
@@ -289,7 +290,7 @@ def current() -> JaxBackend | TorchBackend | TensorFlowBackend:
     }
     name = keras.backend.backend()
     if name not in backends:
-        raise ValueError(f"No GPU benchmark for the {name!r} backend")
+        raise ValueError(f"No benchmark runner for the {name!r} backend")
     return backends[name]()
 
 
