@@ -302,3 +302,59 @@ def update(cache, key, value, index, valid=None, padding=None):
         visible = ops.expand_dims(visible, (2, 3))
         keys, values = (nan_safe.zero_unless(visible, x) for x in (keys, values))
     return cache, keys, values
+
+
+def check_call(
+    layer_name: str,
+    *,
+    causal: bool,
+    key_dim: int,
+    value_dim: int,
+    num_heads: int,
+    dtype: str,
+    inputs,
+    cache,
+    index,
+    attention_mask,
+    return_attention_scores: bool,
+) -> None:
+    """Raises the ValueErrors of a call with a `cache` (not None) whose
+    arguments or layer (`causal`, head sizes, key/value heads, compute dtype)
+    cannot decode, and of an `index` known to overflow the cache."""
+    problems = {
+        "causal": not causal,
+        "attention_mask": attention_mask is not None,
+        "return_attention_scores": return_attention_scores,
+        "cache_update_index": index is None,
+    }
+    if any(problems.values()):
+        raise ValueError(
+            f"SelfAttention '{layer_name}': a key/value cache is for causal "
+            "decoding: the layer needs causal=True, and the call "
+            "`cache_update_index` and no attention_mask or "
+            "return_attention_scores. Received: causal="
+            f"{causal}, attention_mask="
+            f"{'given' if attention_mask is not None else None}, "
+            f"return_attention_scores={return_attention_scores}, "
+            f"cache_update_index={index!r}"
+        )
+    if key_dim != value_dim:
+        raise ValueError(
+            f"SelfAttention '{layer_name}': the cache stores keys and values "
+            "in one tensor, so value_dim must equal key_dim. Received: "
+            f"key_dim={key_dim}, value_dim={value_dim}"
+        )
+    check(cache, num_heads, key_dim, dtype, layer_name)
+    check_batch(inputs, cache, layer_name)
+    index = index_of(index, layer_name)
+    if isinstance(index, int):
+        check_fit(index, tuple(inputs.shape)[1], tuple(cache.shape)[2], layer_name)
+
+
+def check_no_index(index, layer_name: str) -> None:
+    """Raises ValueError for a `cache_update_index` given without a cache."""
+    if index is not None:
+        raise ValueError(
+            f"SelfAttention '{layer_name}': `cache_update_index` goes with "
+            f"`cache`. Received: cache=None, cache_update_index={index!r}"
+        )
