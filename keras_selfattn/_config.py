@@ -1,5 +1,8 @@
-"""SelfAttention's configuration: checked and normalised in one function,
-its dimensions resolved once at build, and serialized for `get_config`."""
+"""SelfAttention's configuration: checked, dimensions resolved, serialized.
+
+The arguments are checked and normalised in one function (`arguments`), the
+dimensions resolved once at build (`dims`), and written back by `serialize`.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import dataclasses
 import functools
 import math
 
+import keras
 from keras import constraints, initializers, regularizers
 
 from keras_selfattn import _checks
@@ -118,3 +122,15 @@ def dims(layer, input_dim: int) -> Dims:
     width = layer.output_dim or layer.num_heads * value_dim
     scale = layer.scale if layer.scale is not None else 1.0 / math.sqrt(key_dim)
     return Dims(input_dim, key_dim, value_dim, width, scale)
+
+
+def supports_jit(layer) -> bool:
+    """False where `fit` must run without jit_compile: on TensorFlow, causal
+    blocks without a window read key ranges of growing length, which XLA
+    cannot compile."""
+    return not (
+        keras.backend.backend() == "tensorflow"
+        and layer.chunk_size is not None
+        and layer.causal
+        and layer.sliding_window is None
+    )

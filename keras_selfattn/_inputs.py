@@ -1,5 +1,7 @@
-"""The ValueErrors of a SelfAttention call's bad inputs, masks or requests,
-the same built or not, symbolic or eager."""
+"""The ValueErrors of a SelfAttention call's bad inputs, masks or requests.
+
+The same built or not, symbolic or eager.
+"""
 
 from __future__ import annotations
 

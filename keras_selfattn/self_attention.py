@@ -5,7 +5,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from keras_selfattn import _checks, _config, _inputs, _projection_ops
+from keras_selfattn import _checks, _config, _inputs, _outputs, _projection_ops
 from keras_selfattn import projections as projections_lib
 from keras_selfattn.attention import (
     FUSABLE_CORE_SCOPE,
@@ -17,7 +17,6 @@ from keras_selfattn.attention import (
 )
 from keras_selfattn.attention import cache as cache_lib
 from keras_selfattn.attention import heads as heads_lib
-from keras_selfattn.attention import masks as masks_lib
 from keras_selfattn.attention.fused import on_gpu
 
 __all__ = ["FUSABLE_CORE_SCOPE", "SelfAttention"]
@@ -27,26 +26,21 @@ _NOT_ARGUMENTS = ("self", "kwargs", "activity_regularizer", "__class__")
 
 
 @keras.saving.register_keras_serializable(package="keras_selfattn")
-class SelfAttention(keras.layers.Layer):
+class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
     """Multi-head scaled dot-product self-attention over a sequence.
 
-    Head h computes `softmax(Q_h K_h^T * scale) V_h` with `Q = X Wq (+ bq)`,
-    `K = X Wk (+ bk)`, `V = X Wv (+ bv)`; the heads are concatenated, then
-    optionally projected to `output_dim`. It takes a single input (it fits in
-    `keras.Sequential`) and honours Keras masks: a query with nothing to
-    attend outputs exactly zero, never NaN. Each call takes the fused,
-    chunked or explicit implementation (`implementation()` says which); the
-    projections are `keras.layers.Dense` layers (`query_dense`, ...) that
-    `model.quantize(mode)` and `enable_lora(rank)` reach. docs/layer.md
-    details every argument.
+    Head h computes `softmax(Q_h K_h^T * scale) V_h` from projections of the
+    input; the heads are concatenated, then optionally projected. A single
+    input (it fits in `keras.Sequential`), Keras masks honoured (a query with
+    nothing to attend outputs exactly zero). docs/layer.md details every
+    argument, the implementations and the projections.
 
     Args:
         num_heads: Number of attention heads. Defaults to 1.
         key_dim: Size of each head for query and key. Defaults to
             `features // num_heads`, which must divide exactly.
         value_dim: Size of each head for value. Defaults to `key_dim`.
-        output_dim: None (default): the output is the concatenated heads;
-            an int adds a learned output projection to that width.
+        output_dim: If set, a learned output projection to this width.
         use_bias: Whether the projections have biases. Defaults to False.
         scale: Multiplier of `Q K^T`. None (default): `1 / sqrt(key_dim)`.
         causal: If True, a position attends only to itself and earlier ones.
@@ -69,22 +63,18 @@ class SelfAttention(keras.layers.Layer):
             rotation. Defaults to 1.0.
         quantized_projections: Written by `get_config` for quantized
             projections, so that loading rebuilds them quantized.
-        kernel_initializer, bias_initializer: Initializers of the kernels and
-            biases.
-        kernel_regularizer, bias_regularizer, activity_regularizer:
-            Regularizers.
+        kernel_initializer, bias_initializer: Initializers.
+        kernel_regularizer, bias_regularizer, activity_regularizer: Regularizers.
         kernel_constraint, bias_constraint: Constraints.
         **kwargs: Base layer arguments (`name`, `dtype`, ...).
 
     Call arguments:
         inputs: Float tensor of shape `(batch, time, features)`.
-        mask: Optional bool tensor `(batch, time)`, True for real tokens.
-        attention_mask: Optional bool tensor `(batch, time, time)`; True
-            where a query position may attend a key position.
+        mask: Optional bool `(batch, time)`, True for real tokens.
+        attention_mask: Optional bool `(batch, time, time)`, query by key.
         training: Whether dropout is active.
         return_attention_scores: If True, also return the attention weights.
-        cache: Optional key/value cache (`empty_cache`) to decode with; the
-            layer must be causal.
+        cache: Optional key/value cache (`empty_cache`); causal layers only.
         cache_update_index: The position of the first new token in `cache`.
 
     Returns:
@@ -105,19 +95,6 @@ class SelfAttention(keras.layers.Layer):
     >>> model(np.ones((2, 5, 8), "float32")).shape
     TensorShape([2, 1])
     """
-
-    # The projections' weights under their names from before the projections
-    # were layers (`query_kernel` is `query_dense.kernel`).
-    query_kernel = projections_lib.weight_property("query", "kernel")
-    query_bias = projections_lib.weight_property("query", "bias")
-    key_kernel = projections_lib.weight_property("key", "kernel")
-    key_bias = projections_lib.weight_property("key", "bias")
-    value_kernel = projections_lib.weight_property("value", "kernel")
-    value_bias = projections_lib.weight_property("value", "bias")
-    gate_kernel = projections_lib.weight_property("gate", "kernel")
-    gate_bias = projections_lib.weight_property("gate", "bias")
-    output_kernel = projections_lib.weight_property("output", "kernel")
-    output_bias = projections_lib.weight_property("output", "bias")
 
     def __init__(
         self,
@@ -156,15 +133,7 @@ class SelfAttention(keras.layers.Layer):
         for name, value in _config.arguments(**arguments).items():
             setattr(self, name, value)
         self._kv_heads = self.num_key_value_heads or self.num_heads
-        # On TensorFlow, causal blocks without a window read key ranges of
-        # growing length, which XLA cannot compile: Keras then runs `fit`
-        # without jit_compile.
-        self.supports_jit = not (
-            keras.backend.backend() == "tensorflow"
-            and self.chunk_size is not None
-            and self.causal
-            and self.sliding_window is None
-        )
+        self.supports_jit = _config.supports_jit(self)
         self.supports_masking = True
         self.seed_generator = (
             keras.random.SeedGenerator(self.seed) if self.dropout else None
@@ -173,62 +142,13 @@ class SelfAttention(keras.layers.Layer):
         for name in projections_lib.NAMES:
             setattr(self, f"{name}_dense", None)
 
-    # ------------------------------------------------------------------ build
     def build(self, input_shape):
         input_dim = _inputs.check_shape(self.name, input_shape, None)
         dims = _config.dims(self, input_dim)
-        heads, kv_heads = self.num_heads, self._kv_heads
-        _projection_ops.add(self, "query", (input_dim, heads * dims.key_dim))
-        _projection_ops.add(self, "key", (input_dim, kv_heads * dims.key_dim))
-        _projection_ops.add(self, "value", (input_dim, kv_heads * dims.value_dim))
-        if self.use_gate:
-            _projection_ops.add(self, "gate", (input_dim, heads * dims.value_dim))
-        if self.output_dim is not None:
-            _projection_ops.add(
-                self, "output", (heads * dims.value_dim, self.output_dim)
-            )
+        _projection_ops.add_all(self, dims)
         self._dims = dims
         self._key_dim, self._value_dim = dims.key_dim, dims.value_dim
 
-    def _projections(self) -> dict[str, projections_lib.Projection]:
-        """The built projections by name, in weight order."""
-        return _projection_ops.of(self)
-
-    def load_own_variables(self, store) -> None:
-        # A file saved before the projections were layers holds their weights
-        # as this layer's own; files of this version, in the projections'.
-        if not len(store.keys()):
-            return super().load_own_variables(store)
-        _projection_ops.load_legacy_variables(self, store)
-
-    def quantize(self, mode=None, type_check=True, config=None) -> None:
-        """Quantizes the projections, as `keras.layers.Dense.quantize` does.
-
-        Args:
-            mode: "int8", "int4" or "float8" ("gptq" and "awq" calibrate on
-                data: use `model.quantize(mode, config=...)`).
-            type_check: As in `keras.layers.Dense.quantize`.
-            config: Optional `keras.quantizers.QuantizationConfig`.
-        """
-        _projection_ops.quantize(self, mode, type_check, config)
-
-    def enable_lora(
-        self,
-        rank: int,
-        lora_alpha: float | None = None,
-        projections: tuple[str, ...] = ("query", "value"),
-    ) -> None:
-        """Enables LoRA on some projections and freezes every other weight.
-
-        Args:
-            rank: The rank of the LoRA update (an int > 0).
-            lora_alpha: Scale numerator; defaults to `rank`.
-            projections: Names among "query", "key", "value", "gate" and
-                "output". Defaults to ("query", "value"), keras-hub's choice.
-        """
-        _projection_ops.enable_lora(self, rank, lora_alpha, projections)
-
-    # ------------------------------------------------------------------- call
     def _project(self, x, prefix: str):
         return getattr(self, f"{prefix}_dense")(x)
 
@@ -372,40 +292,12 @@ class SelfAttention(keras.layers.Layer):
             output = ops.multiply(output, ops.cast(gate, output.dtype))
         if self.output_dim is not None:
             output = self._project(output, "output")
-        # Queries with nothing to attend output exactly zero, also after the
-        # output projection's bias: padded positions, and attention_mask rows
-        # that allow no key.
-        keep = self._queries_to_keep(inputs, masks)
-        if keep is not None:
-            output = ops.where(
-                ops.expand_dims(keep, -1), output, ops.zeros_like(output)
-            )
-            if return_attention_scores:
-                weights = ops.where(
-                    ops.expand_dims(keep, (1, 3)), weights, ops.zeros_like(weights)
-                )
+        output, weights = _outputs.zero_unattending(inputs, masks, output, weights)
         if decoding:
             return guard.output(output), cache
         if return_attention_scores:
             return output, weights
         return output
-
-    def _queries_to_keep(self, inputs, masks: Masks):
-        """Bool (B, Tq): queries with something to attend, or None (all)."""
-        time = ops.shape(inputs)[1]
-        query_padding = masks.padding
-        if query_padding is not None:
-            query_padding = ops.cast(query_padding, "bool")
-            if not masks_lib.aligned(masks):  # the new positions' own mask
-                batch = ops.shape(query_padding)[0]
-                start = ops.cast(masks.query_offset, "int32")
-                query_padding = ops.slice(query_padding, (0, start), (batch, time))
-        rows = (
-            None
-            if masks.attention is None
-            else masks_lib.rows_with_keys(masks, time, time)
-        )
-        return masks_lib.all_of([m for m in (query_padding, rows) if m is not None])
 
     def _decoding(
         self, inputs, mask, attention_mask, return_attention_scores, cache, index
@@ -419,17 +311,7 @@ class SelfAttention(keras.layers.Layer):
             )
             return False
         cache_lib.check_call(
-            self.name,
-            causal=self.causal,
-            key_dim=self._dims.key_dim,
-            value_dim=self._dims.value_dim,
-            num_heads=self._kv_heads,
-            dtype=self.compute_dtype,
-            inputs=inputs,
-            cache=cache,
-            index=index,
-            attention_mask=attention_mask,
-            return_attention_scores=return_attention_scores,
+            self, inputs, cache, index, attention_mask, return_attention_scores
         )
         if mask is not None:
             batch, max_length = tuple(inputs.shape)[0], tuple(cache.shape)[2]
@@ -447,17 +329,15 @@ class SelfAttention(keras.layers.Layer):
             Zeros of shape `(batch_size, 2, max_length, num_key_value_heads,
             key_dim)` in the layer's compute dtype.
         """
-        if not self.built:
-            raise ValueError(
-                f"SelfAttention '{self.name}' is not built, so its key_dim is not "
-                "known yet. Build it (or call it once) before empty_cache()."
-            )
-        batch_size = _checks.positive_int("batch_size", batch_size)
-        max_length = _checks.positive_int("max_length", max_length)
-        shape = cache_lib.shape(
-            batch_size, max_length, self._kv_heads, self._dims.key_dim
+        key_dim = None if self._dims is None else self._dims.key_dim
+        return cache_lib.empty(
+            self.name,
+            batch_size,
+            max_length,
+            self._kv_heads,
+            key_dim,
+            self.compute_dtype,
         )
-        return ops.zeros(shape, self.compute_dtype)
 
     def compute_mask(self, inputs, mask=None):
         return mask
@@ -501,24 +381,15 @@ class SelfAttention(keras.layers.Layer):
         )
         return output, weights
 
-    # ----------------------------------------------------------------- config
     def get_config(self) -> dict:
         config = {**super().get_config(), **_config.serialize(self)}
         quantized = self.quantized_projections or {}
         if self.built:
-            quantized = {
-                name: state
-                for name, layer in self._projections().items()
-                if (state := projections_lib.quantization_state(layer)) is not None
-            }
+            quantized = _projection_ops.quantization_states(self)
         if quantized:
             config["quantized_projections"] = quantized
         return config
 
     @classmethod
     def from_config(cls, config: dict) -> SelfAttention:
-        # Keras's own from_config fails with an AttributeError on a `dtype`
-        # config of an unknown class; check it first (ValueError).
-        if isinstance(config, dict) and isinstance(config.get("dtype"), dict):
-            config = {**config, "dtype": _checks.dtype_policy(config["dtype"])}
-        return super().from_config(config)
+        return super().from_config(_checks.config_dtype(config))

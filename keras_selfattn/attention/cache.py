@@ -25,12 +25,28 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_selfattn._checks import positive_int
 from keras_selfattn.attention import nan_safe
 
 
 def shape(batch_size: int, max_length: int, num_heads: int, head_dim: int) -> tuple:
     """The cache's shape."""
     return (batch_size, 2, max_length, num_heads, head_dim)
+
+
+def empty(
+    layer_name: str, batch_size, max_length, num_heads: int, head_dim, dtype: str
+):
+    """A cache of zeros (`SelfAttention.empty_cache`); `head_dim` is None
+    while the layer is not built (ValueError)."""
+    if head_dim is None:
+        raise ValueError(
+            f"SelfAttention '{layer_name}' is not built, so its key_dim is not "
+            "known yet. Build it (or call it once) before empty_cache()."
+        )
+    batch_size = positive_int("batch_size", batch_size)
+    max_length = positive_int("max_length", max_length)
+    return ops.zeros(shape(batch_size, max_length, num_heads, head_dim), dtype)
 
 
 def check(cache, num_heads: int, head_dim: int, dtype: str, layer_name: str) -> None:
@@ -305,22 +321,13 @@ def update(cache, key, value, index, valid=None, padding=None):
 
 
 def check_call(
-    layer_name: str,
-    *,
-    causal: bool,
-    key_dim: int,
-    value_dim: int,
-    num_heads: int,
-    dtype: str,
-    inputs,
-    cache,
-    index,
-    attention_mask,
-    return_attention_scores: bool,
+    layer, inputs, cache, index, attention_mask, return_attention_scores: bool
 ) -> None:
-    """Raises the ValueErrors of a call with a `cache` (not None) whose
-    arguments or layer (`causal`, head sizes, key/value heads, compute dtype)
-    cannot decode, and of an `index` known to overflow the cache."""
+    """Raises the ValueErrors of a call of the built SelfAttention `layer`
+    with a `cache` (not None) whose arguments or layer (`causal`, head sizes,
+    key/value heads, compute dtype) cannot decode, and of an `index` known to
+    overflow the cache."""
+    causal, dims, layer_name = layer.causal, layer._dims, layer.name
     problems = {
         "causal": not causal,
         "attention_mask": attention_mask is not None,
@@ -338,13 +345,13 @@ def check_call(
             f"return_attention_scores={return_attention_scores}, "
             f"cache_update_index={index!r}"
         )
-    if key_dim != value_dim:
+    if dims.key_dim != dims.value_dim:
         raise ValueError(
             f"SelfAttention '{layer_name}': the cache stores keys and values "
             "in one tensor, so value_dim must equal key_dim. Received: "
-            f"key_dim={key_dim}, value_dim={value_dim}"
+            f"key_dim={dims.key_dim}, value_dim={dims.value_dim}"
         )
-    check(cache, num_heads, key_dim, dtype, layer_name)
+    check(cache, layer._kv_heads, dims.key_dim, layer.compute_dtype, layer_name)
     check_batch(inputs, cache, layer_name)
     index = index_of(index, layer_name)
     if isinstance(index, int):
