@@ -88,6 +88,15 @@ def dtype_policy(value):
     return policy
 
 
+def config_dtype(config):
+    """A layer config with its `dtype` config checked (ValueError): Keras's
+    own `from_config` fails with an AttributeError on a `dtype` config of an
+    unknown class."""
+    if isinstance(config, dict) and isinstance(config.get("dtype"), dict):
+        config = {**config, "dtype": dtype_policy(config["dtype"])}
+    return config
+
+
 def float_policy(policy) -> None:
     """Raises ValueError unless the dtype policy computes and stores floats."""
     for dtype in (policy.compute_dtype, policy.variable_dtype):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from keras_selfattn import SelfAttention
+from tests import reference
 from tests.backend import to_numpy
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
@@ -46,3 +47,29 @@ def test_old_file_weights_keep_order_and_values(saved, name, count):
     assert len(weights) == count
     for i, value in enumerate(weights):
         np.testing.assert_array_equal(value, arrays[f"{name}_weight_{i}"])
+
+
+# tests/fixtures/self_attention_dropout_v1.keras was saved (JAX backend) by the
+# layer of commit 5977c29, which drew its dropout seeds from a
+# `keras.layers.Dropout` sublayer, with this script:
+#
+#     keras.utils.set_random_seed(0)
+#     layer = SelfAttention(
+#         num_heads=2, key_dim=2, use_bias=True, causal=True, dropout=0.25,
+#         seed=7, rope_max_wavelength=100.0, name="attention",
+#     )
+#     model = keras.Sequential([keras.Input((3, 4)), layer])
+#     x = np.random.default_rng(0).normal(size=(1, 3, 4)).astype("float32")
+#     model(x, training=True)
+#     model.save("tests/fixtures/self_attention_dropout_v1.keras")
+
+
+def test_file_with_dropout_sublayer_loads_and_computes_the_reference():
+    model = keras.models.load_model(FIXTURES / "self_attention_dropout_v1.keras")
+    layer = model.get_layer("attention")
+    assert (layer.dropout, layer.seed) == (0.25, 7)
+    x = np.random.default_rng(1).normal(size=(2, 3, 4)).astype("float32")
+    expected, _ = reference.for_layer(layer, x)
+    np.testing.assert_allclose(
+        to_numpy(model(x, training=False)), expected, rtol=1e-5, atol=1e-6
+    )

@@ -25,12 +25,28 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_selfattn._checks import positive_int
 from keras_selfattn.attention import nan_safe
 
 
 def shape(batch_size: int, max_length: int, num_heads: int, head_dim: int) -> tuple:
     """The cache's shape."""
     return (batch_size, 2, max_length, num_heads, head_dim)
+
+
+def empty(
+    layer_name: str, batch_size, max_length, num_heads: int, head_dim, dtype: str
+):
+    """A cache of zeros (`SelfAttention.empty_cache`); `head_dim` is None
+    while the layer is not built (ValueError)."""
+    if head_dim is None:
+        raise ValueError(
+            f"SelfAttention '{layer_name}' is not built, so its key_dim is not "
+            "known yet. Build it (or call it once) before empty_cache()."
+        )
+    batch_size = positive_int("batch_size", batch_size)
+    max_length = positive_int("max_length", max_length)
+    return ops.zeros(shape(batch_size, max_length, num_heads, head_dim), dtype)
 
 
 def check(cache, num_heads: int, head_dim: int, dtype: str, layer_name: str) -> None:
@@ -302,3 +318,50 @@ def update(cache, key, value, index, valid=None, padding=None):
         visible = ops.expand_dims(visible, (2, 3))
         keys, values = (nan_safe.zero_unless(visible, x) for x in (keys, values))
     return cache, keys, values
+
+
+def check_call(
+    layer, inputs, cache, index, attention_mask, return_attention_scores: bool
+) -> None:
+    """Raises the ValueErrors of a call of the built SelfAttention `layer`
+    with a `cache` (not None) whose arguments or layer (`causal`, head sizes,
+    key/value heads, compute dtype) cannot decode, and of an `index` known to
+    overflow the cache."""
+    causal, dims, layer_name = layer.causal, layer._dims, layer.name
+    problems = {
+        "causal": not causal,
+        "attention_mask": attention_mask is not None,
+        "return_attention_scores": return_attention_scores,
+        "cache_update_index": index is None,
+    }
+    if any(problems.values()):
+        raise ValueError(
+            f"SelfAttention '{layer_name}': a key/value cache is for causal "
+            "decoding: the layer needs causal=True, and the call "
+            "`cache_update_index` and no attention_mask or "
+            "return_attention_scores. Received: causal="
+            f"{causal}, attention_mask="
+            f"{'given' if attention_mask is not None else None}, "
+            f"return_attention_scores={return_attention_scores}, "
+            f"cache_update_index={index!r}"
+        )
+    if dims.key_dim != dims.value_dim:
+        raise ValueError(
+            f"SelfAttention '{layer_name}': the cache stores keys and values "
+            "in one tensor, so value_dim must equal key_dim. Received: "
+            f"key_dim={dims.key_dim}, value_dim={dims.value_dim}"
+        )
+    check(cache, layer._kv_heads, dims.key_dim, layer.compute_dtype, layer_name)
+    check_batch(inputs, cache, layer_name)
+    index = index_of(index, layer_name)
+    if isinstance(index, int):
+        check_fit(index, tuple(inputs.shape)[1], tuple(cache.shape)[2], layer_name)
+
+
+def check_no_index(index, layer_name: str) -> None:
+    """Raises ValueError for a `cache_update_index` given without a cache."""
+    if index is not None:
+        raise ValueError(
+            f"SelfAttention '{layer_name}': `cache_update_index` goes with "
+            f"`cache`. Received: cache=None, cache_update_index={index!r}"
+        )

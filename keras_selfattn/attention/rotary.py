@@ -22,27 +22,24 @@ from keras import ops
 from keras_selfattn.attention import heads, masks
 
 
-def rotate(
-    x, layout: str, max_wavelength: float, scaling_factor: float = 1.0, offset=0
+def table(
+    time, depth: int, max_wavelength: float, scaling_factor: float = 1.0, offset=0
 ):
-    """`x` (B, H, T, D) or (B, T, H, D), as `layout` says, rotated by position.
+    """The (T, D) cosines and sines of positions offset .. offset + T - 1, once
+    per call for both queries and keys.
 
     Args:
-        x: Projected queries or keys, split into heads; D must be even.
-        layout: `heads.HEADS_FIRST` or `heads.TIME_FIRST`.
+        time: T, the number of positions (an int or a scalar int tensor).
+        depth: D, the head size (even).
         max_wavelength: The longest wavelength (keras-hub's `max_wavelength`).
         scaling_factor: Positions are divided by it (keras-hub's
             `scaling_factor`).
-        offset: The position of x's first step (an int or a scalar int
+        offset: The position of the first step (an int or a scalar int
             tensor): the cache index when decoding.
 
     Returns:
-        The rotated tensor, of x's shape and dtype.
+        A tuple `(cos, sin)` of float32 tensors of shape (T, D).
     """
-    dtype = x.dtype
-    depth = x.shape[-1]
-    time_axis = 2 if layout == heads.HEADS_FIRST else 1
-    time = ops.shape(x)[time_axis]
     exponents = ops.arange(0, depth, 2, dtype="float32") / float(depth)
     inverse_freq = 1.0 / ops.power(float(max_wavelength), exponents)
     positions = masks.positions(time, "float32")
@@ -53,14 +50,28 @@ def rotate(
         ops.expand_dims(positions, 1), ops.expand_dims(inverse_freq, 0)
     )
     angles = ops.concatenate([angles, angles], axis=-1)  # (T, D)
+    return ops.cos(angles), ops.sin(angles)
+
+
+def rotate(x, layout: str, cos_sin):
+    """`x` (B, H, T, D) or (B, T, H, D), as `layout` says, rotated by position.
+
+    Args:
+        x: Projected queries or keys, split into heads; D must be even.
+        layout: `heads.HEADS_FIRST` or `heads.TIME_FIRST`.
+        cos_sin: `table(T, D, ...)` for x's positions.
+
+    Returns:
+        The rotated tensor, of x's shape and dtype.
+    """
+    dtype = x.dtype
     # Broadcast over batch and heads: (1, 1, T, D) or (1, T, 1, D).
-    angles = ops.expand_dims(angles, (0, 1) if time_axis == 2 else (0, 2))
+    axes = (0, 1) if layout == heads.HEADS_FIRST else (0, 2)
+    cos, sin = (ops.expand_dims(t, axes) for t in cos_sin)
     x = ops.cast(x, "float32")
     x1, x2 = ops.split(x, 2, axis=-1)
     # `-x2`, not ops.negative: traced on torch inside the export pipeline the
     # latter is aten::negative, which OpenVINO's converter lacks (aten::neg).
     rotated_half = ops.concatenate([-x2, x1], axis=-1)
-    out = ops.add(
-        ops.multiply(x, ops.cos(angles)), ops.multiply(rotated_half, ops.sin(angles))
-    )
+    out = ops.add(ops.multiply(x, cos), ops.multiply(rotated_half, sin))
     return ops.cast(out, keras.backend.standardize_dtype(dtype))

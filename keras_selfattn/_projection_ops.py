@@ -1,0 +1,201 @@
+"""SelfAttention's projections: built, quantized, LoRA-adapted, loaded.
+
+`add_all` makes them at build (size and initializer checked);
+`ProjectionMethods` holds the layer's methods on them (quantize, LoRA, the
+weights by their names from before the projections were layers, loading
+files saved then).
+"""
+
+from __future__ import annotations
+
+import math
+
+from keras import initializers
+
+from keras_selfattn import _checks
+from keras_selfattn import projections as projections_lib
+
+
+def add(layer, prefix: str, kernel_shape: tuple[int, int]) -> None:
+    """Adds `layer.{prefix}_dense`, a projection with kernel `kernel_shape`."""
+    size = math.prod(kernel_shape)
+    if size > _checks.MAX_SIZE:
+        raise ValueError(
+            f"SelfAttention '{layer.name}': {prefix}_kernel would have shape "
+            f"{kernel_shape}, {size} elements (at most 2**31 - 1). Received: "
+            f"num_heads={layer.num_heads}, key_dim={layer.key_dim}, "
+            f"value_dim={layer.value_dim}, output_dim={layer.output_dim}"
+        )
+    # Seeds offset by the weights made before, as when they were the
+    # layer's own weights: seeded layers keep their initial values.
+    offset = len(layer.weights)
+    projection = projections_lib.Projection(
+        kernel_shape[1],
+        use_bias=layer.use_bias,
+        kernel_initializer=projections_lib.fresh_initializer(
+            layer.kernel_initializer, offset
+        ),
+        bias_initializer=projections_lib.fresh_initializer(
+            layer.bias_initializer, offset + 1
+        ),
+        kernel_regularizer=layer.kernel_regularizer,
+        bias_regularizer=layer.bias_regularizer,
+        kernel_constraint=layer.kernel_constraint,
+        bias_constraint=layer.bias_constraint,
+        name=f"{prefix}_dense",
+        **{
+            "dtype": layer.dtype_policy,
+            **projections_lib.quantization_kwargs(
+                (layer.quantized_projections or {}).get(prefix)
+            ),
+        },
+    )
+    try:
+        projection.build((None, None, kernel_shape[0]))
+    except Exception as error:
+        kind = "kernel" if getattr(projection, "_kernel", None) is None else "bias"
+        shape = kernel_shape if kind == "kernel" else kernel_shape[1:]
+        config = initializers.serialize(getattr(layer, f"{kind}_initializer"))
+        raise ValueError(
+            f"SelfAttention '{layer.name}': `{kind}_initializer` cannot create "
+            f"{prefix}_dense/{kind} of shape {shape}: {error} "
+            f"Received: {kind}_initializer={config}"
+        ) from error
+    setattr(layer, f"{prefix}_dense", projection)
+
+
+def add_all(layer, dims) -> None:
+    """Adds the projections of `layer` for its `_config.Dims`."""
+    input_dim, heads, kv_heads = dims.input_dim, layer.num_heads, layer._kv_heads
+    add(layer, "query", (input_dim, heads * dims.key_dim))
+    add(layer, "key", (input_dim, kv_heads * dims.key_dim))
+    add(layer, "value", (input_dim, kv_heads * dims.value_dim))
+    if layer.use_gate:
+        add(layer, "gate", (input_dim, heads * dims.value_dim))
+    if layer.output_dim is not None:
+        add(layer, "output", (heads * dims.value_dim, layer.output_dim))
+
+
+def quantization_states(layer) -> dict:
+    """Each quantized projection's name -> its state (for `get_config`)."""
+    return {
+        name: state
+        for name, projection in of(layer).items()
+        if (state := projections_lib.quantization_state(projection)) is not None
+    }
+
+
+def of(layer) -> dict[str, projections_lib.Projection]:
+    """The built projections by name, in weight order."""
+    found = {
+        name: getattr(layer, f"{name}_dense", None) for name in projections_lib.NAMES
+    }
+    return {name: p for name, p in found.items() if p is not None}
+
+
+class ProjectionMethods:
+    """SelfAttention's methods on its projections (a base class of it, before
+    `keras.layers.Layer`)."""
+
+    # The projections' weights under their names from before the projections
+    # were layers (`layer.query_kernel` is `layer.query_dense.kernel`).
+    query_kernel = projections_lib.weight_property("query", "kernel")
+    query_bias = projections_lib.weight_property("query", "bias")
+    key_kernel = projections_lib.weight_property("key", "kernel")
+    key_bias = projections_lib.weight_property("key", "bias")
+    value_kernel = projections_lib.weight_property("value", "kernel")
+    value_bias = projections_lib.weight_property("value", "bias")
+    gate_kernel = projections_lib.weight_property("gate", "kernel")
+    gate_bias = projections_lib.weight_property("gate", "bias")
+    output_kernel = projections_lib.weight_property("output", "kernel")
+    output_bias = projections_lib.weight_property("output", "bias")
+
+    def _projections(self) -> dict[str, projections_lib.Projection]:
+        """The built projections by name, in weight order."""
+        return of(self)
+
+    def load_own_variables(self, store) -> None:
+        """Loads a file saved before the projections were layers, whose
+        weights were this layer's own (`get_weights()` order); files of this
+        version keep them in the projections' entries."""
+        if not len(store.keys()):
+            return super().load_own_variables(store)
+        projections = list(of(self).values())
+        targets = [weight for p in projections for weight in p.weights]
+        if len(store.keys()) != len(targets):
+            raise ValueError(
+                f"SelfAttention '{self.name}' has {len(targets)} weights, but the "
+                f"file holds {len(store.keys())} for it. Received: a store with "
+                f"keys {sorted(store.keys())}"
+            )
+        for index, weight in enumerate(targets):
+            weight.assign(store[str(index)])
+        for projection in projections:
+            projection.filled_by_owner = True
+
+    def quantize(self, mode=None, type_check=True, config=None) -> None:
+        """Quantizes the projections, as `keras.layers.Dense.quantize` does.
+
+        `model.quantize(mode)` reaches the projections by itself; this is for
+        a layer used on its own. "gptq" and "awq" calibrate on data through
+        the model: use `model.quantize(mode, config=...)`.
+
+        Args:
+            mode: "int8", "int4" or "float8".
+            type_check: As in `keras.layers.Dense.quantize`.
+            config: Optional `keras.quantizers.QuantizationConfig`.
+        """
+        if mode in ("gptq", "awq"):
+            raise ValueError(
+                f"SelfAttention '{self.name}': mode={mode!r} calibrates on data, "
+                "which a single layer does not have: call "
+                f"`model.quantize({mode!r}, config=...)` on the model holding it. "
+                f"Received: mode={mode!r}"
+            )
+        for projection in of(self).values():
+            projection.quantize(mode, type_check=type_check, config=config)
+
+    def enable_lora(
+        self,
+        rank: int,
+        lora_alpha: float | None = None,
+        projections: tuple[str, ...] = ("query", "value"),
+    ) -> None:
+        """Enables LoRA on some projections and freezes every other weight.
+
+        The chosen projections' kernels become `kernel + (lora_alpha / rank) *
+        lora_kernel_a @ lora_kernel_b`, with `lora_kernel_b` starting at zero
+        (`keras.layers.Dense.enable_lora`); only the LoRA weights stay
+        trainable. Saving writes the merged kernels (a loaded layer has no
+        LoRA weights).
+
+        Args:
+            rank: The rank of the LoRA update (an int > 0).
+            lora_alpha: Scale numerator; defaults to `rank`.
+            projections: Names among "query", "key", "value", "gate" and
+                "output". Defaults to ("query", "value"), keras-hub's choice.
+        """
+        rank = _checks.positive_int("rank", rank)
+        if not self.built:
+            raise ValueError(
+                f"SelfAttention '{self.name}' is not built: build it (or call it "
+                f"once) before enable_lora(). Received: rank={rank}"
+            )
+        available = of(self)
+        if (
+            isinstance(projections, str)
+            or not projections
+            or any(name not in available for name in projections)
+        ):
+            raise ValueError(
+                f"SelfAttention '{self.name}': `projections` must name some of "
+                f"its projections {tuple(available)}. Received: "
+                f"projections={projections!r}"
+            )
+        for name, projection in available.items():
+            if name not in projections:
+                projection.trainable = False
+                continue
+            projection.enable_lora(rank, lora_alpha=lora_alpha)
+            if projection.bias is not None:
+                projection.bias.trainable = False
