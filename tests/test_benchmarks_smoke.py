@@ -250,7 +250,11 @@ def test_runtimes_time_every_runtime_at_every_shape(runtimes_results):
         for key in ("ms", "vs_saved_model", "vs_predict", "vs_call"):
             assert math.isfinite(row[key]) and row[key] > 0, row
         assert f"| {row['shape']} | {row['runtime']} |" in markdown
-    assert str(loaded["machine"]["load_average_1_5_15min"]) in markdown
+    machine = loaded["machine"]
+    for key in ("cpu", "load_average_1_5_15min", "tensorflow", "keras",
+                "onnxruntime", "ai_edge_litert", "openvino", "git_commit"):  # fmt: skip
+        assert str(machine[key]) in markdown, key
+    assert machine["cpu"] and machine["load_average_1_5_15min"]
 
 
 @one_suite
