@@ -3,7 +3,9 @@
 No timing assertions: benchmarks are not tests. These tests check that the
 benchmark runs end to end, that its JSON and Markdown are complete, that its
 numbers are positive and finite, and that the two layers it compares compute
-the same function.
+the same function. The CPU benchmark runs in this process (TensorFlow
+suite only); `benchmarks.runtimes --quick` runs once, in its own
+KERAS_BACKEND=tensorflow interpreter (one_suite).
 """
 
 from __future__ import annotations
