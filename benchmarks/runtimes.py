@@ -289,11 +289,13 @@ def to_markdown(results: dict) -> str:
     lines = [
         "# Export runtimes",
         "",
-        f"- Machine: {m['cpu']}, {m['cores']} cores (load average "
-        f"{m['load_average_1_5_15min']}), {m['os']}",
+        f"- Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB (load "
+        f"average {m['load_average_1_5_15min']}), {m['os']}",
         f"- Software: Python {m['python']}, TensorFlow {m['tensorflow']}, Keras "
-        f"{m['keras']}, onnxruntime {m['onnxruntime']}",
-        f"- Date: {m['date_utc']}; mode: {results['mode']}; {results['rounds']} "
+        f"{m['keras']}, onnxruntime {m['onnxruntime']}, ai-edge-litert "
+        f"{m['ai_edge_litert']}, OpenVINO {m['openvino']}",
+        f"- Date: {m['date_utc']}, commit {m['git_commit']}; mode: "
+        f"{results['mode']}; {results['rounds']} "
         f"rounds; exports {results['export_seconds']:.0f} s, total "
         f"{results['seconds']:.0f} s",
         "- Model: Embedding(1000, 64, mask_zero=True) -> SelfAttention(num_heads=4,"

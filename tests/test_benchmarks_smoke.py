@@ -3,21 +3,31 @@
 No timing assertions: benchmarks are not tests. These tests check that the
 benchmark runs end to end, that its JSON and Markdown are complete, that its
 numbers are positive and finite, and that the two layers it compares compute
-the same function.
+the same function. The CPU benchmark runs in this process (TensorFlow
+suite only); `benchmarks.runtimes --quick` runs once, in its own
+KERAS_BACKEND=tensorflow interpreter (one_suite).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from benchmarks import cases, cpu, report, runtimes, subprocesses, timing
 
-pytestmark = pytest.mark.tensorflow_only(
-    "the benchmark runs tf.function, SavedModel and ONNX"
+ROOT = Path(__file__).resolve().parents[1]
+tensorflow_only = pytest.mark.tensorflow_only(
+    "the CPU benchmark runs tf.function, SavedModel and ONNX"
+)
+one_suite = pytest.mark.one_suite(
+    "benchmarks.runtimes runs in its own KERAS_BACKEND=tensorflow interpreter"
 )
 
 # Keys every row of a section has (a value, or a "status" saying why not).
@@ -61,6 +71,7 @@ def quick_results(tmp_path_factory):
     return loaded, markdown
 
 
+@tensorflow_only
 def test_every_section_has_complete_rows(quick_results):
     loaded, _ = quick_results
     assert set(loaded["sections"]) == set(report.SECTIONS)
@@ -74,6 +85,7 @@ def test_every_section_has_complete_rows(quick_results):
                 assert has_number or "status" in row, row
 
 
+@tensorflow_only
 def test_numbers_are_positive_and_finite(quick_results):
     loaded, _ = quick_results
     for name, rows in loaded["sections"].items():
@@ -86,6 +98,7 @@ def test_numbers_are_positive_and_finite(quick_results):
                     assert value > 0, (name, key, value)
 
 
+@tensorflow_only
 def test_compared_layers_compute_the_same_function(quick_results):
     loaded, _ = quick_results
     for row in loaded["sections"]["forward"]:
@@ -94,6 +107,7 @@ def test_compared_layers_compute_the_same_function(quick_results):
         assert row["max_abs_difference"] < 1e-4, row
 
 
+@tensorflow_only
 def test_markdown_has_machine_every_section_and_row(quick_results):
     loaded, markdown = quick_results
     machine = loaded["machine"]
@@ -121,6 +135,7 @@ def test_forward_flops_counts_every_matmul():
     assert cases.training_flops(shape, config) == 3 * 288
 
 
+@tensorflow_only
 def test_cpu_layers_share_weights_and_compute_the_same_function():
     # The pair of benchmarks.cpu comes from pairs.build_layer; checked here
     # against numpy attention written out independently.
@@ -186,6 +201,7 @@ def test_targets_compare_with_the_issue_thresholds():
     assert fused["met"] is None and fused["value"].startswith("not run")
 
 
+@tensorflow_only
 def test_memory_probe_runs_in_a_fresh_process():
     spec = subprocesses.spec("self_attention", 1, 32, 16, 2, 8, 16)
     result = subprocesses.peak_memory(spec)
@@ -195,19 +211,34 @@ def test_memory_probe_runs_in_a_fresh_process():
 
 @pytest.fixture(scope="module")
 def runtimes_results(tmp_path_factory):
-    results = runtimes.run(quick=True)
-    json_path, markdown_path = report.write(
-        results,
-        str(tmp_path_factory.mktemp("runtimes")),
-        "runtimes",
-        runtimes.to_markdown,
+    """`python -m benchmarks.runtimes --quick` in a fresh TensorFlow interpreter."""
+    out = tmp_path_factory.mktemp("runtimes")
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.runtimes",
+        "--quick",
+        "--out",
+        str(out),
+    ]
+    done = subprocess.run(
+        command,
+        cwd=ROOT,
+        env={**os.environ, "KERAS_BACKEND": "tensorflow"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
-    with open(json_path, encoding="utf-8") as handle:
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(out / "runtimes.json", encoding="utf-8") as handle:
         loaded = json.load(handle)
-    with open(markdown_path, encoding="utf-8") as handle:
-        return loaded, handle.read()
+    markdown = (out / "runtimes.md").read_text(encoding="utf-8")
+    assert markdown in done.stdout  # the table printed is the table written
+    return loaded, markdown
 
 
+@one_suite
 def test_runtimes_time_every_runtime_at_every_shape(runtimes_results):
     loaded, markdown = runtimes_results
     expected = {"keras_predict", "keras_call", "saved_model", *runtimes.NEEDS}
@@ -221,9 +252,14 @@ def test_runtimes_time_every_runtime_at_every_shape(runtimes_results):
         for key in ("ms", "vs_saved_model", "vs_predict", "vs_call"):
             assert math.isfinite(row[key]) and row[key] > 0, row
         assert f"| {row['shape']} | {row['runtime']} |" in markdown
-    assert str(loaded["machine"]["load_average_1_5_15min"]) in markdown
+    machine = loaded["machine"]
+    for key in ("cpu", "load_average_1_5_15min", "tensorflow", "keras",
+                "onnxruntime", "ai_edge_litert", "openvino", "git_commit"):  # fmt: skip
+        assert str(machine[key]) in markdown, key
+    assert machine["cpu"] and machine["load_average_1_5_15min"]
 
 
+@one_suite
 def test_runtimes_agree_with_keras(runtimes_results):
     loaded, _ = runtimes_results
     for row in loaded["rows"]:
