@@ -205,10 +205,12 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
         ).name
 
     def _choose(self, inputs, masks: Masks, training, return_attention_scores: bool):
+        # `implementation` may ask before the layer is built.
+        dims = self._dims or _config.dims(self, inputs.shape[-1])
         return choose(
             masks,
             query_on_gpu=on_gpu(inputs),
-            same_head_dims=self._dims.key_dim == self._dims.value_dim,
+            same_head_dims=dims.key_dim == dims.value_dim,
             dtype=self.compute_dtype,
             flash_attention=self.flash_attention,
             chunk_size=self.chunk_size,
