@@ -201,6 +201,7 @@ def test_targets_compare_with_the_issue_thresholds():
     assert fused["met"] is None and fused["value"].startswith("not run")
 
 
+@pytest.mark.slow
 @tensorflow_only
 def test_memory_probe_runs_in_a_fresh_process():
     spec = subprocesses.spec("self_attention", 1, 32, 16, 2, 8, 16)

@@ -103,9 +103,9 @@ def test_example_prints_its_lines(example):
     assert len(generated) == 24 and f"generated: {generated!r}" in stdout
 
 
-# The benchmark's smoke run: cached decoding is checked on every backend in
-# `make test` by the example above and by tests/test_kv_cache.py.
-@pytest.mark.slow_on("tensorflow", "jax", "the decode benchmark's quick run")
+# The benchmark's smoke run, in the slow suite: cached decoding is checked on
+# every backend in `make test` by the example above and tests/test_kv_cache.py.
+@pytest.mark.slow
 def test_benchmark_cached_step_equals_the_full_forward(benchmark):
     _, results = benchmark
     rows = results["rows"]
@@ -119,9 +119,7 @@ def test_benchmark_cached_step_equals_the_full_forward(benchmark):
         assert gqa["cache_bytes_full"] == 4 * gqa["cache_bytes_gqa"]
 
 
-# The benchmark's smoke run: cached decoding is checked on every backend in
-# `make test` by the example above and by tests/test_kv_cache.py.
-@pytest.mark.slow_on("tensorflow", "jax", "the decode benchmark's quick run")
+@pytest.mark.slow
 def test_benchmark_prints_every_row_and_target(benchmark):
     stdout, results = benchmark
     assert results["machine"]["backend"] == BACKEND

@@ -66,6 +66,13 @@ def _expected_rows() -> set[tuple[str, str]]:
     }
 
 
+# One tiny run per backend: JAX's in `make test` (the GPU machine's setup:
+# keras + jax, no TensorFlow), TensorFlow's and torch's in `make test-slow`.
+ON_JAX_IN_MAKE_TEST = pytest.mark.slow_on(
+    "tensorflow", "torch", "the backends benchmark's tiny run"
+)
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     """(completed process, loaded JSON) of one tiny run on this backend."""
@@ -91,6 +98,7 @@ def _positive(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
+@ON_JAX_IN_MAKE_TEST
 def test_every_row_is_in_the_json_and_the_table(smoke):
     completed, results = smoke
     assert results["machine"]["backend"] == BACKEND
@@ -104,6 +112,7 @@ def test_every_row_is_in_the_json_and_the_table(smoke):
     assert len(table) == 1 + len(results["rows"])
 
 
+@ON_JAX_IN_MAKE_TEST
 def test_times_ratios_and_flops_are_finite_and_positive(smoke):
     _, results = smoke
     for row in results["rows"]:
@@ -130,6 +139,7 @@ def test_peak_rss_comes_from_child_processes(monkeypatch):
         assert measured["peak_mib_runs"] == [measured["peak_mib"]]
 
 
+@ON_JAX_IN_MAKE_TEST
 def test_the_two_layers_compute_the_same_function(smoke):
     _, results = smoke
     checks = results["checks"]
@@ -140,6 +150,7 @@ def test_the_two_layers_compute_the_same_function(smoke):
 
 
 @pytest.mark.skipif(BACKEND == "tensorflow", reason="TensorFlow is the backend")
+@ON_JAX_IN_MAKE_TEST
 def test_no_tensorflow_module_is_imported(smoke):
     completed, _ = smoke
     line = [x for x in completed.stdout.splitlines() if x.startswith(MARKER)][-1]

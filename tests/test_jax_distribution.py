@@ -16,7 +16,7 @@ prints one `RESULT {json}` line that the tests below check.
   step equal a one-device run from the same seed.
 
 The worker starts its own JAX process whatever the suite's backend, so it
-runs once, from the TensorFlow suite.
+runs in one suite (`one_suite`).
 """
 
 from __future__ import annotations
@@ -34,10 +34,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow",
-    reason="spawns its own JAX process; run once, from the TensorFlow suite",
-)
+pytestmark = pytest.mark.one_suite("spawns its own JAX processes")
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "distribution.md"
 XLA_FLAGS = "--xla_force_host_platform_device_count=2"

@@ -143,7 +143,18 @@ def test_half_precision_symbolic_scores_dtype(policy):
     np.testing.assert_allclose(sums, 1.0, atol=HALF_TOLERANCE[policy])
 
 
-@pytest.mark.parametrize("policy", ["float32", "mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "float32",
+        # JAX compiles every eager call anew: the half policies of this
+        # gradient check are in its slow suite, in the others' fast ones.
+        *(
+            pytest.param(p, marks=pytest.mark.slow_on("jax", "half policies"))
+            for p in ("mixed_float16", "mixed_bfloat16")
+        ),
+    ],
+)
 def test_fully_masked_rows_are_zero_with_finite_gradients(policy):
     rng = np.random.default_rng(3)
     features = 6

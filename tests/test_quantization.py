@@ -62,7 +62,14 @@ def _pair() -> tuple[keras.Model, keras.Model]:
     return models
 
 
-@pytest.mark.parametrize("mode", MODES)
+# JAX compiles every eager call's shapes anew: int4 and the per-path runs
+# on quantized weights are in its slow suite, in the others' fast ones.
+SLOW_ON_JAX = pytest.mark.slow_on("jax", "more quantized eager calls")
+
+
+@pytest.mark.parametrize(
+    "mode", [pytest.param(m, marks=SLOW_ON_JAX) if m == "int4" else m for m in MODES]
+)
 def test_error_at_most_1_5x_multi_head_attention(mode):
     ours, mha = _pair()
     float_ours, float_mha = to_numpy(ours(X)), to_numpy(mha(X))
@@ -116,12 +123,14 @@ def int8_causal() -> tuple[dict[str, SelfAttention], np.ndarray]:
     return layers, to_numpy(layers["explicit"](X))
 
 
+@SLOW_ON_JAX
 @pytest.mark.parametrize("path", PATH_PARAMS)
 def test_every_path_runs_on_quantized_weights(int8_causal, path):
     layers, expected = int8_causal
     np.testing.assert_allclose(to_numpy(layers[path](X)), expected, atol=1e-5)
 
 
+@SLOW_ON_JAX
 def test_decoding_on_quantized_weights_equals_the_full_call(int8_causal):
     layers, expected = int8_causal
     layer = layers["explicit"]
