@@ -11,7 +11,8 @@ the SavedModel (through TensorFlow's loader) and the ONNX file (in
 onnxruntime) are checked against the predictions the training backend made.
 
 The example starts its own backend processes whatever the suite's backend,
-so the test runs once, from the TensorFlow suite.
+so the test runs in one suite (`one_suite`); the .keras file is loaded in
+that suite's process, whatever its backend.
 """
 
 from __future__ import annotations
@@ -27,15 +28,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow",
-    reason="spawns its own jax, torch and tensorflow processes; run once, from "
-    "the TensorFlow suite",
-)
+pytestmark = pytest.mark.one_suite("spawns its own jax, torch and tensorflow processes")
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "cross_backend.py"
 TRAIN_BACKENDS = (
-    pytest.param("jax", marks=pytest.mark.slow_on("tensorflow", "JAX's driver")),
+    pytest.param("jax", marks=pytest.mark.slow_on("torch", "JAX's driver")),
     "torch",
 )
 ATOL = 1e-5
@@ -126,7 +123,8 @@ def test_printed_checks_within_tolerance(runs, backend):
 
 @pytest.mark.parametrize("backend", TRAIN_BACKENDS)
 def test_keras_file_loads_here_with_the_trained_weights(runs, backend):
-    """Loaded in this (TensorFlow) process with only `import keras_selfattn`."""
+    """Loaded in this process (the one suite's backend) with only `import
+    keras_selfattn`."""
     import keras
 
     import keras_selfattn  # noqa: F401  (registers SelfAttention)
