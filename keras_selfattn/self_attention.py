@@ -146,8 +146,6 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
         dims = _config.dims(self, input_dim)
         _projection_ops.add_all(self, dims)
         self._dims = dims
-        # Read by tests/test_chunked_attention.py, which another file owns.
-        self._key_dim, self._value_dim = dims.key_dim, dims.value_dim
 
     def _project(self, x, prefix: str):
         return getattr(self, f"{prefix}_dense")(x)
