@@ -4,7 +4,8 @@ Under TensorFlow in this process (the runtimes still run in fresh ones): an
 export whose artifact computes something else is refused with nothing left
 on disk; OpenVINO's bf16 is reported under its own label; artifacts Keras's
 own `model.export` wrote verify too; killed runs' temporaries are removed by
-the next run, other names' and live runs' are not.
+the next run, other names' and live runs' are not; an interrupt landing right
+after a folder or file is made leaves nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from keras_selfattn.export import (
     export_openvino,
     verify,
 )
+from keras_selfattn.serving import write_models_config
 from tests import model_zoo
 
 pytestmark = pytest.mark.tensorflow_only("LiteRT and OpenVINO from TensorFlow")
@@ -128,3 +130,54 @@ def test_next_run_removes_temporaries_of_killed_runs_only(tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted(
         ["m.onnx", live.name, other_name.name]
     )
+
+
+class _InterruptAfter:
+    """Wraps an `os` function: calls it, then raises KeyboardInterrupt after
+    the `after`-th call, as a signal landing right after it would."""
+
+    def __init__(self, real, after: int):
+        self.real, self.after, self.calls = real, after, 0
+
+    def __call__(self, *args, **kwargs):
+        result = self.real(*args, **kwargs)
+        self.calls += 1
+        if self.calls == self.after:
+            raise KeyboardInterrupt
+        return result
+
+
+def _write_config(path: str) -> None:
+    write_models_config(os.path.dirname(path), ["clf"])
+
+
+# The signal handler raises between two bytecodes, so KeyboardInterrupt can
+# land after a folder or file is made and before its name is kept: interrupt
+# after each of the creating calls of one write (two missing parents and the
+# temporary for exports; the temporary file for models.config) and the tree
+# must be as before.
+@pytest.mark.parametrize(
+    "write, function, calls",
+    [
+        (lambda target: _files.atomic_directory(target).__enter__(), "mkdir", 3),
+        (lambda target: _files.atomic_file(target).__enter__(), "mkdir", 3),
+        (_write_config, "open", 1),
+    ],
+    ids=["export_directory", "export_file", "models_config"],
+)
+def test_an_interrupt_right_after_a_creating_call_leaves_nothing(
+    tmp_path, monkeypatch, write, function, calls
+):
+    target = tmp_path / "new" / "deeper" / "m"
+    if function == "open":
+        target.parent.mkdir(parents=True)
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    real = getattr(os, function)
+    for after in range(1, calls + 1):
+        interrupting = _InterruptAfter(real, after)
+        monkeypatch.setattr(os, function, interrupting)
+        with pytest.raises(KeyboardInterrupt):
+            write(str(target))
+        monkeypatch.setattr(os, function, real)
+        assert interrupting.calls == after
+        assert sorted(str(p) for p in tmp_path.rglob("*")) == before, after

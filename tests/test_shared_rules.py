@@ -1,7 +1,7 @@
 """One rule each for export/ and serving/: names, versions, folders, modes.
 
 The exporters, `models.config`, warmup files and the clients share
-`keras_selfattn.serving.layout` and `serving._files.umask_mode`; these tests
+`keras_selfattn.serving.layout` and the umask rule for modes; these tests
 hold every user of a rule to the same answer.
 """
 
@@ -28,7 +28,6 @@ from keras_selfattn.serving import (
     write_models_config,
     write_warmup_file,
 )
-from keras_selfattn.serving import _files as serving_files
 from tests import model_zoo
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -141,7 +140,6 @@ def test_export_follows_the_layout(tmp_path):
 
 # ------------------------------------------------------------------- modes
 def test_one_umask_rule_for_export_and_serving_files(tmp_path):
-    assert export_files.umask_mode is serving_files.umask_mode
     previous = os.umask(0o027)
     try:
         with export_files.atomic_file(str(tmp_path / "exported")) as tmp:

@@ -4,7 +4,7 @@ Everything is first written beside its target (same directory, so the final
 `os.rename` stays on one file system and is atomic), then moved into place.
 The temporary is removed on any exception, `KeyboardInterrupt` included, and
 an existing target is never replaced. Temporaries get the modes the umask
-gives ordinary files (`serving._files.umask_mode`).
+gives ordinary files.
 """
 
 from __future__ import annotations
@@ -14,11 +14,9 @@ import dataclasses
 import errno
 import os
 import re
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterator, Sequence
-
-from keras_selfattn.serving._files import umask_mode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,23 +45,23 @@ def check_path(argument: str, value: object) -> str:
     return os.fspath(value)
 
 
-def _make_dirs(path: str) -> list[str]:
-    """Creates `path` and its missing parents; returns those it made."""
+def _make_dirs(path: str, made: list[str]) -> None:
+    """Creates `path` and its missing parents, appending each to `made`
+    before making it (so an interrupt cannot hide one from the cleanup)."""
     missing = []
     while not os.path.isdir(path) and os.path.dirname(path) != path:
         if os.path.lexists(path):
             raise NotADirectoryError(errno.ENOTDIR, "Not a directory", path)
         missing.append(path)
         path = os.path.dirname(path)
-    made: list[str] = []
-    try:
-        for directory in reversed(missing):
+    for directory in reversed(missing):
+        made.append(directory)
+        try:
             os.mkdir(directory)
-            made.append(directory)
-    except BaseException:
-        _remove_empty(made)
-        raise
-    return made
+        except FileExistsError:  # made meanwhile by someone else: not ours
+            made.pop()
+            if not os.path.isdir(directory):
+                raise
 
 
 def _remove_empty(directories: list[str]) -> None:
@@ -77,17 +75,31 @@ def _temporary_prefix(name: str) -> str:
     return f".{name}.tmp-"
 
 
-def _make_temporary(parent: str, name: str) -> str:
-    """A hidden folder `.NAME.tmp-PID-XXXX` in `parent`, after removing those
-    of exports of NAME whose process is gone (killed with SIGKILL, which no
-    cleanup survives); others' names and live processes' folders stay."""
+def _make_temporary(parent: str, name: str, made: list[str]) -> None:
+    """Makes a hidden folder `.NAME.tmp-PID-XXXX` in `parent` and appends it
+    to `made`, after removing those of exports of NAME whose process is gone
+    (killed with SIGKILL, which no cleanup survives); others' names and live
+    processes' folders stay.
+
+    The path is in `made` before the folder exists, so a KeyboardInterrupt
+    landing right after `os.mkdir` still leaves the caller its name to remove.
+    Its mode is what the umask gives ordinary folders.
+    """
     prefix = _temporary_prefix(name)
     pattern = re.compile(re.escape(prefix) + r"([0-9]+)-[^/]*$")
     for entry in os.listdir(parent):
         match = pattern.match(entry)
         if match and not _alive(int(match.group(1))):
             shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
+    while True:
+        path = os.path.join(parent, f"{prefix}{os.getpid()}-{secrets.token_hex(6)}")
+        made.append(path)
+        try:
+            os.mkdir(path, 0o777)
+        except FileExistsError:
+            made.pop()
+            continue
+        return
 
 
 def _alive(pid: int) -> bool:
@@ -125,25 +137,21 @@ def atomic_directory(target: str) -> Iterator[str]:
     """
     parent = os.path.dirname(os.path.abspath(target))
     refuse_existing(target, "Export directory")
-    created = _make_dirs(parent)
+    created: list[str] = []
+    temporary: list[str] = []
     try:
-        tmp = _make_temporary(parent, os.path.basename(target))
-        os.chmod(tmp, umask_mode(0o777))
-    except BaseException:
-        _remove_empty(created)
-        raise
-    try:
-        yield tmp
+        _make_dirs(parent, created)
+        _make_temporary(parent, os.path.basename(target), temporary)
+        yield temporary[0]
         refuse_existing(target, "Export directory")
         try:
-            os.rename(tmp, target)
+            os.rename(temporary[0], target)
         except OSError as error:
             if error.errno in (errno.EEXIST, errno.ENOTEMPTY):
                 refuse_existing(target, "Export directory")
             raise
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        _remove_empty(created)
+        _remove(temporary, created)
         raise
 
 
@@ -168,28 +176,38 @@ def atomic_files(targets: Sequence[str]) -> Iterator[str]:
     for target in targets:
         refuse_existing(target, "Output file")
     parent = os.path.dirname(targets[0])
-    created = _make_dirs(parent)
-    tmp, linked = None, []
+    created: list[str] = []
+    temporary: list[str] = []
+    linked: list[str] = []
     try:
-        tmp = _make_temporary(parent, os.path.basename(targets[0]))
-        os.chmod(tmp, umask_mode(0o777))
-        yield tmp
+        _make_dirs(parent, created)
+        _make_temporary(parent, os.path.basename(targets[0]), temporary)
+        yield temporary[0]
         for target in targets:
+            linked.append(target)
             try:
-                os.link(os.path.join(tmp, os.path.basename(target)), target)
+                os.link(os.path.join(temporary[0], os.path.basename(target)), target)
             except FileExistsError:
+                linked.pop()
                 refuse_existing(target, "Output file")
                 raise
-            linked.append(target)
     except BaseException:
         for target in linked:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(target)
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        _remove_empty(created)
+        _remove(temporary, created)
         raise
-    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        shutil.rmtree(temporary[0], ignore_errors=True)
+    finally:  # an interrupt during the first try: the targets stay, complete
+        shutil.rmtree(temporary[0], ignore_errors=True)
+
+
+def _remove(temporary: list[str], created: list[str]) -> None:
+    """Removes the temporary folder (if made) and the parents made for it."""
+    for path in temporary:
+        shutil.rmtree(path, ignore_errors=True)
+    _remove_empty(created)
 
 
 @contextlib.contextmanager

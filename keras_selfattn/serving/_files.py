@@ -1,25 +1,15 @@
-"""File modes and atomic replacement: a reader sees the old file or the new one.
+"""Atomic replacement: a reader sees the old file or the new one.
 
-`umask_mode` is the one rule for the modes of everything this package and
-`keras_selfattn.export` write through temporaries.
+Temporaries are created with the modes the umask gives ordinary files (as
+are `keras_selfattn.export`'s), never `tempfile`'s private 0600 / 0700, which
+renamed into place would stay unreadable to a server running as another user.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from collections.abc import Callable
-
-
-def umask_mode(mode: int) -> int:
-    """`mode` under the process umask: what `os.mkdir` or `open` would give.
-
-    `tempfile` makes private (0700 / 0600) entries; renamed into place they
-    would stay unreadable to a server running as another user.
-    """
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return mode & ~umask
 
 
 def atomic_write(path: str, write: Callable[[str], None]) -> str:
@@ -40,18 +30,22 @@ def atomic_write(path: str, write: Callable[[str], None]) -> str:
         raise FileNotFoundError(
             f"The folder of `path` does not exist. Received: path={path!r}"
         )
-    fd, tmp = tempfile.mkstemp(
-        prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder
-    )
-    os.close(fd)
-    os.chmod(tmp, umask_mode(0o666))  # mkstemp's 0600 would stay private
+    tmp = None
     try:
+        while tmp is None:
+            tmp = os.path.join(
+                folder, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp"
+            )
+            try:  # 0o666 under the umask: readable like any file written
+                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            except FileExistsError:
+                tmp = None
         write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
         raise
     return path
