@@ -80,7 +80,10 @@ def run(quick: bool = False, only: list[str] | None = None) -> dict:
         "config": dataclasses.asdict(plan.config),
         "seconds": time.perf_counter() - start,
         "sections": sections,
-        "targets": report.targets(sections, plan.full_shapes),
+        "targets": report.targets(
+            sections,
+            [s.label for s in plan.forward_shapes] if plan.judges_targets else [],
+        ),
     }
 
 

@@ -127,11 +127,12 @@ def _target(
     }
 
 
-def targets(sections: dict[str, list[dict]], full_shapes: list[str]) -> list[dict]:
-    """Issue 5's and 6's targets with their measured values (None: not run)."""
+def targets(sections: dict[str, list[dict]], shapes: list[str]) -> list[dict]:
+    """Issue 5's and 6's targets at `shapes` (labels) with their measured
+    values (None: not run)."""
     forward = sections.get("forward", [])
     result = []
-    for shape in full_shapes:
+    for shape in shapes:
         for mask in ("none", "padding", "causal"):
             result.append(
                 _target(
@@ -142,7 +143,7 @@ def targets(sections: dict[str, list[dict]], full_shapes: list[str]) -> list[dic
                     ">= 1.20x",
                 )
             )
-    for shape in full_shapes:
+    for shape in shapes:
         result.append(
             _target(
                 f"training step {shape}: SelfAttention vs MHA",
