@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import time
 
 from benchmarks import cases, exported, layer_bench, machine, report, subprocesses
-
-RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
 
 
 def _memory_rows(plan: cases.Plan) -> list[dict]:
@@ -90,7 +87,7 @@ def run(quick: bool = False, only: list[str] | None = None) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, few rounds")
-    parser.add_argument("--out", default=RESULTS_DIR, help="output folder")
+    parser.add_argument("--out", default=report.RESULTS_DIR, help="output folder")
     parser.add_argument(
         "--only",
         nargs="+",

@@ -23,13 +23,13 @@ peak, so a child of a big benchmark process would report the parent's RSS.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks import machine
+
 WARMUP_TIME = 16
 
 
@@ -161,7 +161,7 @@ def run_child(argv: list[str], timeout_s: float) -> dict:
         text=True,
         timeout=timeout_s,
         check=False,
-        cwd=REPO,
+        cwd=machine.REPO,
     )
     if completed.returncode != 0:
         tail = completed.stderr.strip().splitlines()[-3:]

@@ -7,6 +7,9 @@ import math
 import os
 from collections.abc import Callable
 
+# Where `make bench` writes its JSON and Markdown results.
+RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
+
 # section -> (title, [(row key, column header)])
 SECTIONS: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "forward": (

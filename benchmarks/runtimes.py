@@ -33,7 +33,6 @@ import numpy as np
 from benchmarks import machine, report
 from benchmarks.timing import interleave
 
-RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
 VOCABULARY = 1000
 # runtime -> (module it needs, extra that installs it)
 NEEDS = {
@@ -160,7 +159,7 @@ def export_all(model, directory: str) -> tuple[dict, dict]:
 
     Returns:
         (runtime name -> callable on a token array, runtime name -> note for
-        runtimes that are not installed or whose export failed).
+        runtimes that are not installed).
     """
     from keras_selfattn import export
 
@@ -312,7 +311,7 @@ def to_markdown(results: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds")
-    parser.add_argument("--out", default=RESULTS_DIR, help="output folder")
+    parser.add_argument("--out", default=report.RESULTS_DIR, help="output folder")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per shape")
     args = parser.parse_args(argv)
     results = run(quick=args.quick, rounds=args.rounds)

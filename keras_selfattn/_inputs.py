@@ -53,9 +53,18 @@ def check(layer_name: str, inputs, input_dim: int | None) -> None:
         )
 
 
-def check_masks(layer_name: str, inputs_shape, mask, attention_mask) -> None:
+def check_masks(
+    layer_name: str,
+    inputs_shape,
+    mask,
+    attention_mask,
+    *,
+    against: str = "inputs.shape",
+    time_name: str = "time",
+) -> None:
     """Raises ValueError unless `mask` is (batch, time) and `attention_mask`
-    (batch, time, time) for the leading sizes of `inputs_shape`."""
+    (batch, time, time) for the leading sizes of `inputs_shape`, which the
+    message calls `against` (and its second size `time_name`)."""
     batch, time = tuple(inputs_shape)[:2]
     for name, value, rank in (
         ("mask", mask, 2),
@@ -72,12 +81,26 @@ def check_masks(layer_name: str, inputs_shape, mask, attention_mask) -> None:
             for a, b in zip(shape, expected, strict=False)
         )
         if not compatible:
-            wanted = "(batch, time)" if rank == 2 else "(batch, time, time)"
+            wanted = ", ".join(["batch"] + [time_name] * (rank - 1))
             raise ValueError(
                 f"SelfAttention '{layer_name}': `{name}` must have shape "
-                f"{wanted} = {expected} to match inputs.shape="
+                f"({wanted}) = {expected} to match {against}="
                 f"{tuple(inputs_shape)}. Received: {name}.shape={shape}"
             )
+
+
+def check_decoding_mask(layer_name: str, inputs, cache, mask) -> None:
+    """Raises ValueError unless a decoding call's `mask` (over the whole
+    cache) is (batch, max_length)."""
+    if mask is not None:
+        check_masks(
+            layer_name,
+            (tuple(inputs.shape)[0], tuple(cache.shape)[2]),
+            mask,
+            None,
+            against="(inputs.shape[0], cache.shape[2])",
+            time_name="max_length",
+        )
 
 
 def check_scores_request(layer_name: str, chunk_size, return_scores: bool) -> None:

@@ -190,7 +190,7 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
         return_attention_scores: bool = False,
     ) -> str:
         """The name of the implementation a call with these arguments takes:
-        "fused", "chunked" or "explicit" (see the class docstring).
+        "fused", "chunked" or "explicit" (see docs/attention-paths.md).
 
         Raises the ValueError the call would raise if `flash_attention=True`
         and the call cannot use the fused kernel.
@@ -313,9 +313,7 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
         cache_lib.check_call(
             self, inputs, cache, index, attention_mask, return_attention_scores
         )
-        if mask is not None:
-            batch, max_length = tuple(inputs.shape)[0], tuple(cache.shape)[2]
-            _inputs.check_masks(self.name, (batch, max_length), mask, None)
+        _inputs.check_decoding_mask(self.name, inputs, cache, mask)
         return True
 
     def empty_cache(self, batch_size: int, max_length: int):

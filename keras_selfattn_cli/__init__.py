@@ -290,7 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs `keras-selfattn` with `argv` (default: sys.argv[1:]).
 
     Returns:
-        The exit status: 0 success, 1 failure, 2 usage error, 130 interrupt
+        The exit status: 0 success, 1 failure (invalid combinations of
+        options included), 2 arguments that cannot be parsed, 130 interrupt
         (SIGINT), 143 terminated (SIGTERM).
     """
     args = build_parser().parse_args(argv)

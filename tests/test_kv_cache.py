@@ -146,6 +146,26 @@ def test_bad_cache_shape_and_unbuilt_empty_cache():
         layer(X, cache_update_index=0)
 
 
+def test_a_bad_decoding_mask_names_the_cache_shape_it_must_match():
+    # While decoding, `mask` covers the whole cache: (batch, max_length),
+    # and the error says so (not the one-token inputs' shape).
+    layer = SelfAttention(num_heads=2, key_dim=4, causal=True)
+    layer.build(X.shape)
+    cache = layer.empty_cache(2, 9)
+    expected = (
+        r"`mask` must have shape \(batch, max_length\) = \(2, 9\) to match "
+        r"\(inputs.shape\[0\], cache.shape\[2\]\)=\(2, 9\). "
+        r"Received: mask.shape=\(2, 1\)"
+    )
+    with pytest.raises(ValueError, match=expected):
+        layer(
+            X[:, :1],
+            cache=cache,
+            cache_update_index=0,
+            mask=np.ones((2, 1), bool),
+        )
+
+
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 @pytest.mark.parametrize("path", list(PATHS))
 def test_cached_decoding_in_mixed_precision(policy, path):

@@ -193,6 +193,8 @@ def test_bad_arguments(classifier_exports, tmp_path):
             verify(model, onnx_path=onnx_path, shapes=shapes)
     with pytest.raises(ValueError, match="atol=-1"):
         verify(model, onnx_path=onnx_path, atol=-1)
+    with pytest.raises(ValueError, match="finite.*rtol=nan"):
+        verify(model, onnx_path=onnx_path, rtol=float("nan"))
     with pytest.raises(FileNotFoundError, match="missing.onnx"):
         verify(model, onnx_path=tmp_path / "missing.onnx")
     with pytest.raises(FileNotFoundError, match="nowhere"):

@@ -10,12 +10,13 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from keras_selfattn import _checks
 from keras_selfattn.attention import masks as masks_lib
 from keras_selfattn.fusable_core import FUSABLE_CORE_SCOPE
 
 # Softmax always runs in float32; this is float32's lowest finite value, so
 # masked scores never overflow and a fully masked row never becomes NaN.
-MASK_VALUE = -3.4028234663852886e38
+MASK_VALUE = -_checks.FLOAT32_MAX
 
 
 def _static(size):

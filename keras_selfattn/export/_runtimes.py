@@ -26,14 +26,6 @@ LITERT = "litert"
 OPENVINO = "openvino"
 TORCH = "torch"
 FORMATS = (SAVED_MODEL, ONNX, LITERT, OPENVINO, TORCH)
-# What each format's worker imports, for install hints and refusals.
-RUNTIME_OF = {
-    SAVED_MODEL: "tensorflow",
-    ONNX: "onnxruntime",
-    LITERT: "ai_edge_litert",
-    OPENVINO: "openvino",
-    TORCH: "torch",
-}
 # OpenVINO runs at this precision unless told otherwise: on CPUs with
 # AVX512-BF16 its default is bf16, which is not the model's arithmetic.
 OPENVINO_EXACT_PRECISION = "f32"

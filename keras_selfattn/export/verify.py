@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping, Sequence
 
@@ -339,14 +340,19 @@ def collect_artifacts(
 
 
 def check_tolerance(name: str, value: object) -> float:
-    """Returns `value` as a float if it is a non-negative number.
+    """Returns `value` as a float if it is a finite non-negative number.
 
     Raises:
         ValueError: naming the argument and the value otherwise.
     """
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 0
+    ):
         raise ValueError(
-            f"`{name}` must be a non-negative number. Received: {name}={value!r}"
+            f"`{name}` must be a finite non-negative number. Received: {name}={value!r}"
         )
     return float(value)
 
