@@ -14,9 +14,10 @@ import dataclasses
 import errno
 import os
 import re
-import secrets
 import shutil
 from collections.abc import Iterator, Sequence
+
+from keras_selfattn.serving._files import create_exclusively
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +82,7 @@ def _make_temporary(parent: str, name: str, made: list[str]) -> None:
     (killed with SIGKILL, which no cleanup survives); others' names and live
     processes' folders stay.
 
-    The path is in `made` before the folder exists, so a KeyboardInterrupt
-    landing right after `os.mkdir` still leaves the caller its name to remove.
+    The path is in `made` before the folder exists (`create_exclusively`).
     Its mode is what the umask gives ordinary folders.
     """
     prefix = _temporary_prefix(name)
@@ -91,15 +91,11 @@ def _make_temporary(parent: str, name: str, made: list[str]) -> None:
         match = pattern.match(entry)
         if match and not _alive(int(match.group(1))):
             shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
-    while True:
-        path = os.path.join(parent, f"{prefix}{os.getpid()}-{secrets.token_hex(6)}")
-        made.append(path)
-        try:
-            os.mkdir(path, 0o777)
-        except FileExistsError:
-            made.pop()
-            continue
-        return
+    create_exclusively(
+        lambda token: os.path.join(parent, f"{prefix}{os.getpid()}-{token}"),
+        lambda path: os.mkdir(path, 0o777),
+        made,
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -199,7 +195,8 @@ def atomic_files(targets: Sequence[str]) -> Iterator[str]:
         raise
     try:
         shutil.rmtree(temporary[0], ignore_errors=True)
-    finally:  # an interrupt during the first try: the targets stay, complete
+    finally:  # again if a signal cut the first removal short (the targets
+        # are complete and in place; their hidden folder must not stay)
         shutil.rmtree(temporary[0], ignore_errors=True)
 
 

@@ -12,6 +12,33 @@ import secrets
 from collections.abc import Callable
 
 
+def create_exclusively(
+    path_for: Callable[[str], str], create: Callable[[str], None], made: list[str]
+) -> None:
+    """Runs `create(path)` on `path_for(token)` for a random token, again with
+    another token while the name is taken, and appends the path to `made`
+    before `create` runs: a KeyboardInterrupt landing right after it still
+    leaves the caller the name to remove.
+
+    Raises:
+        What `create` raises, but FileExistsError.
+    """
+    while True:
+        path = path_for(secrets.token_hex(6))
+        made.append(path)
+        try:
+            create(path)
+        except FileExistsError:
+            made.pop()
+            continue
+        return
+
+
+def _create_file(path: str) -> None:
+    # 0o666 under the umask: readable like any file written.
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+
+
 def atomic_write(path: str, write: Callable[[str], None]) -> str:
     """Runs `write(tmp_path)` on a temporary file, then renames it to `path`.
 
@@ -30,23 +57,22 @@ def atomic_write(path: str, write: Callable[[str], None]) -> str:
         raise FileNotFoundError(
             f"The folder of `path` does not exist. Received: path={path!r}"
         )
-    tmp = None
+    base = os.path.basename(path)
+    made: list[str] = []
     try:
-        while tmp is None:
-            tmp = os.path.join(
-                folder, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp"
-            )
-            try:  # 0o666 under the umask: readable like any file written
-                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-            except FileExistsError:
-                tmp = None
-        write(tmp)
-        with open(tmp, "rb") as f:
+        create_exclusively(
+            lambda token: os.path.join(folder, f".{base}.{token}.tmp"),
+            _create_file,
+            made,
+        )
+        write(made[0])
+        with open(made[0], "rb") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(made[0], path)
     except BaseException:
-        if tmp is not None and os.path.exists(tmp):
-            os.remove(tmp)
+        for tmp in made:
+            if os.path.exists(tmp):
+                os.remove(tmp)
         raise
     return path
 
