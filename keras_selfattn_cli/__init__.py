@@ -11,15 +11,18 @@
                    [--torch PATH]
 
 `export-decode-step ...` is the same as `export --decode-step ...`.
-This package parses the arguments and dispatches; the commands are in
-keras_selfattn/cli.py. It lives outside `keras_selfattn` because importing
+This package is the command line's one home: the parser and dispatch here,
+the process (signals, exit status, TensorFlow's log) in `_process`, the
+commands in `_commands`. It lives outside `keras_selfattn` because importing
 that package imports Keras and TensorFlow (it must: it registers the layer
 for `keras.saving.load_model`, which imports no module of a package outside
 Keras to find a class), and `--help` or an argument error should not wait for
 them: they are imported once a command runs, with TensorFlow's native log
-discarded unless `--verbose` (see `_process`). Any failure prints one line,
+discarded unless `--verbose` (see `_process`). The format options come from
+the export formats' table (`_table`). Any failure prints one line,
 `keras-selfattn: error: ...`, on stderr and exits with status 1 (2 for usage
-errors, 130 when interrupted, 143 when terminated by SIGTERM).
+errors, 130 when interrupted, 143 when terminated by SIGTERM); with
+`--verbose`, the traceback and the converter's log come before it.
 """
 
 from __future__ import annotations
@@ -28,20 +31,11 @@ import argparse
 import os
 from collections.abc import Callable, Sequence
 
-from keras_selfattn_cli import _process
+from keras_selfattn_cli import _process, _table
+from keras_selfattn_cli._process import CLIError
 
 PROG = "keras-selfattn"
-# The file formats' options and metavars, in staging order.
-FILE_FORMATS = (
-    ("onnx", "OUT.onnx"),
-    ("litert", "OUT.tflite"),
-    ("openvino", "OUT.xml"),
-    ("torch", "OUT.pt2"),
-)
-
-
-class CLIError(Exception):
-    """A failure reported as one line, without a traceback."""
+TABLE = _table.load()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -107,15 +101,13 @@ def _add_command(
     name: str,
     summary: str,
     *,
-    saved_model: tuple[str, str],
     options: Callable[[argparse.ArgumentParser], None],
     **defaults,
 ) -> None:
-    """A command: MODEL.keras, --saved-model (metavar, help), `options`, the
-    tolerances and --verbose; `defaults` name the command to run."""
+    """A command: MODEL.keras, `options`, the tolerances and --verbose;
+    `defaults` name the command to run."""
     sub = commands.add_parser(name, help=summary)
     sub.add_argument("model", metavar="MODEL.keras", help="model saved with model.save")
-    sub.add_argument("--saved-model", metavar=saved_model[0], help=saved_model[1])
     options(sub)
     _add_tolerances(sub)
     _add_verbose(sub, argparse.SUPPRESS)
@@ -123,6 +115,10 @@ def _add_command(
 
 
 def _add_export_options(sub: argparse.ArgumentParser) -> None:
+    for row in TABLE.ROWS:
+        sub.add_argument(
+            row.option, dest=row.name, metavar=row.export_metavar, help=row.help
+        )
     sub.add_argument("--name", help="model name (default: MODEL file name)")
     sub.add_argument(
         "--version",
@@ -134,7 +130,6 @@ def _add_export_options(sub: argparse.ArgumentParser) -> None:
         action="store_true",
         help="add assets.extra/tf_serving_warmup_requests",
     )
-    sub.add_argument("--onnx", metavar="OUT.onnx", help="write an ONNX file")
     sub.add_argument(
         "--opset",
         type=int,
@@ -148,19 +143,10 @@ def _add_export_options(sub: argparse.ArgumentParser) -> None:
         "opset 23; TensorFlow)",
     )
     sub.add_argument(
-        "--litert", metavar="OUT.tflite", help="write a LiteRT (.tflite) file"
-    )
-    sub.add_argument(
         "--litert-shape",
         type=_shape,
         metavar="BATCH,TIME",
         help="fix the LiteRT file's input shape (required on torch)",
-    )
-    sub.add_argument(
-        "--openvino", metavar="OUT.xml", help="write OpenVINO IR (.xml + .bin)"
-    )
-    sub.add_argument(
-        "--torch", metavar="OUT.pt2", help="write a torch.export program (torch)"
     )
     sub.add_argument(
         "--decode-step",
@@ -176,15 +162,21 @@ def _add_export_options(sub: argparse.ArgumentParser) -> None:
 
 
 def _add_verify_options(sub: argparse.ArgumentParser) -> None:
-    sub.add_argument("--onnx", metavar="PATH", help="an ONNX file")
-    sub.add_argument("--litert", metavar="PATH", help="a LiteRT (.tflite) file")
+    for row in TABLE.ROWS:
+        what = (
+            "a SavedModel version folder (BASE_DIR/NAME/VERSION)"
+            if row.suffix is None
+            else f"a {row.artifact} ({row.suffix})"
+        )
+        sub.add_argument(
+            row.option, dest=row.name, metavar=row.verify_metavar, help=what
+        )
     sub.add_argument(
         "--litert-shape",
         type=_shape,
         metavar="BATCH,TIME",
         help="the LiteRT file's fixed input shape, if it has one",
     )
-    sub.add_argument("--openvino", metavar="PATH", help="an OpenVINO .xml file")
     sub.add_argument(
         "--openvino-precision",
         choices=("f32", "bf16"),
@@ -192,7 +184,6 @@ def _add_verify_options(sub: argparse.ArgumentParser) -> None:
         help="OpenVINO's inference precision (default f32; bf16 is OpenVINO's "
         "default on CPUs with AVX512-BF16: pass tolerances that fit it)",
     )
-    sub.add_argument("--torch", metavar="PATH", help="a torch .pt2 file")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,14 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(
         dest="command", required=True, parser_class=_Parser
     )
-    export = {
-        "saved_model": (
-            "BASE_DIR",
-            "write BASE_DIR/NAME/VERSION/ (TF Serving layout)",
-        ),
-        "options": _add_export_options,
-        "run": "export",
-    }
+    export = {"options": _add_export_options, "run": "export"}
     _add_command(
         commands,
         "export",
@@ -229,22 +213,22 @@ def build_parser() -> argparse.ArgumentParser:
         commands,
         "verify",
         "compare exports with the Keras model",
-        saved_model=(
-            "VERSION_DIR",
-            "a SavedModel version folder (BASE_DIR/NAME/VERSION)",
-        ),
         options=_add_verify_options,
         run="verify",
     )
     return parser
 
 
+def _asked(args: argparse.Namespace) -> list:
+    """The table's rows whose option was given, in staging order."""
+    return [row for row in TABLE.ROWS if getattr(args, row.name) is not None]
+
+
 def _check_export_options(args: argparse.Namespace) -> None:
-    asked = [fmt for fmt, _ in FILE_FORMATS if getattr(args, fmt) is not None]
-    if args.saved_model is None and not asked:
+    if not _asked(args):
         raise CLIError(
-            "export needs at least one of --saved-model BASE_DIR, --onnx OUT.onnx, "
-            "--litert OUT.tflite, --openvino OUT.xml, --torch OUT.pt2"
+            "export needs at least one of "
+            + ", ".join(f"{row.option} {row.export_metavar}" for row in TABLE.ROWS)
         )
     if args.saved_model is None and (args.name or args.version or args.warmup):
         raise CLIError("--name, --version and --warmup need --saved-model")
@@ -263,16 +247,15 @@ def _check_export_options(args: argparse.Namespace) -> None:
 
 
 def _check_verify_options(args: argparse.Namespace) -> None:
-    exports = [args.saved_model, *(getattr(args, fmt) for fmt, _ in FILE_FORMATS)]
-    exports = [path for path in exports if path is not None]
-    if not exports:
+    asked = _asked(args)
+    if not asked:
         raise CLIError(
-            "verify needs at least one of --saved-model VERSION_DIR, --onnx, "
-            "--litert, --openvino, --torch"
+            "verify needs at least one of "
+            + ", ".join(f"{row.option} {row.verify_metavar}" for row in TABLE.ROWS)
         )
-    for path in exports:
-        if not os.path.exists(path):
-            raise CLIError(f"export not found: {path}")
+    for row in asked:
+        if not os.path.exists(getattr(args, row.name)):
+            raise CLIError(f"export not found: {getattr(args, row.name)}")
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -281,9 +264,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         _check_export_options(args)
     else:
         _check_verify_options(args)
-    from keras_selfattn import cli  # Keras and TensorFlow; registers the layer
+    from keras_selfattn_cli import _commands  # imports Keras and the layer
 
-    return cli.run_export(args) if args.run == "export" else cli.run_verify(args)
+    if args.run == "export":
+        return _commands.run_export(args)
+    return _commands.run_verify(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

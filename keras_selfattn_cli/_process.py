@@ -16,9 +16,14 @@ import re
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class CLIError(Exception):
+    """A failure reported as one line, without a traceback."""
 
 
 class Terminated(BaseException):
@@ -66,8 +71,8 @@ def run(command: Callable[[], int], *, prog: str, verbose: bool) -> int:
 
     Returns:
         `command`'s status; 1 if it raised (the error in one line on stderr,
-        and a parity report it carries on stdout), 130 after SIGINT, 143
-        after SIGTERM.
+        after its traceback and converter log when `verbose`, and a parity
+        report it carries on stdout), 130 after SIGINT, 143 after SIGTERM.
     """
     received = _RECEIVED
     received.clear()
@@ -84,6 +89,11 @@ def run(command: Callable[[], int], *, prog: str, verbose: bool) -> int:
             if not received:
                 if getattr(getattr(error, "report", None), "rows", ()):
                     print(error.report, flush=True)
+                if verbose:  # what led to the line: tracebacks, converter logs
+                    traceback.print_exception(error, file=stderr)
+                    log = getattr(error, "log", "")
+                    if log:
+                        print(f"converter log:\n{log}", file=stderr, flush=True)
                 status, message = 1, one_line(error)
         finally:
             disarm()

@@ -15,7 +15,7 @@ import onnxruntime
 import pytest
 import tensorflow as tf
 
-from keras_selfattn.cli import main
+from keras_selfattn_cli import main
 from tests import model_zoo
 from tests.files import tree_digest
 
@@ -298,7 +298,7 @@ def test_bad_input_one_line_error_nothing_written(
 
 
 def test_interrupt_exits_130_and_leaves_nothing(work, tmp_path, capsys, monkeypatch):
-    from keras_selfattn.export import saved_model as saved_model_module
+    from keras_selfattn.export.formats import saved_model as saved_model_module
 
     def interrupted(target, directory):
         open(os.path.join(directory, "saved_model.pb"), "wb").close()
@@ -364,12 +364,12 @@ def test_a_failed_export_step_leaves_no_export_at_all(
     work, tmp_path, capsys, monkeypatch
 ):
     """The SavedModel is staged, the ONNX step fails: neither appears."""
-    from keras_selfattn.export import onnx_export
+    import onnx
 
     def disk_full(proto, path):
         raise OSError(28, "No space left on device", path)
 
-    monkeypatch.setattr(onnx_export.onnx, "save", disk_full)
+    monkeypatch.setattr(onnx, "save", disk_full)
     root, _, _ = work
     argv = ["export", root / "clf.keras", "--saved-model", tmp_path / "serving"]
     status, out, err = run(argv + ["--onnx", tmp_path / "clf.onnx"], capsys)
@@ -384,7 +384,7 @@ def test_a_lost_version_race_leaves_no_secondary_export(
 ):
     """Another export takes the version while this one stages: its rename
     fails, and the ONNX file staged with it never appears either."""
-    from keras_selfattn.export import saved_model as saved_model_module
+    from keras_selfattn.export.formats import saved_model as saved_model_module
 
     real_write = saved_model_module.write_saved_model
     version = tmp_path / "serving" / "clf" / "1"

@@ -103,9 +103,15 @@ def test_native_log_discarded_unless_verbose(verbose, capfd, monkeypatch):
         raise ValueError("`x` is bad")
 
     status = _process.run(command, prog="keras-selfattn", verbose=verbose)
-    native = "I0000 cpu_feature_guard.cc:227] native\n" if verbose else ""
+    err = capfd.readouterr().err
     assert status == 1
-    assert capfd.readouterr().err == native + "keras-selfattn: error: `x` is bad\n"
+    assert err.endswith("keras-selfattn: error: `x` is bad\n")
+    if verbose:  # the native log, then the traceback that led to the line
+        assert err.startswith("I0000 cpu_feature_guard.cc:227] native\n")
+        assert "Traceback (most recent call last)" in err
+        assert "ValueError: `x` is bad" in err
+    else:
+        assert err == "keras-selfattn: error: `x` is bad\n"
     assert level == [None if verbose else "2"]
     assert "TF_CPP_MIN_LOG_LEVEL" not in os.environ
 

@@ -106,7 +106,7 @@ def test_importing_the_package_adds_no_tensorflow(backend):
         heavy = {heavy!r}
         before = {{name for name in heavy if name in sys.modules}}
         import keras_selfattn, keras_selfattn.export, keras_selfattn.serving
-        from keras_selfattn.cli import build_parser
+        from keras_selfattn_cli import build_parser
         from keras_selfattn.serving import RestClient, served_model_names
         build_parser()
         print(sorted({{name for name in heavy if name in sys.modules}} - before))

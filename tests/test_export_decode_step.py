@@ -19,7 +19,8 @@ import keras
 import numpy as np
 import pytest
 
-from keras_selfattn import SelfAttention, cli
+import keras_selfattn_cli as cli
+from keras_selfattn import SelfAttention
 from keras_selfattn.export import decode_step as ds
 from keras_selfattn.export.verify import ParityError
 from tests.decode_step_runtimes import PRELUDE

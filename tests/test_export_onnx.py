@@ -17,7 +17,8 @@ import onnxruntime
 import pytest
 
 from keras_selfattn.export import ParityError, export_onnx
-from keras_selfattn.export import onnx_export as onnx_module
+from keras_selfattn.export._endpoint import build_endpoint
+from keras_selfattn.export.formats import onnx as onnx_module
 from tests import model_zoo
 
 pytestmark = pytest.mark.tensorflow_only("ONNX export through tf2onnx")
@@ -182,7 +183,7 @@ def test_failure_while_writing_leaves_nothing(
             handle.write(proto.SerializeToString()[:100])
         raise error
 
-    monkeypatch.setattr(onnx_module.onnx, "save", write_half_then_fail)
+    monkeypatch.setattr(onnx, "save", write_half_then_fail)
     with pytest.raises(type(error)):
         export_onnx(small_model, tmp_path / "new_dir" / "m.onnx")
     assert os.listdir(tmp_path) == []
@@ -195,7 +196,7 @@ def test_graph_that_miscomputes_is_refused(tmp_path, small_model, monkeypatch):
     real_convert = onnx_module.convert_to_onnx
 
     def convert_impostor(target, opset):
-        return real_convert(onnx_module.build_endpoint(impostor).target(), opset)
+        return real_convert(build_endpoint(impostor).target(), opset)
 
     monkeypatch.setattr(onnx_module, "convert_to_onnx", convert_impostor)
     with pytest.raises(ParityError, match="differ from Keras") as caught:

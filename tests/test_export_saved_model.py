@@ -19,7 +19,8 @@ from tensorflow_serving.config import model_server_config_pb2
 
 from keras_selfattn import SelfAttention
 from keras_selfattn.export import ParityError, export_saved_model
-from keras_selfattn.export import saved_model as saved_model_module
+from keras_selfattn.export._endpoint import build_endpoint
+from keras_selfattn.export.formats import saved_model as saved_model_module
 from tests import model_zoo
 from tests.files import tree_digest
 
@@ -279,7 +280,7 @@ def test_failed_check_leaves_nothing(tmp_path, monkeypatch):
     real_write = saved_model_module.write_saved_model
 
     def write_impostor(target, directory):
-        real_write(saved_model_module.build_endpoint(impostor).target(), directory)
+        real_write(build_endpoint(impostor).target(), directory)
 
     monkeypatch.setattr(saved_model_module, "write_saved_model", write_impostor)
     with pytest.raises(ParityError, match="differ from Keras") as caught:

@@ -19,11 +19,11 @@ import pytest
 from keras_selfattn.export import (
     ParityError,
     _files,
-    artifacts,
     export_litert,
     export_openvino,
     verify,
 )
+from keras_selfattn.export.formats import litert
 from keras_selfattn.serving import write_models_config
 from tests import model_zoo
 
@@ -50,13 +50,13 @@ def test_an_artifact_that_computes_something_else_is_refused(
     """The written file is another model's (as Keras's torch LiteRT route
     was for grouped-query attention): the check fails, nothing appears."""
     impostor = model_zoo.masked_classifier(seed=5)
-    real_write = artifacts.write
+    real_write = litert.FORMAT.write
     from keras_selfattn.export._endpoint import build_endpoint
 
-    def write_impostor(target, path, export_format, **options):
-        real_write(build_endpoint(impostor).target(), path, export_format, **options)
+    def write_impostor(target, path, options):
+        real_write(build_endpoint(impostor).target(), path, options)
 
-    monkeypatch.setattr(artifacts, "write", write_impostor)
+    monkeypatch.setattr(litert.FORMAT, "write", write_impostor)
     with pytest.raises(ParityError, match="differ from Keras") as caught:
         export_litert(classifier, tmp_path / "out" / "m.tflite")
     assert {row.runtime for row in caught.value.report.rows} == {"litert"}

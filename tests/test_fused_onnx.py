@@ -17,10 +17,10 @@ import onnxruntime
 import pytest
 
 from keras_selfattn import SelfAttention
-from keras_selfattn.cli import main as cli_main
 from keras_selfattn.export import export_onnx, verify
-from keras_selfattn.export.fused_attention import FUSED_OPSET, collect_log
+from keras_selfattn.export.formats.onnx_fused import FUSED_OPSET, collect_log
 from keras_selfattn.fusable_core import FUSABLE_CORE_SCOPE
+from keras_selfattn_cli import main as cli_main
 from tests import model_zoo
 
 pytestmark = pytest.mark.tensorflow_only(
@@ -222,7 +222,9 @@ def test_shared_and_nested_layers_fuse_every_call(tmp_path):
 def test_chunked_layer_falls_back_and_still_matches(tmp_path, caplog):
     model = chunked_then_plain(seed=1)
     path = str(tmp_path / "chunked.onnx")
-    with caplog.at_level(logging.INFO, logger="keras_selfattn.export.fused_attention"):
+    with caplog.at_level(
+        logging.INFO, logger="keras_selfattn.export.formats.onnx_fused"
+    ):
         export_onnx(model, path, fuse_attention=True)  # with the built-in check
     messages = [record.getMessage() for record in caplog.records]
     assert any(

@@ -44,7 +44,8 @@ import keras
 import numpy as np
 import pytest
 
-from keras_selfattn import SelfAttention, cli
+import keras_selfattn_cli as cli
+from keras_selfattn import SelfAttention
 from keras_selfattn.export import export_onnx, export_saved_model
 
 pytestmark = pytest.mark.tensorflow_only("the fixtures export ONNX through tf2onnx")

@@ -31,7 +31,7 @@ def test_saved_model_export_without_onnx_packages(tmp_path):
     script = _BLOCK_ONNX + textwrap.dedent(
         f"""
         import keras, keras_selfattn.export as ex
-        from keras_selfattn.cli import main
+        from keras_selfattn_cli import main
         model = keras.models.load_model({str(model_path)!r})
         print("saved", ex.export_saved_model(model, {str(tmp_path / "sm")!r}, "m"))
         try:

@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 from keras_selfattn.export import _files as export_files
-from keras_selfattn.export import export_saved_model
-from keras_selfattn.export import saved_model as saved_model_module
+from keras_selfattn.export import export_saved_model, pipeline
 from keras_selfattn.serving import (
     RestClient,
     build_models_config,
@@ -52,7 +51,9 @@ def test_every_user_refuses_the_same_model_names(tmp_path, name):
         "predict request": lambda: build_predict_request(name, examples[0]),
     }
     if keras.backend.backend() in SAVED_MODEL_BACKENDS:
-        users["export"] = lambda: saved_model_module.check_target(tmp_path, name)
+        users["export"] = lambda: pipeline.check_destination(
+            "saved_model", tmp_path, name=name
+        )
     for user, call in users.items():
         with pytest.raises(ValueError, match="name") as caught:
             call()
@@ -76,7 +77,9 @@ def test_exporter_and_clients_refuse_the_same_versions(tmp_path, version):
         layout.check_version(version)
     if keras.backend.backend() in SAVED_MODEL_BACKENDS:
         with pytest.raises(ValueError, match=message):
-            saved_model_module.check_target(tmp_path, "clf", version)
+            pipeline.check_destination(
+                "saved_model", tmp_path, name="clf", version=version
+            )
 
 
 # ------------------------------------------------- served and taken versions

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import keras
 import numpy as np
 
+from keras_selfattn.export import quantization
 from keras_selfattn.export._target import ExportTarget, NamedInput
 from keras_selfattn.self_attention import SelfAttention
 
@@ -51,6 +52,7 @@ class Endpoint:
             self.inputs,
             self.output_names,
             lambda tensors: keras.tree.flatten(self.model(tensors, training=False)),
+            quantized=quantization.quantized_layers(self.model),
         )
 
 

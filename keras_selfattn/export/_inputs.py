@@ -1,11 +1,11 @@
-"""Deterministic example inputs for an `Endpoint` (checks and warmup)."""
+"""Deterministic example inputs for an `ExportTarget` (checks and warmup)."""
 
 from __future__ import annotations
 
 import keras
 import numpy as np
 
-from keras_selfattn.export._endpoint import Endpoint
+from keras_selfattn.export._target import ExportTarget
 
 # Token range when no Embedding layer tells the vocabulary size.
 _FALLBACK_VOCAB = 10
@@ -23,16 +23,16 @@ def vocabulary_size(model: keras.Model) -> int:
     return min(sizes) if sizes else _FALLBACK_VOCAB
 
 
-def is_padded(endpoint: Endpoint, batch: int, time: int) -> bool:
+def is_padded(target: ExportTarget, batch: int, time: int) -> bool:
     """Whether `example_inputs` pads rows for this shape (see there)."""
     discrete = any(
-        spec.dtype == "bool" or "int" in spec.dtype for spec in endpoint.inputs
+        spec.dtype == "bool" or "int" in spec.dtype for spec in target.inputs
     )
     return discrete and batch > 1 and time > 1
 
 
 def example_inputs(
-    endpoint: Endpoint, batch: int, time: int, seed: int = 0
+    target: ExportTarget, batch: int, time: int, seed: int = 0
 ) -> dict[str, np.ndarray]:
     """Random inputs keyed by input name; every dynamic dim after batch is `time`.
 
@@ -42,7 +42,7 @@ def example_inputs(
     first row staying full length.
 
     Args:
-        endpoint: The endpoint whose inputs to build.
+        target: The export target whose inputs to build.
         batch: Batch size.
         time: Size of every dynamic dimension after the batch.
         seed: Seed of the random generator.
@@ -51,10 +51,10 @@ def example_inputs(
         A dict {input name: numpy array}.
     """
     rng = np.random.default_rng(seed)
-    vocab = vocabulary_size(endpoint.source)
+    vocab = vocabulary_size(target.model)
     lengths = np.concatenate([[time], rng.integers(1, time + 1, size=batch - 1)])
     result = {}
-    for spec in endpoint.inputs:
+    for spec in target.inputs:
         shape = (batch,) + tuple(time if d is None else d for d in spec.shape[1:])
         if spec.dtype == "bool":
             values = np.ones(shape, dtype=bool)

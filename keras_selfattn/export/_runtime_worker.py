@@ -11,8 +11,12 @@ A run is a list of steps, each an `.npz` of inputs keyed by the exporter's
 input names; `feedback` maps output names to input names fed into the next
 step (a decoding step's caches). The worker writes each step's outputs,
 keyed by the artifact's own output names, to `<step file>.out.npz`, and the
-reply (JSON) lists the artifact's input and output names and which of keras
-and keras_selfattn were imported (TensorFlow imports keras itself).
+reply (JSON) lists the artifact's input and output names, which of keras
+and keras_selfattn were imported (TensorFlow imports keras itself), and
+how the artifact computes a quantized model ("description": its scheme and
+whether that is Keras's own), as the artifact says (the exporters write it:
+ONNX metadata, the SavedModel's assets.extra, OpenVINO's rt_info) or as its
+runtime shows (LiteRT's int8 weights, ONNX Runtime's quantizer ops).
 """
 
 from __future__ import annotations
@@ -28,6 +32,17 @@ if __name__ == "__main__":  # this folder holds no runtime modules to import
 import numpy as np
 
 _NUMBERED = re.compile(r"^(.*?)(\d+)$")
+# Where the exporters say how a quantized artifact computes (see the
+# formats' modules: onnx_integer.METADATA_KEY, saved_model.DESCRIPTION_PATH,
+# openvino.SCHEME_KEY); this script imports none of them.
+_ONNX_KEY = "keras_selfattn.quantization"
+_SAVED_MODEL_DESCRIPTION = os.path.join("assets.extra", "keras_selfattn.json")
+_OPENVINO_KEY = "keras_selfattn_quantization"
+_ONNX_RUNTIME_QUANTIZER = {
+    "DynamicQuantizeLinear",
+    "DynamicQuantizeMatMul",
+    "MatMulIntegerToFloat",
+}
 
 
 def _natural(name: str) -> tuple:
@@ -86,6 +101,11 @@ class _SavedModel:
         _, specs = self._function.structured_input_signature
         self.input_names = list(specs)
         self.output_names = sorted(self._function.structured_outputs, key=_natural)
+        described = os.path.join(path, _SAVED_MODEL_DESCRIPTION)
+        self.description = {}
+        if os.path.isfile(described):
+            with open(described) as file:
+                self.description = json.load(file)
 
     def __call__(self, arrays):
         outputs = self._function(**{k: self._tf.constant(v) for k, v in arrays.items()})
@@ -103,6 +123,21 @@ class _Onnx:
         )
         self.input_names = [i.name for i in self._session.get_inputs()]
         self.output_names = [o.name for o in self._session.get_outputs()]
+        self.description = self._describe(path)
+
+    def _describe(self, path: str) -> dict:
+        stated = self._session.get_modelmeta().custom_metadata_map.get(_ONNX_KEY)
+        if stated:
+            stated = json.loads(stated)
+            schemes = sorted(set(stated["layers"].values()))
+            return {"scheme": "; ".join(schemes), "exact": stated["exact"]}
+        import onnx  # the ONNX runtime's own package, no Keras
+
+        ops = {node.op_type for node in onnx.load(path).graph.node}
+        if ops & _ONNX_RUNTIME_QUANTIZER:
+            scheme = "int8 activations per tensor, asymmetric (quantize_dynamic)"
+            return {"scheme": scheme, "exact": False}
+        return {}
 
     def __call__(self, arrays):
         values = self._session.run(None, dict(arrays))
@@ -116,6 +151,7 @@ class _LiteRT:
         from ai_edge_litert.interpreter import Interpreter
 
         interpreter = Interpreter(model_path=path)
+        self.description = self._describe(interpreter)
         signatures = interpreter.get_signature_list()
         if signatures:
             key = signature if signature in signatures else next(iter(signatures))
@@ -130,6 +166,16 @@ class _LiteRT:
             self._interpreter = interpreter
             self.input_names = [d["name"] for d in interpreter.get_input_details()]
             self.output_names = [d["name"] for d in interpreter.get_output_details()]
+
+    @staticmethod
+    def _describe(interpreter) -> dict:
+        """Dynamic range (int8 weight matrices, float inputs), or float."""
+        for detail in interpreter.get_tensor_details():
+            scales = detail["quantization_parameters"]["scales"]
+            if detail["dtype"] == np.int8 and len(detail["shape"]) == 2 and len(scales):
+                scheme = "int8 weights, activations quantized per row (dynamic range)"
+                return {"scheme": scheme, "exact": False}
+        return {"scheme": "float weights", "exact": False}
 
     def __call__(self, arrays):
         if self._runner is not None:
@@ -160,6 +206,17 @@ class _OpenVINO:
         model = core.read_model(path)
         config = {"INFERENCE_PRECISION_HINT": precision} if precision else {}
         self._compiled = core.compile_model(model, "CPU", config)
+        self.description = {}
+        if model.has_rt_info(_OPENVINO_KEY):
+            schemes = json.loads(model.get_rt_info(_OPENVINO_KEY).astype(str))
+            group = self._compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")
+            activations = (
+                f"activations quantized to int8 in groups of {group} by the CPU plugin"
+                if group
+                else "float activations"
+            )
+            scheme = "; ".join(sorted(set(schemes.values()))) + "; " + activations
+            self.description = {"scheme": scheme, "exact": False}
         self.input_names = [port.get_any_name() for port in model.inputs]
         self.output_names = [
             port.get_any_name() if port.get_names() else f"output_{index}"
@@ -191,6 +248,7 @@ class _Torch:
         ]
         count = program.call_spec.out_spec.num_leaves
         self.output_names = [f"output_{index}" for index in range(count)]
+        self.description = {}
 
     def __call__(self, arrays):
         torch = self._torch
@@ -257,6 +315,7 @@ def serve(request: dict) -> dict:
         "ok": True,
         "input_names": artifact.input_names,
         "output_names": artifact.output_names,
+        "description": artifact.description,
         "imported": [
             name for name in ("keras", "keras_selfattn") if name in sys.modules
         ],

@@ -20,12 +20,6 @@ import numpy as np
 
 from keras_selfattn.export._target import ExportTarget
 
-SAVED_MODEL = "saved_model"
-ONNX = "onnx"
-LITERT = "litert"
-OPENVINO = "openvino"
-TORCH = "torch"
-FORMATS = (SAVED_MODEL, ONNX, LITERT, OPENVINO, TORCH)
 # OpenVINO runs at this precision unless told otherwise: on CPUs with
 # AVX512-BF16 its default is bf16, which is not the model's arithmetic.
 OPENVINO_EXACT_PRECISION = "f32"
@@ -39,7 +33,7 @@ class Artifact:
     """An export on disk and how to run it.
 
     Attributes:
-        format: One of `FORMATS`.
+        format: A format's name (`formats.table.NAMES`).
         path: The SavedModel folder or the file.
         precision: OpenVINO's INFERENCE_PRECISION_HINT ("f32", "bf16"); "" for
             the device default. Ignored by the other formats.
@@ -77,6 +71,9 @@ class Outcome:
         run: The index of the run that failed at stage "run".
         imported: Which of keras and keras_selfattn the process imported
             (keras_selfattn never; keras only through TensorFlow).
+        description: How the artifact computes a quantized model:
+            {"scheme": str, "exact": bool}, as the artifact says or its
+            runtime shows ({} when neither says).
     """
 
     outputs: tuple[tuple[dict[str, np.ndarray], ...], ...]
@@ -84,6 +81,7 @@ class Outcome:
     stage: str = ""
     run: int = -1
     imported: tuple[str, ...] = ()
+    description: Mapping[str, object] = dataclasses.field(default_factory=dict)
 
 
 def _last_line(path: str) -> str:
@@ -183,4 +181,8 @@ def _collect(process, log, request, folder) -> Outcome:
             with np.load(step + ".out.npz") as loaded:
                 steps.append({k: loaded[k] for k in loaded.files})
         outputs.append(tuple(steps))
-    return Outcome(tuple(outputs), imported=tuple(reply["imported"]))
+    return Outcome(
+        tuple(outputs),
+        imported=tuple(reply["imported"]),
+        description=reply.get("description") or {},
+    )

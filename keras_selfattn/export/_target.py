@@ -3,15 +3,20 @@
 An `ExportTarget` is the one description every exporter and check
 accepts: the forward `Endpoint` and the decoding step both provide one
 (`Endpoint.target()`, `DecodeStep.target()`), so staging, conversion and
-verification never depend on which of the two they export.
+verification never depend on which of the two they export. A quantized
+model's target carries its quantized layers (`quantized`); each format
+traces them in its own form (`traced`, see `quantization`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import keras
+
+from keras_selfattn.export import quantization
 
 # Names of dynamic axes in exports: axis 0 is the batch, every other dynamic
 # axis the one sequence the model attends over (tokens, masks and
@@ -51,6 +56,8 @@ class ExportTarget:
             the outputs as a list (in `output_names` order).
         signature_name: The SavedModel signature (and LiteRT signature) name.
         what: How errors name it ("model", "decode step").
+        quantized: The model's quantized `Dense` layers (empty for a float
+            model), from `quantization.quantized_layers`.
     """
 
     model: keras.Model
@@ -59,6 +66,14 @@ class ExportTarget:
     function: Callable[[Sequence], Sequence]
     signature_name: str = SERVING_SIGNATURE
     what: str = "model"
+    quantized: tuple[quantization.QuantizedDense, ...] = ()
+
+    @contextlib.contextmanager
+    def traced(self, form: str) -> Iterator[None]:
+        """While the block runs (the conversion), quantized layers compute in
+        `form` (`quantization.VARIABLES` or `CONSTANTS`)."""
+        with quantization.traced(self.quantized, form):
+            yield
 
     @property
     def input_names(self) -> tuple[str, ...]:

@@ -14,7 +14,7 @@ This module holds only what is the step's own: finding the cached layers
 (`DecodeStep.call`), and the step-by-step check against Keras
 (`verify_decode_step`). The step is an `ExportTarget` (`DecodeStep.target()`)
 and rides the forward export's pipeline: `export_decode_step` writes it in
-any format the backend can export (`_backends`; SavedModel signature
+any format the backend can export (`formats.table`; SavedModel signature
 "decode_step" for TF Serving, also aliased as "serving_default"; ONNX with
 dynamic "batch" and "time" axes), checking it before it appears: a whole
 sequence decoded step by step (a prompt, then one position per step up to
@@ -43,10 +43,12 @@ from collections.abc import Sequence
 import keras
 import numpy as np
 
-from keras_selfattn.export import _runtimes
+from keras_selfattn import _checks
+from keras_selfattn.export import _runtimes, pipeline
 from keras_selfattn.export._endpoint import _output_names, model_inputs
 from keras_selfattn.export._inputs import vocabulary_size
 from keras_selfattn.export._target import ExportTarget, NamedInput
+from keras_selfattn.export.formats import table
 from keras_selfattn.export.verify import (
     DEFAULT_ATOL,
     DEFAULT_RTOL,
@@ -69,19 +71,6 @@ UPDATED_CACHE_PREFIX = "updated_cache_"
 # position per step from the start, a prompt of 3, and the whole sequence in
 # one step (prompts longer than max_length are cut to it).
 DEFAULT_SCHEDULES: tuple[tuple[int, int], ...] = ((1, 1), (2, 3), (3, 1 << 30))
-
-
-def _check_max_length(max_length: object) -> int:
-    if (
-        isinstance(max_length, bool)
-        or not isinstance(max_length, int)
-        or max_length < 1
-    ):
-        raise ValueError(
-            "`max_length` must be a positive integer. "
-            f"Received: max_length={max_length!r}"
-        )
-    return max_length
 
 
 def _all_layers(model: keras.Model) -> list:
@@ -268,7 +257,7 @@ def build_decode_step(model: keras.Model, max_length: int) -> DecodeStep:
         TypeError: if `model` is not a keras.Model.
         ValueError: for an unsupported model or `max_length`.
     """
-    max_length = _check_max_length(max_length)
+    max_length = _checks.positive_int("max_length", max_length)
     inputs = model_inputs(model)  # named, non-subclassed
     if not isinstance(model, keras.Sequential) and not hasattr(
         model, "_nodes_by_depth"
@@ -472,24 +461,24 @@ def export_decode_step(
         FileExistsError: if the target exists.
         ParityError: if the check fails (nothing is left on disk).
     """
-    from keras_selfattn.export import pipeline
-
-    destination = pipeline.check_destination(
-        export_format, path, name=name, version=version, opset=opset
-    )
+    options = {}
+    if export_format == table.SAVED_MODEL.name:
+        options = {"name": name, "version": version, "models_config": models_config}
+    elif export_format == table.ONNX.name:
+        options = {"opset": opset}
+    destination = pipeline.check_destination(export_format, path, **options)
     step = build_decode_step(model, max_length)
-    with pipeline.stage(
-        step.target(), destination, models_config=models_config
-    ) as staged:
-        if check:
-            verify_decode_step(
-                model,
-                max_length=max_length,
-                atol=atol,
-                rtol=rtol,
-                **{PATH_ARGUMENT[export_format]: staged.path},
-            )
-    return staged.target
+
+    def checked(staged: str) -> None:
+        verify_decode_step(
+            model,
+            max_length=max_length,
+            atol=atol,
+            rtol=rtol,
+            **{PATH_ARGUMENT[export_format]: staged},
+        )
+
+    return pipeline.export(step.target(), destination, checked if check else None)
 
 
 def export_decode_step_saved_model(
@@ -536,7 +525,7 @@ def export_decode_step_saved_model(
     return export_decode_step(
         model,
         base_dir,
-        _runtimes.SAVED_MODEL,
+        table.SAVED_MODEL.name,
         max_length=max_length,
         **options,
         **checks,
@@ -572,5 +561,5 @@ def export_decode_step_onnx(
     """
     checks = {"check": check, "atol": atol, "rtol": rtol}
     return export_decode_step(
-        model, path, _runtimes.ONNX, max_length=max_length, opset=opset, **checks
+        model, path, table.ONNX.name, max_length=max_length, opset=opset, **checks
     )

@@ -1,4 +1,20 @@
-"""Numeric parity of exported models with Keras: `verify` and its report."""
+"""Numeric parity of exported models with Keras: `verify` and its report.
+
+A float model's artifact passes when every output element is within
+|err| <= atol + rtol |keras|. A quantized model's artifact is compared with
+two references Keras computes on the same inputs: the quantized model, and
+the float model whose kernels are the dequantized integers
+(`quantization`). A runtime may quantize activations its own way (per
+tensor, asymmetric, dynamic range), so the artifact passes when its error
+against the dequantized-float reference is at most `QUANTIZED_MARGIN` times
+Keras's own (the quantized model against that reference) plus the float
+tolerance; an artifact that computes Keras's own scheme (it says so in its
+metadata) must also match the quantized model within the float tolerance,
+plus `ROUNDING_SHARE` of Keras's own error: activations whose float value
+differs by an ulp before a quantizer (the runtime's attention or softmax
+rounds differently) can round to the neighbouring integer, a step far
+smaller than the gap between two schemes.
+"""
 
 from __future__ import annotations
 
@@ -10,26 +26,27 @@ from collections.abc import Mapping, Sequence
 import keras
 import numpy as np
 
-from keras_selfattn.export import _runtimes
+from keras_selfattn.export import _runtimes, quantization
 from keras_selfattn.export._endpoint import Endpoint, build_endpoint, keras_reference
 from keras_selfattn.export._inputs import example_inputs, is_padded
 from keras_selfattn.export._target import ExportTarget
+from keras_selfattn.export.formats import table
 
 # (batch, time): a single step, an odd length, and two long ones. Rows after
 # the first are padded when the model has integer or boolean inputs.
 DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((1, 1), (2, 33), (3, 128), (2, 512))
 DEFAULT_ATOL = 1e-5
 DEFAULT_RTOL = 1e-4
+# A quantized model's artifact may be this many times as far from the
+# dequantized-float reference as Keras's own quantized model is.
+QUANTIZED_MARGIN = 1.25
+# The share of Keras's own quantization error an artifact computing Keras's
+# scheme may differ from it by (activations rounding the other way).
+ROUNDING_SHARE = 0.1
 # OpenVINO's INFERENCE_PRECISION_HINT values `verify` accepts.
 OPENVINO_PRECISIONS = ("f32", "bf16")
 # The argument of `verify` (and `verify_decode_step`) naming each format's artifact.
-PATH_ARGUMENT = {
-    _runtimes.SAVED_MODEL: "saved_model_dir",
-    _runtimes.ONNX: "onnx_path",
-    _runtimes.LITERT: "litert_path",
-    _runtimes.OPENVINO: "openvino_path",
-    _runtimes.TORCH: "torch_path",
-}
+PATH_ARGUMENT = {row.name: row.path_argument for row in table.ROWS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +63,14 @@ class ParityRow:
         max_rel_err: Largest |runtime - keras| / |keras| over elements where
             |keras| > atol (smaller ones are judged by atol alone).
         ok: Whether every element satisfies
-            |runtime - keras| <= atol + rtol * |keras| (and shapes match).
+            |runtime - keras| <= atol + rtol * |keras| (and shapes match);
+            for a quantized model, the rule in the module docstring.
+        dequantized_err: Quantized models: largest |runtime - dequantized
+            float reference|; None for float models.
+        quantization_err: Quantized models: Keras's own largest |quantized
+            Keras - dequantized float reference| on the same inputs.
+        scheme: Quantized models: how the artifact computes (its activation
+            scheme), as it says or as its runtime shows; "" if unknown.
     """
 
     runtime: str
@@ -54,6 +78,9 @@ class ParityRow:
     max_abs_err: float
     max_rel_err: float
     ok: bool
+    dequantized_err: float | None = None
+    quantization_err: float | None = None
+    scheme: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +104,11 @@ class ParityReport:
         """The rows beyond tolerance."""
         return tuple(row for row in self.rows if not row.ok)
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the rows compare a quantized model (two references)."""
+        return any(row.dequantized_err is not None for row in self.rows)
+
     def table(self) -> str:
         """The report as an aligned text table."""
         header = ("runtime", "shape", "max abs err", "max rel err", "ok")
@@ -90,6 +122,8 @@ class ParityReport:
             )
             for row in self.rows
         ]
+        if self.quantized:
+            return self._quantized_table()
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
         text = [
             "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
@@ -97,6 +131,44 @@ class ParityReport:
         ]
         text.insert(1, "  ".join("-" * width for width in widths))
         text.append(f"tolerance: |err| <= {self.atol:g} + {self.rtol:g} * |keras|")
+        return "\n".join(text)
+
+    def _quantized_table(self) -> str:
+        header = (
+            "runtime",
+            "shape",
+            "vs quantized keras",
+            "vs dequantized float",
+            "keras's own",
+            "ok",
+        )
+        lines = [header] + [
+            (
+                row.runtime,
+                row.shape,
+                f"{row.max_abs_err:.2e}",
+                f"{row.dequantized_err:.2e}",
+                f"{row.quantization_err:.2e}",
+                "yes" if row.ok else "NO",
+            )
+            for row in self.rows
+        ]
+        widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+        text = [
+            "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+            for line in lines
+        ]
+        text.insert(1, "  ".join("-" * width for width in widths))
+        schemes = {}
+        for row in self.rows:
+            schemes.setdefault(row.runtime, row.scheme or "not stated")
+        text += [f"{runtime}: {scheme}" for runtime, scheme in schemes.items()]
+        text.append(
+            f"tolerance: |err vs dequantized| <= {QUANTIZED_MARGIN:g} x keras's own "
+            f"+ {self.atol:g} + {self.rtol:g} * |reference|; Keras's own scheme "
+            f"also |err vs quantized keras| <= {self.atol:g} + {self.rtol:g} * "
+            f"|keras| + {ROUNDING_SHARE:g} x keras's own"
+        )
         return "\n".join(text)
 
     def __str__(self) -> str:
@@ -147,6 +219,59 @@ def parity_row(
     )
 
 
+def _within(diff: np.ndarray, allowed: np.ndarray) -> bool:
+    return bool(np.all(np.nan_to_num(diff, nan=np.inf) <= allowed))
+
+
+def _gap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape:
+        return np.full((1,), np.inf)
+    same_nan = np.isnan(a) & np.isnan(b)
+    return np.where(same_nan, 0.0, np.abs(a - b))
+
+
+def quantized_row(
+    runtime: str,
+    label: str,
+    triples: Sequence[tuple],
+    atol: float,
+    rtol: float,
+    description: Mapping[str, object],
+) -> ParityRow:
+    """One row of a quantized model over (keras, dequantized, actual) triples
+    (one per output): the rule of the module docstring."""
+    exact = bool(description.get("exact"))
+    errors, dequantized, own, relative, ok = [], [], [], [], True
+    for keras_out, float_out, actual in triples:
+        keras_gap = _gap(actual, keras_out)
+        float_gap = _gap(actual, float_out)
+        own_gap = float(_gap(keras_out, float_out).max(initial=0.0))
+        ok &= _within(
+            float_gap,
+            QUANTIZED_MARGIN * own_gap + atol + rtol * np.abs(float_out),
+        )
+        if exact:
+            ok &= _within(
+                keras_gap, atol + rtol * np.abs(keras_out) + ROUNDING_SHARE * own_gap
+            )
+        errors.append(float(keras_gap.max(initial=0.0)))
+        dequantized.append(float(float_gap.max(initial=0.0)))
+        own.append(own_gap)
+        relative.append(compare(keras_out, actual, atol, rtol)[1])
+    return ParityRow(
+        runtime,
+        label,
+        max(errors),
+        max(relative),
+        ok,
+        max(dequantized),
+        max(own),
+        str(description.get("scheme", "")),
+    )
+
+
 def brief(error: BaseException | str, limit: int = 300) -> str:
     """The error's message on one line, at most `limit` characters."""
     text = " ".join(str(error).split()) or type(error).__name__
@@ -173,20 +298,12 @@ def artifact(
         FileNotFoundError: if it is missing.
     """
     path = os.fspath(path)
-    if export_format == _runtimes.SAVED_MODEL:
+    if export_format == table.SAVED_MODEL.name:
         require_saved_model_pb(path)
     elif not os.path.isfile(path):
-        raise FileNotFoundError(f"{_TITLE[export_format]} file not found: {path}")
+        artifact_title = table.BY_NAME[export_format].artifact
+        raise FileNotFoundError(f"{artifact_title} file not found: {path}")
     return _runtimes.Artifact(export_format, path, openvino_precision)
-
-
-_TITLE = {
-    _runtimes.SAVED_MODEL: "SavedModel",
-    _runtimes.ONNX: "ONNX model",
-    _runtimes.LITERT: "LiteRT model",
-    _runtimes.OPENVINO: "OpenVINO model",
-    _runtimes.TORCH: "torch program",
-}
 
 
 def check_artifacts(
@@ -198,6 +315,7 @@ def check_artifacts(
     atol: float,
     rtol: float,
     action: str = "on {label} inputs",
+    dequantized: Sequence[Sequence[Mapping[str, np.ndarray]]] | None = None,
 ) -> tuple[ParityRow, ...]:
     """Runs each artifact in a fresh process and compares it with `expected`.
 
@@ -209,6 +327,8 @@ def check_artifacts(
         labels: Each run's label in the report.
         atol, rtol: The tolerances.
         action: How a failing run is described ("{label}" is filled in).
+        dequantized: A quantized model's dequantized-float outputs, as
+            `expected` (None for a float model).
 
     Returns:
         The rows, run by run, each run's artifacts in `artifacts` order.
@@ -220,14 +340,13 @@ def check_artifacts(
     outcomes = _runtimes.run_artifacts(target, artifacts, runs)
     rows = {}
     for runtime, outcome in outcomes.items():
-        what = f"{_TITLE[artifacts[runtime].format]} {artifacts[runtime].path}"
+        row_of_format = table.BY_NAME[artifacts[runtime].format]
+        what = f"{row_of_format.artifact} {artifacts[runtime].path}"
         if outcome.stage in ("load", "process"):
             raise ValueError(f"Cannot load {what}: {brief(outcome.error)}")
         if outcome.stage == "bind":
             raise ParityError(f"{what} {outcome.error}", ParityReport((), 0.0, 0.0))
-        allowed = (
-            ("keras",) if artifacts[runtime].format == _runtimes.SAVED_MODEL else ()
-        )
+        allowed = ("keras",) if row_of_format is table.SAVED_MODEL else ()
         foreign = [name for name in outcome.imported if name not in allowed]
         if foreign:  # the check would not prove that the artifact stands alone
             raise RuntimeError(f"the runtime process of {what} imported {foreign}")
@@ -248,8 +367,23 @@ def check_artifacts(
                 for step_want, step_have in zip(want, have, strict=True)
                 for name in target.output_names
             ]
-            rows[(index, runtime)] = parity_row(
-                runtime, labels[index], pairs, atol, rtol
+            if dequantized is None:
+                rows[(index, runtime)] = parity_row(
+                    runtime, labels[index], pairs, atol, rtol
+                )
+                continue
+            floats = [
+                step[name]
+                for step in dequantized[index]
+                for name in target.output_names
+            ]
+            rows[(index, runtime)] = quantized_row(
+                runtime,
+                labels[index],
+                [(k, f, a) for (k, a), f in zip(pairs, floats, strict=True)],
+                atol,
+                rtol,
+                outcome.description,
             )
     return tuple(rows[key] for key in sorted(rows, key=lambda k: k[0]))
 
@@ -333,7 +467,7 @@ def collect_artifacts(
     for export_format, path in paths.items():
         if path is not None:
             label = export_format
-            if export_format == _runtimes.OPENVINO and openvino_precision != "f32":
+            if export_format == table.OPENVINO.name and openvino_precision != "f32":
                 label = f"openvino_{openvino_precision}"
             artifacts[label] = artifact(export_format, path, openvino_precision)
     return artifacts
@@ -359,25 +493,31 @@ def check_tolerance(name: str, value: object) -> float:
 
 def forward_runs(
     endpoint: Endpoint, shapes: Sequence[tuple[int, int]], seed: int
-) -> tuple[list[_runtimes.Run], list, list[str]]:
-    """The one-step runs of `verify`, Keras's outputs, and their labels.
+) -> tuple[list[_runtimes.Run], list, list[str], list | None]:
+    """The one-step runs of `verify`, Keras's outputs, their labels, and a
+    quantized model's dequantized-float outputs (None for a float model).
 
     A model with a fixed length keeps it (the label says the shape run),
     and shapes that come out the same are run once.
     """
+    target = endpoint.target()
     runs, expected, labels = [], [], []
+    dequantized = [] if target.quantized else None
     for index, (batch, time) in enumerate(shapes):
-        arrays = example_inputs(endpoint, batch, time, seed=seed + index)
+        arrays = example_inputs(target, batch, time, seed=seed + index)
         time = next((a.shape[1] for a in arrays.values() if a.ndim > 1), time)
         label = f"{batch}x{time}" + (
-            " padded" if is_padded(endpoint, batch, time) else ""
+            " padded" if is_padded(target, batch, time) else ""
         )
         if label in labels:
             continue
         labels.append(label)
         runs.append(_runtimes.Run((arrays,)))
         expected.append([keras_reference(endpoint, arrays)])
-    return runs, expected, labels
+        if dequantized is not None:
+            with target.traced(quantization.CONSTANTS):
+                dequantized.append([keras_reference(endpoint, arrays)])
+    return runs, expected, labels, dequantized
 
 
 def verify(
@@ -452,8 +592,15 @@ def verify(
     atol = check_tolerance("atol", atol)
     rtol = check_tolerance("rtol", rtol)
     endpoint = build_endpoint(model, attention_outputs)
-    runs, expected, labels = forward_runs(endpoint, shapes, seed)
+    runs, expected, labels, dequantized = forward_runs(endpoint, shapes, seed)
     rows = check_artifacts(
-        endpoint.target(), artifacts, runs, expected, labels, atol, rtol
+        endpoint.target(),
+        artifacts,
+        runs,
+        expected,
+        labels,
+        atol,
+        rtol,
+        dequantized=dequantized,
     )
     return finish_report(rows, atol, rtol, "checks differ from Keras")

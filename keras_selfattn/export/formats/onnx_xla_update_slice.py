@@ -1,7 +1,7 @@
 """tf2onnx handler of XlaDynamicUpdateSlice, the key/value cache write on TF.
 
 tf2onnx has no conversion of its own for XlaDynamicUpdateSlice; the
-converter (`onnx_export.convert_to_onnx`, used by the decode step) passes
+converter (`onnx.convert_to_onnx`, used by the decode step) passes
 `CUSTOM_OP_HANDLERS` to `tf2onnx.convert.from_function`.
 """
 

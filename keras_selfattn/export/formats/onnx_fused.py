@@ -42,8 +42,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, version_converter
 
-from keras_selfattn.export import _onnx_graph as og
-from keras_selfattn.export._endpoint import Endpoint
+from keras_selfattn.export.formats import onnx_graph as og
 from keras_selfattn.fusable_core import FUSABLE_CORE_SCOPE
 from keras_selfattn.self_attention import SelfAttention
 
@@ -127,12 +126,16 @@ def upgrade(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _attention_layers(model: keras.Model) -> list[SelfAttention]:
-    found, stack = [], list(model.layers)
+    """The SelfAttention layers among `model`'s tracked layers, at any depth
+    (an exported endpoint wraps those whose weights it returns)."""
+    found, stack = [], list(model._layers)
     while stack:
         layer = stack.pop(0)
         if isinstance(layer, SelfAttention):
-            found.append(layer)
-        stack.extend(getattr(layer, "layers", []))
+            if layer not in found:
+                found.append(layer)
+            continue
+        stack.extend(layer._layers)
     return found
 
 
@@ -315,14 +318,14 @@ def _replace(graph: onnx.GraphProto, cores: dict[str, _Core]) -> None:
 
 
 def fuse_attention(
-    proto: onnx.ModelProto, endpoint: Endpoint
+    proto: onnx.ModelProto, model: keras.Model
 ) -> tuple[onnx.ModelProto, tuple[LayerFusion, ...]]:
     """Upgrades `proto` to opset 23 and fuses every recognised attention core.
 
     Args:
-        proto: The tf2onnx conversion of `endpoint` (opset 13 to 18).
-        endpoint: What was converted; its model's SelfAttention layers are
-            reported by name.
+        proto: The tf2onnx conversion of `model` (opset 13 to 18).
+        model: What was converted; its SelfAttention layers are reported by
+            name.
 
     Returns:
         The new model (opset 23, IR version 11) and one `LayerFusion` per
@@ -330,13 +333,13 @@ def fuse_attention(
 
     Example:
 
-    >>> proto, fusions = fuse_attention(proto, endpoint)  # doctest: +SKIP
+    >>> proto, fusions = fuse_attention(proto, model)  # doctest: +SKIP
     >>> [f.message() for f in fusions]  # doctest: +SKIP
     ["layer 'attention': fused into one ONNX Attention node"]
     """
     proto = upgrade(proto)
     graph = proto.graph
-    layers = {layer.name: layer for layer in _attention_layers(endpoint.source)}
+    layers = {layer.name: layer for layer in _attention_layers(model)}
     types = og.value_types(proto)
     readers = og.consumers(graph)
     graph_outputs = {info.name for info in graph.output}

@@ -1,0 +1,309 @@
+"""The public exporters of a model's forward pass, one per format.
+
+Each checks its destination, stages the model's `Endpoint` in its format
+(`formats`), checks the staged artifact against Keras in a fresh process of
+its runtime (`verify`), and moves it into place; a failure leaves nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import keras
+
+from keras_selfattn.export import pipeline
+from keras_selfattn.export._endpoint import build_endpoint
+from keras_selfattn.export.formats import table
+from keras_selfattn.export.verify import DEFAULT_ATOL, DEFAULT_RTOL, verify
+
+
+def _export(
+    row: table.FormatRow,
+    model: keras.Model,
+    path: str | os.PathLike,
+    attention_outputs: str | Mapping[str, str] | None,
+    check: bool,
+    atol: float,
+    rtol: float,
+    **options: object,
+) -> str:
+    """`model`'s endpoint exported in `row`'s format (module docstring)."""
+    destination = pipeline.check_destination(row.name, path, **options)
+    endpoint = build_endpoint(model, attention_outputs)
+    fixed = destination.options.get("shape")
+
+    def checked(staged: str) -> None:
+        verify(
+            model,
+            attention_outputs=attention_outputs,
+            atol=atol,
+            rtol=rtol,
+            shapes=None if fixed is None else [fixed],
+            **{row.path_argument: staged},
+        )
+
+    return pipeline.export(endpoint.target(), destination, checked if check else None)
+
+
+def export_saved_model(
+    model: keras.Model,
+    base_dir: str | os.PathLike,
+    name: str,
+    version: int | None = None,
+    *,
+    attention_outputs: str | Mapping[str, str] | None = None,
+    warmup: bool = False,
+    models_config: bool = True,
+    check: bool = True,
+    atol: float = DEFAULT_ATOL,
+    rtol: float = DEFAULT_RTOL,
+) -> str:
+    """Exports `model` for TF Serving as `base_dir/name/VERSION/`.
+
+    The SavedModel has one signature, `serving_default`, whose inputs are
+    named after the model's `keras.Input`s and whose outputs are named after
+    the model's outputs, with dynamic batch and time dimensions. Everything
+    is written into a hidden temporary folder beside the version folder and
+    renamed into place at the end, so an interrupted or failed export leaves
+    no version folder; an existing version is never touched, also when
+    another process exports the same version meanwhile (the later rename
+    fails with FileExistsError). A quantized model keeps Keras's integers
+    and dequantizes them once per call.
+
+    Args:
+        model: A Functional or Sequential model whose `keras.Input`s all have
+            names (auto-generated names such as "input_layer" are refused).
+        base_dir: The folder TF Serving is pointed at (holds one folder per
+            model and `models.config`). Created when missing.
+        name: The model's name: a single folder name (no path separators,
+            not "." or "..", not starting with ".").
+        version: A positive integer, or None for the highest taken version
+            plus one (1 for a new model; see `serving.layout`).
+        attention_outputs: None, the name of a top-level SelfAttention layer
+            whose attention weights `(batch, heads, time, time)` become an
+            extra output "attention_weights", or a dict
+            {layer name: output name}.
+        warmup: Whether to write `assets.extra/tf_serving_warmup_requests`
+            (PredictionLog records read with `--enable_model_warmup`):
+            batch 1, times 1, 8 and 32.
+        models_config: Whether to (re)write `base_dir/models.config` listing
+            every model folder of `base_dir` with a served version.
+        check: Whether to load the written SavedModel and compare it with
+            Keras (see `verify`) before moving it into place.
+        atol, rtol: Tolerances of that check.
+
+    Returns:
+        The version folder's path.
+
+    Raises:
+        FileExistsError: if the version folder exists (left untouched).
+        ValueError: for an invalid name, version, or model input name, or
+            a backend that cannot export a SavedModel (torch).
+        ParityError: if the check finds the SavedModel differs from Keras
+            (nothing is left on disk).
+
+    Example:
+
+    >>> from keras_selfattn.export import export_saved_model  # doctest: +SKIP
+    >>> export_saved_model(model, "artifacts/serving", "classifier")  # doctest: +SKIP
+    'artifacts/serving/classifier/1'
+    """
+    return _export(
+        table.SAVED_MODEL,
+        model,
+        base_dir,
+        attention_outputs,
+        check,
+        atol,
+        rtol,
+        name=name,
+        version=version,
+        warmup=warmup,
+        models_config=models_config,
+    )
+
+
+def export_onnx(
+    model: keras.Model,
+    path: str | os.PathLike,
+    opset: int | None = None,
+    *,
+    attention_outputs: str | Mapping[str, str] | None = None,
+    fuse_attention: bool = False,
+    check: bool = True,
+    atol: float = DEFAULT_ATOL,
+    rtol: float = DEFAULT_RTOL,
+) -> str:
+    """Exports `model` to an ONNX file (tf2onnx; jax2onnx / torch.onnx via Keras).
+
+    Inputs and outputs are named like the model's, with dynamic axes named
+    "batch" and "time"; integer and boolean inputs keep their dtypes. Before
+    the file appears at `path`, the model passes `onnx.checker` and (with
+    `check`) runs in onnxruntime on several shapes, compared with Keras. The
+    file is written beside `path` and linked into place, so a failure leaves
+    nothing at `path`; an existing file is never replaced. A quantized
+    model's layers run on ONNX Runtime's integer kernels with Keras's
+    integers (`formats.onnx_integer`).
+
+    Args:
+        model: A Functional or Sequential model with named `keras.Input`s.
+        path: The ONNX file to create; missing parent folders are created.
+        opset: ONNX opset, 13 to 18. Defaults to 17 on TensorFlow, to the
+            converter's own on JAX and torch.
+        attention_outputs: As in `export_saved_model`: a SelfAttention layer
+            name (output "attention_weights") or {layer name: output name}.
+        fuse_attention: If True, the model is upgraded to opset 23 and each
+            SelfAttention call becomes one ONNX `Attention` node (see
+            `keras_selfattn.export.formats.onnx_fused`); a layer that cannot
+            be fused keeps its decomposed form and is logged with the reason.
+        check: Whether to run the onnxruntime comparison (see `verify`).
+        atol, rtol: Tolerances of that check.
+
+    Returns:
+        `path`, as a string.
+
+    Raises:
+        ValueError: for an unsupported opset, an invalid model input name,
+            or `fuse_attention` off the TensorFlow backend.
+        FileExistsError: if `path` exists (left untouched).
+        ParityError: if onnxruntime's results differ from Keras.
+
+    Example:
+
+    >>> from keras_selfattn.export import export_onnx  # doctest: +SKIP
+    >>> export_onnx(model, "artifacts/model.onnx", opset=17)  # doctest: +SKIP
+    'artifacts/model.onnx'
+    """
+    return _export(
+        table.ONNX,
+        model,
+        path,
+        attention_outputs,
+        check,
+        atol,
+        rtol,
+        opset=opset,
+        fuse_attention=fuse_attention,
+    )
+
+
+def export_litert(
+    model: keras.Model,
+    path: str | os.PathLike,
+    *,
+    shape: tuple[int, int] | None = None,
+    attention_outputs: str | Mapping[str, str] | None = None,
+    check: bool = True,
+    atol: float = DEFAULT_ATOL,
+    rtol: float = DEFAULT_RTOL,
+) -> str:
+    """Exports `model` to a LiteRT (.tflite) file.
+
+    On TensorFlow the TFLite converter keeps dynamic batch and time; on
+    torch, litert-torch needs fixed shapes (`shape`). The file is checked
+    in a fresh `ai_edge_litert` process (see `verify`) before it appears at
+    `path`; a file that differs from Keras (Keras's torch route miscomputes
+    grouped-query attention) raises ParityError and leaves nothing. A
+    quantized model's int8 layers keep Keras's integers on LiteRT's
+    dynamic-range kernels (`formats.litert`).
+
+    Args:
+        model: A Functional or Sequential model with named `keras.Input`s.
+        path: The .tflite file to create; never replaced.
+        shape: (batch, time) the file is fixed to; None keeps them dynamic
+            (TensorFlow only).
+        attention_outputs: As in `export_saved_model`.
+        check: Whether to verify the file before it appears.
+        atol, rtol: Tolerances of that check.
+
+    Returns:
+        `path`, as a string.
+
+    Raises:
+        ValueError: on the JAX backend, for a bad path or shape, or on torch
+            without `shape`.
+        FileExistsError: if `path` exists.
+        ParityError: if the file differs from Keras.
+
+    Example:
+
+    >>> export_litert(model, "artifacts/model.tflite")  # doctest: +SKIP
+    'artifacts/model.tflite'
+    """
+    return _export(
+        table.LITERT, model, path, attention_outputs, check, atol, rtol, shape=shape
+    )
+
+
+def export_openvino(
+    model: keras.Model,
+    path: str | os.PathLike,
+    *,
+    attention_outputs: str | Mapping[str, str] | None = None,
+    check: bool = True,
+    atol: float = DEFAULT_ATOL,
+    rtol: float = DEFAULT_RTOL,
+) -> str:
+    """Exports `model` to OpenVINO IR (`path` .xml and its .bin).
+
+    Checked in a fresh `openvino` process at f32
+    (`INFERENCE_PRECISION_HINT`), not OpenVINO's bf16 default on CPUs with
+    AVX512-BF16; both files appear only after the check. A quantized
+    model's kernels stay Keras's integers, compressed (`formats.openvino`).
+
+    Args:
+        model: A Functional or Sequential model with named `keras.Input`s.
+        path: The .xml file to create (the .bin goes beside it).
+        attention_outputs, check, atol, rtol: As in `export_litert`.
+
+    Returns:
+        `path`, as a string.
+
+    Raises:
+        ValueError: on the JAX backend or for a bad path.
+        FileExistsError: if the .xml or .bin exists.
+        ParityError: if OpenVINO's results differ from Keras.
+
+    Example:
+
+    >>> export_openvino(model, "artifacts/model.xml")  # doctest: +SKIP
+    'artifacts/model.xml'
+    """
+    return _export(table.OPENVINO, model, path, attention_outputs, check, atol, rtol)
+
+
+def export_torch(
+    model: keras.Model,
+    path: str | os.PathLike,
+    *,
+    attention_outputs: str | Mapping[str, str] | None = None,
+    check: bool = True,
+    atol: float = DEFAULT_ATOL,
+    rtol: float = DEFAULT_RTOL,
+) -> str:
+    """Exports `model` as a `torch.export` program (.pt2), torch backend only.
+
+    The program takes the inputs as one list, in the model's input order,
+    with dynamic "batch" and "time" dimensions, and returns the outputs as
+    a list; it is checked with `torch.export.load` in a fresh process.
+
+    Args:
+        model: A Functional or Sequential model with named `keras.Input`s.
+        path: The .pt2 file to create.
+        attention_outputs, check, atol, rtol: As in `export_litert`.
+
+    Returns:
+        `path`, as a string.
+
+    Raises:
+        ValueError: off the torch backend or for a bad path.
+        FileExistsError: if `path` exists.
+        ParityError: if the program's results differ from Keras.
+
+    Example:
+
+    >>> export_torch(model, "artifacts/model.pt2")  # doctest: +SKIP
+    'artifacts/model.pt2'
+    """
+    return _export(table.TORCH, model, path, attention_outputs, check, atol, rtol)

@@ -1,0 +1,30 @@
+"""The export formats: one module each, behind one protocol.
+
+`table` has one row per format (names, suffixes, backends, extras, the
+command line's options); each format's module (`saved_model`, `onnx`,
+`litert`, `openvino`, `torch`) implements `_base.Format` for its row and is
+imported on first use (`get`), so that importing the export package loads
+no converter or runtime.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from keras_selfattn.export.formats._base import Destination, ExportError, Format
+from keras_selfattn.export.formats.table import BY_NAME, NAMES, ROWS
+
+__all__ = ["Destination", "ExportError", "Format", "NAMES", "ROWS", "get"]
+
+
+def get(name: str) -> Format:
+    """The `Format` named `name` (one of `table.NAMES`).
+
+    Raises:
+        ValueError: for an unknown name.
+    """
+    if name not in BY_NAME:
+        raise ValueError(
+            f"`export_format` must be one of {NAMES}. Received: export_format={name!r}"
+        )
+    return importlib.import_module(f"{__name__}.{name}").FORMAT

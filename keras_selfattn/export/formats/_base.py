@@ -1,0 +1,249 @@
+"""What every export format implements, and the refusals they share.
+
+A `Format` is one row of `table` plus how it writes: which options it
+takes (`check_options`), which form quantized layers are traced in
+(`quantized_form`), and `write`, which converts an `ExportTarget` into an
+artifact in a staging folder. Staging, verification and moving into place
+are the pipeline's, the same for every format.
+
+A conversion runs inside `converting`: what the converter prints (on
+Python's streams or straight to file descriptors 1 and 2, as TensorFlow's
+C++ and MLIR do) is kept, not shown, and a failure becomes one line, an
+`ExportError` naming the format, the cause and what to do, whose
+`__cause__` is the converter's own exception and whose `log` holds what it
+printed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import io
+import logging
+import os
+import sys
+import tempfile
+import warnings
+from collections.abc import Iterator, Mapping
+
+import keras
+
+from keras_selfattn.export import _files
+from keras_selfattn.export._target import ExportTarget
+from keras_selfattn.export.formats.table import FormatRow
+
+
+class ExportError(RuntimeError):
+    """A converter could not write a model: one line saying why and what to do.
+
+    Attributes:
+        log: What the converter printed while it ran ("" if nothing).
+    """
+
+    def __init__(self, message: str, log: str = ""):
+        super().__init__(message)
+        self.log = log
+
+
+@dataclasses.dataclass(frozen=True)
+class Destination:
+    """A checked export destination.
+
+    Attributes:
+        format: The format's name (`table.NAMES`).
+        path: The SavedModel base dir, or the file.
+        options: The format's checked options (`Format.check_options`).
+        version_dir: The SavedModel's version folder it would write now.
+    """
+
+    format: str
+    path: str
+    options: Mapping[str, object] = dataclasses.field(default_factory=dict)
+    version_dir: str | None = None
+
+
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """The error's message on one line, at most `limit` characters."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@contextlib.contextmanager
+def _output_kept(log: io.StringIO) -> Iterator[None]:
+    """Sends file descriptors 1 and 2, Python's streams, warnings and logging
+    into `log` while the block runs."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    root = logging.getLogger()
+    handler = logging.StreamHandler(log)
+    with tempfile.TemporaryFile(mode="w+b") as capture:
+        os.dup2(capture.fileno(), 1)
+        os.dup2(capture.fileno(), 2)
+        previous = root.handlers[:], root.level
+        root.handlers = [handler]
+        try:
+            with (
+                contextlib.redirect_stdout(log),
+                contextlib.redirect_stderr(log),
+                warnings.catch_warnings(),
+            ):
+                warnings.simplefilter("ignore")
+                yield
+        finally:
+            root.handlers, _ = previous
+            for fd, copy in zip((1, 2), saved, strict=True):
+                os.dup2(copy, fd)
+                os.close(copy)
+            capture.seek(0)
+            log.write(capture.read().decode(errors="replace"))
+
+
+@contextlib.contextmanager
+def converting(title: str, advice: str) -> Iterator[None]:
+    """Runs a conversion quietly; a failure becomes one `ExportError` line.
+
+    Args:
+        title: The format's title, which starts the message.
+        advice: What to do, appended to the cause.
+    """
+    log = io.StringIO()
+    try:
+        with _output_kept(log):
+            yield
+    except (ExportError, KeyboardInterrupt):
+        raise
+    except Exception as error:
+        raise ExportError(
+            f"{title} conversion failed: {cause(error, log.getvalue())}; {advice}",
+            log.getvalue(),
+        ) from error
+
+
+def cause(error: BaseException, log: str) -> str:
+    """The line that says why a converter failed.
+
+    Converters bury it: TensorFlow's converter among its MLIR diagnostics
+    ("error: ..."), OpenVINO after its stack of frontends. The first
+    diagnostic line that reads as an error is chosen, else the exception's
+    first line.
+    """
+    lines = [
+        line.strip() for line in (str(error) + "\n" + log).splitlines() if line.strip()
+    ]
+    for line in lines:
+        lowered = line.lower()
+        if "error:" in lowered and "traceback" not in lowered:
+            return one_line(line[lowered.index("error:") + len("error:") :], 200)
+    return one_line(lines[0] if lines else type(error).__name__, 200)
+
+
+class Format:
+    """An export format: its table row and how it writes an artifact.
+
+    Subclasses set `row` and implement `write`; those with options override
+    `check_options`.
+
+    Attributes:
+        row: The format's `table.FormatRow`.
+        quantized_form: How quantized layers are traced for this format
+            (`quantization.VARIABLES` or `quantization.CONSTANTS`).
+        advice: What to do when its converter fails (ends `ExportError`).
+    """
+
+    row: FormatRow
+    quantized_form: str
+    advice: str = "export the model to another format, or as .keras"
+
+    @property
+    def name(self) -> str:
+        return self.row.name
+
+    def require(self) -> None:
+        """Refuses a backend Keras has no route on, or a missing package.
+
+        Raises:
+            ValueError: one line naming the backend and the way that works.
+            ImportError: one line naming the missing package and its extra.
+        """
+        backend = keras.backend.backend()
+        refusal = self.row.refusal(backend)
+        if refusal is not None:
+            raise ValueError(refusal)
+        modules = self.row.packages + tuple(self.row.backend_packages.get(backend, ()))
+        for module in modules:
+            try:
+                importlib.import_module(module)
+            except ImportError as error:
+                raise ImportError(
+                    f"{self.row.title} export needs {module} ({error}). "
+                    f"Install it with: pip install 'keras_selfattn[{self.row.extra}]'"
+                ) from error
+
+    def check_options(self, options: Mapping[str, object]) -> dict[str, object]:
+        """The format's options, checked (none by default).
+
+        Raises:
+            ValueError: for an option the format does not take.
+        """
+        for name, value in options.items():
+            if value is not None and value is not False:
+                raise ValueError(
+                    f"{self.row.title} export takes no `{name}`. "
+                    f"Received: {name}={value!r}"
+                )
+        return {}
+
+    def files(self, path: str) -> list[str]:
+        """The files an artifact at `path` consists of."""
+        return [path]
+
+    def check_path(self, path: object, argument: str) -> str:
+        """Checks a file target before any work; returns it as a str.
+
+        Raises:
+            ValueError: for an empty path, a folder, or a wrong suffix.
+            FileExistsError: if one of its files exists.
+        """
+        path = _files.check_path(argument, path)
+        suffix = self.row.suffix
+        if path.endswith(("/", os.sep)) or os.path.isdir(path):
+            raise ValueError(
+                f"`{argument}` must name a file ({suffix}), not a folder. "
+                f"Received: {argument}={path!r}"
+            )
+        if not path.endswith(suffix):
+            raise ValueError(
+                f"`{argument}` must end with {suffix!r} ({self.row.title}). "
+                f"Received: {argument}={path!r}"
+            )
+        for file in self.files(path):
+            _files.refuse_existing(file, "Output file")
+        return path
+
+    def destination(
+        self, path: object, argument: str, options: Mapping[str, object]
+    ) -> Destination:
+        """A checked destination (path and options), before any work."""
+        self.require()
+        checked = self.check_options(options)
+        return Destination(self.name, self.check_path(path, argument), checked)
+
+    @contextlib.contextmanager
+    def stage(
+        self, target: ExportTarget, destination: Destination
+    ) -> Iterator[_files.Staged]:
+        """Writes the artifact beside its destination; moves it in after the
+        block (nothing is left if the block raises)."""
+        path = destination.path
+        with _files.atomic_files(self.files(path)) as folder:
+            staged = os.path.join(folder, os.path.basename(path))
+            self.write(target, staged, destination.options)
+            yield _files.Staged(staged, path)
+
+    def write(
+        self, target: ExportTarget, path: str, options: Mapping[str, object]
+    ) -> None:
+        """Writes `target` as this format's artifact at `path`."""
+        raise NotImplementedError

@@ -1,0 +1,156 @@
+"""LiteRT (.tflite): TensorFlow's converter, or litert-torch on torch.
+
+On TensorFlow the converter keeps batch and time dynamic; litert-torch on
+torch fixes them (option `shape`). A quantized model is traced with its
+dequantized kernels as constants and converted with dynamic-range
+quantization (`tf.lite.Optimize.DEFAULT`): the converter re-quantizes each
+kernel per output channel, symmetric, which gives back exactly Keras's
+integers and scales (Keras's largest code in a channel is 127, so the
+converter's scale is Keras's; `stored_integers` reads them back and the
+export refuses a file where they differ), and LiteRT runs the matmuls
+with int8 weights and per-row int8 activations.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+
+import keras
+import numpy as np
+
+from keras_selfattn.export import quantization
+from keras_selfattn.export._target import ExportTarget
+from keras_selfattn.export.formats import table
+from keras_selfattn.export.formats._base import ExportError, Format, converting
+
+SCHEME = "int8 weights, activations quantized per row (LiteRT dynamic range)"
+# The converter leaves smaller tensors float (its `min_num_elements`).
+CONVERTER_MIN_ELEMENTS = 1024
+
+
+def check_shape(shape: object) -> tuple[int, int] | None:
+    """Returns a fixed (batch, time) shape, or None (dynamic).
+
+    Raises:
+        ValueError: if it is not None or a pair of positive ints.
+    """
+    if shape is None:
+        return None
+    if not (
+        isinstance(shape, tuple | list)
+        and len(shape) == 2
+        and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
+    ):
+        raise ValueError(
+            "`shape` must be None or a (batch, time) pair of positive ints. "
+            f"Received: shape={shape!r}"
+        )
+    return (shape[0], shape[1])
+
+
+def fixed_signature(target: ExportTarget, shape: tuple[int, int]) -> list:
+    """`target.input_signature()` with every dynamic dim set from `shape`."""
+    batch, time = shape
+    return [
+        [
+            keras.InputSpec(
+                shape=tuple(
+                    (batch if axis == 0 else time) if dim is None else dim
+                    for axis, dim in enumerate(spec.shape)
+                ),
+                dtype=spec.dtype,
+                name=spec.name,
+            )
+            for spec in target.inputs
+        ]
+    ]
+
+
+def stored_integers(path: str) -> list[np.ndarray]:
+    """The int8 constant matrices of a .tflite file, (out, in) as stored."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    interpreter = Interpreter(model_path=path)
+    found = []
+    for detail in interpreter.get_tensor_details():
+        if detail["dtype"] == np.int8 and len(detail["shape"]) == 2:
+            try:
+                found.append(np.array(interpreter.get_tensor(detail["index"])))
+            except ValueError:  # not a constant
+                continue
+    return found
+
+
+def check_integers(path: str, quantized) -> None:
+    """Refuses a file whose int8 weights are not Keras's integers.
+
+    Raises:
+        ExportError: naming the first layer whose integers are missing.
+    """
+    stored = {w.tobytes() for w in stored_integers(path)}
+    for layer in quantized:
+        if layer.mode != "int8" or layer.integers.size < CONVERTER_MIN_ELEMENTS:
+            continue
+        transposed = np.ascontiguousarray(layer.integers.T).tobytes()
+        if transposed not in stored and layer.integers.tobytes() not in stored:
+            raise ExportError(
+                "LiteRT conversion did not keep Keras's int8 integers of layer "
+                f"{layer.layer.name!r}; export ONNX or OpenVINO for this model"
+            )
+
+
+class LiteRTFormat(Format):
+    """LiteRT flatbuffers, checked with `ai_edge_litert`."""
+
+    row = table.LITERT
+    quantized_form = quantization.CONSTANTS
+    advice = "export ONNX or OpenVINO instead"
+
+    def check_options(self, options: Mapping[str, object]) -> dict[str, object]:
+        """`shape`: the fixed (batch, time), required on torch."""
+        unknown = sorted(set(options) - {"shape"})
+        if unknown:
+            super().check_options({k: options[k] for k in unknown})
+        shape = check_shape(options.get("shape"))
+        if shape is None and keras.backend.backend() == "torch":
+            raise ValueError(
+                "LiteRT export on the torch backend has fixed input shapes "
+                "(litert-torch): pass shape=(batch, time) (CLI: --litert-shape "
+                "BATCH,TIME), or export under KERAS_BACKEND=tensorflow for dynamic "
+                "shapes. Received: shape=None"
+            )
+        return {"shape": shape}
+
+    def write(
+        self, target: ExportTarget, path: str, options: Mapping[str, object]
+    ) -> None:
+        shape = options["shape"]
+        signature = (
+            target.input_signature()
+            if shape is None
+            else fixed_signature(target, shape)
+        )
+        extra = {}
+        if target.quantized and keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            extra["optimizations"] = [tf.lite.Optimize.DEFAULT]
+        with (
+            converting(self.row.title, self.advice),
+            target.traced(self.quantized_form),
+            warnings.catch_warnings(),
+        ):
+            warnings.simplefilter("ignore")
+            target.keras_model().export(
+                path,
+                format="litert",
+                verbose=False,
+                input_signature=signature,
+                **extra,
+            )
+        if extra:
+            check_integers(path, target.quantized)
+
+
+FORMAT = LiteRTFormat()

@@ -1,0 +1,174 @@
+"""ONNX: tf2onnx on TensorFlow, Keras's jax2onnx / torch.onnx route elsewhere.
+
+Conversion -> dynamic axes named "batch" and "time" -> (`fuse_attention`:
+each SelfAttention core becomes one ONNX `Attention` node) -> quantized
+layers stored as Keras's integers on ONNX Runtime's integer kernels
+(`onnx_integer`) -> `onnx.checker` -> the file. TensorFlow and tf2onnx are
+imported on use.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import keras
+
+from keras_selfattn import _checks
+from keras_selfattn.export import quantization
+from keras_selfattn.export._target import BATCH_AXIS, TIME_AXIS, ExportTarget
+from keras_selfattn.export.formats import table
+from keras_selfattn.export.formats._base import Format, converting
+
+if TYPE_CHECKING:  # onnx is an extra, imported when a file is written
+    import onnx
+
+DEFAULT_OPSET = 17
+# tf2onnx 1.17 converts up to opset 18; below 13 it lacks ops these models use.
+MIN_OPSET = 13
+MAX_OPSET = 18
+# The backend whose graph the fused-Attention rewrite reads (tf2onnx's names).
+FUSED_BACKEND = "tensorflow"
+
+
+def check_opset(opset: object) -> int | None:
+    """Returns the opset to use.
+
+    None means `DEFAULT_OPSET` on TensorFlow (tf2onnx) and the converter's
+    own default on JAX and torch (jax2onnx writes newer ops than opset 17
+    allows when told 17), where None is returned.
+
+    Raises:
+        ValueError: if `opset` is not an int in [MIN_OPSET, MAX_OPSET].
+    """
+    if opset is None:
+        return DEFAULT_OPSET if keras.backend.backend() == "tensorflow" else None
+    if (
+        isinstance(opset, bool)
+        or not isinstance(opset, int)
+        or not MIN_OPSET <= opset <= MAX_OPSET
+    ):
+        raise ValueError(
+            f"Unsupported ONNX opset {opset!r}: supported opsets are "
+            f"{MIN_OPSET} to {MAX_OPSET} (tf2onnx's maximum). Received: opset={opset!r}"
+        )
+    return opset
+
+
+def convert_to_onnx(target: ExportTarget, opset: int) -> onnx.ModelProto:
+    """Converts the target's `tf.function` with tf2onnx (TensorFlow backend).
+
+    Inputs keep the target's input names (through named TensorSpecs) and
+    outputs get its output names (the keys of the returned dict). The key/
+    value cache write of a decoding step converts through
+    `onnx_xla_update_slice.CUSTOM_OP_HANDLERS`.
+    """
+    import tf2onnx
+
+    from keras_selfattn.export.formats.onnx_xla_update_slice import (
+        CUSTOM_OP_HANDLERS,
+    )
+
+    proto, _ = tf2onnx.convert.from_function(
+        target.tf_function(),
+        input_signature=target.tf_specs(),
+        opset=opset,
+        custom_op_handlers=CUSTOM_OP_HANDLERS,
+    )
+    return proto
+
+
+def name_dynamic_axes(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """Names the dynamic axes of graph inputs and outputs "batch" and "time".
+
+    Axis 0 is "batch" and every other dynamic axis is "time" (see
+    `_target.TIME_AXIS`). Fixed axes keep their sizes.
+    """
+    for value_info in [*proto.graph.input, *proto.graph.output]:
+        for index, dim in enumerate(value_info.type.tensor_type.shape.dim):
+            if not dim.HasField("dim_value"):
+                dim.dim_param = BATCH_AXIS if index == 0 else TIME_AXIS
+    return proto
+
+
+def name_outputs(proto: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
+    """Gives the graph's outputs `names`, in order, through Identity nodes.
+
+    Keras's jax2onnx route names outputs after the last op ("add_out_4").
+    """
+    import onnx
+
+    for output, name in zip(proto.graph.output, names, strict=True):
+        if output.name != name:
+            proto.graph.node.append(
+                onnx.helper.make_node("Identity", [output.name], [name])
+            )
+            output.name = name
+    return proto
+
+
+def keras_export(target: ExportTarget, path: str, opset: int | None) -> None:
+    """Keras's own `model.export(format="onnx")` of the target (JAX, torch)."""
+    options = {} if opset is None else {"opset_version": opset}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        target.keras_model().export(
+            path,
+            format="onnx",
+            verbose=False,
+            input_signature=target.input_signature(),
+            **options,
+        )
+
+
+class OnnxFormat(Format):
+    """ONNX, checked by onnx.checker and onnxruntime."""
+
+    row = table.ONNX
+    quantized_form = quantization.CONSTANTS
+    advice = "export a SavedModel instead, or pass another opset"
+
+    def check_options(self, options: Mapping[str, object]) -> dict[str, object]:
+        """`opset` (13 to 18) and `fuse_attention` (TensorFlow only)."""
+        unknown = sorted(set(options) - {"opset", "fuse_attention"})
+        if unknown:
+            super().check_options({k: options[k] for k in unknown})
+        fuse = _checks.boolean("fuse_attention", options.get("fuse_attention", False))
+        backend = keras.backend.backend()
+        if fuse and backend != FUSED_BACKEND:
+            raise ValueError(
+                f"Fused-Attention ONNX export does not run on the {backend} "
+                "backend (the rewrite reads the names of tf2onnx's graph): save "
+                f"the model as .keras, load it under KERAS_BACKEND={FUSED_BACKEND} "
+                "and export there"
+            )
+        return {"opset": check_opset(options.get("opset")), "fuse_attention": fuse}
+
+    def write(
+        self, target: ExportTarget, path: str, options: Mapping[str, object]
+    ) -> None:
+        import onnx
+
+        from keras_selfattn.export.formats import onnx_fused, onnx_integer
+
+        opset = options["opset"]
+        with (
+            converting(self.row.title, self.advice),
+            target.traced(self.quantized_form),
+        ):
+            if keras.backend.backend() == "tensorflow":
+                proto = convert_to_onnx(target, opset)
+            else:
+                keras_export(target, path, opset)
+                proto = name_outputs(onnx.load(path), target.output_names)
+        proto = name_dynamic_axes(proto)
+        if options["fuse_attention"]:
+            proto, _ = onnx_fused.fuse_attention(proto, target.model)
+        if target.quantized:
+            proto, _ = onnx_integer.rewrite(proto, target.quantized)
+        onnx.checker.check_model(proto, full_check=True)
+        onnx.save(proto, path)
+
+
+FORMAT = OnnxFormat()

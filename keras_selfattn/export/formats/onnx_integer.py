@@ -1,0 +1,321 @@
+"""Quantized layers of an ONNX graph, stored as Keras's integers and run on
+ONNX Runtime's integer kernels.
+
+The graph was traced with each quantized `Dense` as a `MatMul` by its
+dequantized kernel, a constant (`quantization.CONSTANTS`); `rewrite` finds
+each by value and replaces it:
+
+- int8 with Keras's activation quantizer (symmetric, per token): Keras's
+  exact scheme on `MatMulInteger`. Per row of the input, scale =
+  high / (max |x| + epsilon), q = round(x * scale), computed with the same
+  float operations as Keras (so the same integers), then shifted by 128 to
+  uint8 with zero point 128: ONNX Runtime's fast x86 kernel takes uint8 x
+  int8 (with VNNI: `vpdpbusd`), and the int32 products are the int8 ones.
+  The output is cast and divided by kernel_scale * scale, as Keras does.
+  Keras's clip to [low, high] is left out where it cannot bind
+  (|x * scale| < high * (1 + 2**-23) rounds to at most high).
+- weight-only modes (int4 per channel or per group, int8 without
+  activation quantization, gptq, awq): `MatMulNBits` (4 or 8 bits, blocks
+  along the input axis, codes - zero point times scale) with float
+  activations (`accuracy_level` 0), as Keras computes them. AWQ's
+  per-input divisor divides the input first. Groups that do not fit (a
+  size that is not a power of two of at least 16, or `g_idx` out of
+  order) keep the float kernel, and say so.
+- float8: kept as float32 (the float8-rounded kernel; ONNX Runtime has no
+  CPU float8 matmul).
+
+The model's metadata (`METADATA_KEY`) names the scheme of every layer and
+whether the file computes Keras's own scheme (`exact`), which `verify`
+reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from keras_selfattn.export.formats import onnx_graph as og
+from keras_selfattn.export.quantization import QuantizedDense
+
+METADATA_KEY = "keras_selfattn.quantization"
+CONTRIB_DOMAIN = "com.microsoft"
+EXACT_INT8 = "int8 activations per token, symmetric (Keras's scheme): MatMulInteger"
+WEIGHT_ONLY = "float activations, {bits}-bit weights in blocks of {block}: MatMulNBits"
+FLOAT8 = "float32 (float8-rounded kernel; activations not rounded to float8)"
+NOT_FOUND = "float32: its kernel is not a MatMul weight in the converted graph"
+NO_FIT = "float32: groups of {size} do not fit MatMulNBits (powers of two >= 16)"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerScheme:
+    """How one quantized layer is computed in the file.
+
+    Attributes:
+        layer: The layer's name.
+        scheme: What ONNX Runtime computes for it.
+        exact: Whether that is Keras's own computation of the layer.
+    """
+
+    layer: str
+    scheme: str
+    exact: bool
+
+
+class _Builder:
+    """Adds uniquely named nodes and initializers to a graph."""
+
+    def __init__(self, graph: onnx.GraphProto, opset: int):
+        self.graph = graph
+        self.opset = opset
+        self.nodes: list[onnx.NodeProto] = []
+        taken = {i.name for i in graph.initializer}
+        taken |= {out for node in graph.node for out in node.output}
+        self._taken = taken
+
+    def name(self, hint: str) -> str:
+        candidate, index = hint, 0
+        while candidate in self._taken:
+            index += 1
+            candidate = f"{hint}_{index}"
+        self._taken.add(candidate)
+        return candidate
+
+    def constant(self, hint: str, value: np.ndarray) -> str:
+        name = self.name(hint)
+        self.graph.initializer.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def node(self, op: str, inputs: Sequence[str], hint: str, **attrs) -> str:
+        output = self.name(hint)
+        domain = CONTRIB_DOMAIN if op in ("MatMulNBits",) else ""
+        self.nodes.append(
+            helper.make_node(
+                op, list(inputs), [output], name=output, domain=domain, **attrs
+            )
+        )
+        return output
+
+    def reduce_max(self, x: str, hint: str) -> str:
+        if self.opset >= 18:
+            axes = self.constant(f"{hint}_axes", np.array([-1], np.int64))
+            return self.node("ReduceMax", [x, axes], hint, keepdims=1)
+        return self.node("ReduceMax", [x], hint, axes=[-1], keepdims=1)
+
+
+def _quantized_input(builder: _Builder, x: str, activations, cache: dict) -> tuple:
+    """(uint8 codes, per-row scale) of `x` by Keras's AbsMaxQuantizer; shared
+    by every layer reading the same tensor."""
+    if (x, activations) in cache:
+        return cache[(x, activations)]
+    low, high, epsilon = activations
+    prefix = f"{x.replace(':', '_')}_int8"
+    magnitude = builder.node("Abs", [x], f"{prefix}_abs")
+    largest = builder.reduce_max(magnitude, f"{prefix}_max")
+    denominator = builder.node(
+        "Add",
+        [largest, builder.constant(f"{prefix}_eps", np.float32(epsilon))],
+        f"{prefix}_den",
+    )
+    scale = builder.node(
+        "Div",
+        [builder.constant(f"{prefix}_high", np.float32(high)), denominator],
+        f"{prefix}_scale",
+    )
+    scaled = builder.node("Mul", [x, scale], f"{prefix}_scaled")
+    rounded = builder.node("Round", [scaled], f"{prefix}_rounded")
+    if low > -high:  # the clip can bind only when the range is narrower below
+        rounded = builder.node(
+            "Clip",
+            [
+                rounded,
+                builder.constant(f"{prefix}_low", np.float32(low)),
+                builder.constant(f"{prefix}_hi", np.float32(high)),
+            ],
+            f"{prefix}_clipped",
+        )
+    shifted = builder.node(
+        "Add",
+        [rounded, builder.constant(f"{prefix}_128", np.float32(128))],
+        f"{prefix}_shifted",
+    )
+    codes = builder.node("Cast", [shifted], f"{prefix}_u8", to=TensorProto.UINT8)
+    cache[(x, activations)] = (codes, scale)
+    return codes, scale
+
+
+def _exact_int8(builder, x, output, quantized: QuantizedDense, cache) -> None:
+    codes, scale = _quantized_input(builder, x, quantized.activations, cache)
+    name = quantized.layer.name
+    weights = builder.constant(f"{name}_int8_kernel", quantized.integers)
+    zero = builder.constant(f"{name}_zero_point", np.uint8(128))
+    products = builder.node("MatMulInteger", [codes, weights, zero], f"{name}_int32")
+    floats = builder.node("Cast", [products], f"{name}_float", to=TensorProto.FLOAT)
+    kernel_scale = builder.constant(f"{name}_kernel_scale", quantized.scale)
+    output_scale = builder.node("Mul", [kernel_scale, scale], f"{name}_out_scale")
+    builder.nodes.append(
+        helper.make_node("Div", [floats, output_scale], [output], name=output)
+    )
+
+
+def _blocks(
+    quantized: QuantizedDense,
+) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """(block size, codes (in, out) uint8, per-block scale and zero (blocks, out))
+    for MatMulNBits; raises ValueError when the groups do not fit."""
+    inputs = quantized.kernel.shape[0]
+    if quantized.zero is None:  # per channel: symmetric, one block repeated
+        block = 1 << max(4, (min(inputs, 256) - 1).bit_length())
+        blocks = -(-inputs // block)
+        shift = 1 << (quantized.bits - 1)
+        codes = (quantized.integers.astype(np.int16) + shift).astype(np.uint8)
+        scale = np.repeat((1.0 / quantized.scale)[None, :], blocks, axis=0)
+        zero = np.full_like(scale, shift)
+        return block, codes, scale.astype(np.float32), zero
+    size = quantized.group_size
+    if size is None or size < 16 or size & (size - 1):
+        raise ValueError(NO_FIT.format(size=size or "unordered g_idx"))
+    return size, quantized.integers, quantized.scale, quantized.zero
+
+
+def _pack(codes_in_out: np.ndarray, bits: int, block: int) -> np.ndarray:
+    """B of MatMulNBits: (out, blocks, block * bits / 8), low bits first."""
+    inputs, outputs = codes_in_out.shape
+    blocks = -(-inputs // block)
+    padded = np.zeros((blocks * block, outputs), np.uint8)
+    padded[:inputs] = codes_in_out
+    codes = padded.T.reshape(outputs, blocks, block)
+    if bits == 8:
+        return codes
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+
+
+def _pack_zero(zero: np.ndarray, bits: int) -> np.ndarray:
+    """Zero points of MatMulNBits: (out, ceil(blocks * bits / 8)) uint8."""
+    zero = np.rint(zero.T).astype(np.uint8)  # (out, blocks)
+    if bits == 8:
+        return zero
+    if zero.shape[1] % 2:
+        zero = np.concatenate([zero, np.zeros((zero.shape[0], 1), np.uint8)], 1)
+    return (zero[:, 0::2] | (zero[:, 1::2] << 4)).astype(np.uint8)
+
+
+def _weight_only(builder, x, output, quantized: QuantizedDense) -> str:
+    block, codes, scale, zero = _blocks(quantized)
+    inputs, outputs = quantized.kernel.shape
+    name = quantized.layer.name
+    if quantized.input_divisor is not None:
+        divisor = builder.constant(f"{name}_awq_divisor", quantized.input_divisor)
+        x = builder.node("Div", [x, divisor], f"{name}_awq_input")
+    bits = quantized.bits
+    builder.nodes.append(
+        helper.make_node(
+            "MatMulNBits",
+            [
+                x,
+                builder.constant(f"{name}_codes", _pack(codes, bits, block)),
+                builder.constant(f"{name}_scales", np.ascontiguousarray(scale.T)),
+                builder.constant(f"{name}_zeros", _pack_zero(zero, bits)),
+            ],
+            [output],
+            name=output,
+            domain=CONTRIB_DOMAIN,
+            K=inputs,
+            N=outputs,
+            bits=bits,
+            block_size=block,
+            accuracy_level=0,
+        )
+    )
+    return WEIGHT_ONLY.format(bits=bits, block=block)
+
+
+def _kernels_by_value(
+    quantized: Sequence[QuantizedDense],
+) -> dict[bytes, QuantizedDense]:
+    return {q.kernel.astype(np.float32).tobytes(): q for q in quantized}
+
+
+def rewrite(
+    proto: onnx.ModelProto, quantized: Sequence[QuantizedDense]
+) -> tuple[onnx.ModelProto, tuple[LayerScheme, ...]]:
+    """Stores each quantized layer's kernel as Keras's integers (module doc).
+
+    Args:
+        proto: The converted model, traced with `quantization.CONSTANTS`.
+        quantized: The model's quantized `Dense` layers.
+
+    Returns:
+        The model (changed in place) and each layer's `LayerScheme`, also
+        written to the model's metadata under `METADATA_KEY`.
+    """
+    graph = proto.graph
+    opset = next(
+        (o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 17
+    )
+    builder = _Builder(graph, opset)
+    by_value = _kernels_by_value(quantized)
+    schemes: dict[str, LayerScheme] = {}
+    cache: dict = {}
+    kept = []
+    for node in graph.node:
+        weight = (
+            og.constant_value(graph, node.input[1])
+            if node.op_type == "MatMul"
+            else None
+        )
+        match = None
+        if weight is not None and weight.dtype == np.float32 and weight.ndim == 2:
+            match = by_value.get(np.ascontiguousarray(weight).tobytes())
+        if match is None or match.mode == "float8":
+            kept.append(node)
+            continue
+        name = match.layer.name
+        x, output = node.input[0], node.output[0]
+        if match.mode == "int8" and match.activations is not None:
+            _exact_int8(builder, x, output, match, cache)
+            schemes[name] = LayerScheme(name, EXACT_INT8, True)
+            continue
+        try:
+            scheme = _weight_only(builder, x, output, match)
+        except ValueError as reason:
+            kept.append(node)
+            schemes[name] = LayerScheme(name, str(reason), False)
+            continue
+        schemes[name] = LayerScheme(name, scheme, True)
+    del graph.node[:]
+    graph.node.extend(kept + builder.nodes)
+    for q in quantized:
+        if q.mode == "float8":
+            schemes.setdefault(q.layer.name, LayerScheme(q.layer.name, FLOAT8, False))
+        schemes.setdefault(q.layer.name, LayerScheme(q.layer.name, NOT_FOUND, False))
+    og.prune_dead(graph)
+    og.topological_sort(graph)
+    if any(node.domain == CONTRIB_DOMAIN for node in graph.node) and not any(
+        o.domain == CONTRIB_DOMAIN for o in proto.opset_import
+    ):
+        proto.opset_import.append(helper.make_opsetid(CONTRIB_DOMAIN, 1))
+    results = tuple(schemes[q.layer.name] for q in quantized)
+    describe(proto, results)
+    return proto, results
+
+
+def describe(proto: onnx.ModelProto, schemes: Sequence[LayerScheme]) -> None:
+    """Writes the layers' schemes into the model's metadata (`METADATA_KEY`)."""
+    text = json.dumps(
+        {
+            "exact": all(s.exact for s in schemes),
+            "layers": {s.layer: s.scheme for s in schemes},
+        }
+    )
+    for entry in proto.metadata_props:
+        if entry.key == METADATA_KEY:
+            entry.value = text
+            return
+    proto.metadata_props.append(
+        onnx.StringStringEntryProto(key=METADATA_KEY, value=text)
+    )

@@ -1,0 +1,169 @@
+"""SavedModel for TF Serving: `base_dir/name/VERSION/`, one signature.
+
+The version folder is written into a hidden temporary beside it and renamed
+into place (`_files.atomic_directory`), then `base_dir/models.config` is
+rewritten. Quantized layers read their stored integers and dequantize them
+once per call (`quantization.VARIABLES`): the files keep Keras's integers,
+and TensorFlow computes in float (its CPU has no faster integer matmul for
+Keras's scheme; Keras's own quantized call runs slower than float there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator, Mapping
+
+import keras
+
+from keras_selfattn import _checks
+from keras_selfattn.export import _files, quantization
+from keras_selfattn.export._inputs import example_inputs
+from keras_selfattn.export._target import ExportTarget
+from keras_selfattn.export.formats import table
+from keras_selfattn.export.formats._base import Destination, Format, converting
+from keras_selfattn.serving import layout
+
+# Warmup requests: batch 1 and a few short lengths, the traces TF Serving
+# would otherwise build on the first real requests.
+WARMUP_TIMES = (1, 8, 32)
+# What a quantized export computes, beside the SavedModel (TF Serving reads
+# nothing in assets.extra but its warmup file).
+DESCRIPTION_PATH = os.path.join("assets.extra", "keras_selfattn.json")
+
+
+def _polymorphic_shape(shape: tuple[int | str, ...]) -> str:
+    return "(" + ", ".join(str(dim) for dim in shape) + ")"
+
+
+def write_saved_model(target: ExportTarget, directory: str) -> None:
+    """Writes `target` as a SavedModel with one signature, `target.signature_name`.
+
+    On JAX (through jax2tf) every dynamic axis after the batch is the one
+    symbol "time", as in ONNX's axis names: inputs of one sequence have one
+    length, which the signature then checks.
+    """
+    archive = keras.export.ExportArchive()
+    archive.track(target.model)
+    options = {}
+    if keras.backend.backend() == "jax":
+        shapes = [_polymorphic_shape(spec.axis_names()) for spec in target.inputs]
+        options["jax2tf_kwargs"] = {"polymorphic_shapes": shapes}
+
+    def serve(*tensors):
+        return target.call_named(dict(zip(target.input_names, tensors, strict=True)))
+
+    archive.add_endpoint(
+        target.signature_name, serve, input_signature=target.tf_specs(), **options
+    )
+    archive.write_out(directory, verbose=False)
+
+
+def write_warmup(target: ExportTarget, directory: str, model_name: str) -> None:
+    """Writes TF Serving's warmup requests (`WARMUP_TIMES`) into `directory`."""
+    from keras_selfattn.serving.warmup import write_warmup_file
+
+    examples = {}  # by shapes: a fixed-length model has one warmup shape
+    for time in WARMUP_TIMES:
+        example = example_inputs(target, batch=1, time=time, seed=time)
+        examples.setdefault(tuple(a.shape for a in example.values()), example)
+    write_warmup_file(
+        os.path.join(directory, layout.WARMUP_PATH),
+        model_name,
+        list(examples.values()),
+        target.signature_name,
+    )
+
+
+def _write_description(target: ExportTarget, directory: str) -> None:
+    """Says in `DESCRIPTION_PATH` how a quantized export computes: Keras's own
+    scheme unless a layer quantizes its activations (int8) or is float8."""
+    description = {
+        "scheme": SCHEME,
+        "exact": all(
+            q.activations is None and q.mode != "float8" for q in target.quantized
+        ),
+    }
+    path = os.path.join(directory, DESCRIPTION_PATH)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as file:
+        json.dump(description, file)
+
+
+SCHEME = "float activations; integer weights dequantized once per call"
+
+
+class SavedModelFormat(Format):
+    """TF Serving's SavedModel (TensorFlow; JAX through jax2tf)."""
+
+    row = table.SAVED_MODEL
+    quantized_form = quantization.VARIABLES
+    advice = "export ONNX instead, or report the model's layers"
+
+    def check_options(self, options: Mapping[str, object]) -> dict[str, object]:
+        """`name` (required), `version`, `warmup`, `models_config`."""
+        unknown = sorted(set(options) - {"name", "version", "warmup", "models_config"})
+        if unknown:
+            super().check_options({k: options[k] for k in unknown})
+        if options.get("name") is None:
+            raise ValueError("A SavedModel export needs `name`. Received: name=None")
+        return {
+            "name": layout.check_model_name(options["name"], "name"),
+            "version": layout.check_version(options.get("version")),
+            "warmup": _checks.boolean("warmup", options.get("warmup", False)),
+            "models_config": _checks.boolean(
+                "models_config", options.get("models_config", True)
+            ),
+        }
+
+    def destination(
+        self, path: object, argument: str, options: Mapping[str, object]
+    ) -> Destination:
+        """The version folder `base_dir/name/VERSION` an export would write now.
+
+        Raises:
+            ValueError: for a backend that cannot export a SavedModel, or an
+                invalid name, version or base dir.
+            layout.VersionExistsError: if the explicit `version` is taken.
+        """
+        self.require()
+        checked = self.check_options(options)
+        base_dir = _files.check_path(argument, path)
+        model_dir = os.path.join(base_dir, checked["name"])
+        version = layout.new_version(model_dir, checked["name"], checked["version"])
+        return Destination(
+            self.name, base_dir, checked, os.path.join(model_dir, str(version))
+        )
+
+    @contextlib.contextmanager
+    def stage(
+        self, target: ExportTarget, destination: Destination
+    ) -> Iterator[_files.Staged]:
+        """The version folder, written hidden and renamed in after the block;
+        then `models.config` is rewritten (option `models_config`)."""
+        options = destination.options
+        with _files.atomic_directory(destination.version_dir) as directory:
+            self.write(target, directory, options)
+            yield _files.Staged(directory, destination.version_dir)
+        if options["models_config"]:
+            from keras_selfattn.serving.model_config import write_models_config
+
+            base_dir = destination.path
+            write_models_config(base_dir, layout.served_model_names(base_dir))
+
+    def write(
+        self, target: ExportTarget, path: str, options: Mapping[str, object]
+    ) -> None:
+        with (
+            converting(self.row.title, self.advice),
+            target.traced(self.quantized_form),
+        ):
+            write_saved_model(target, path)
+        if options.get("warmup"):
+            write_warmup(target, path, options["name"])
+        if target.quantized:
+            _write_description(target, path)
+
+
+FORMAT = SavedModelFormat()

@@ -1,0 +1,164 @@
+"""The export formats, one row each: the table everything else reads.
+
+The exporters, `verify`, the refusals and the command line's options all
+come from these rows. This module imports only the standard library: the
+command line reads it by its path, without importing keras_selfattn (whose
+`__init__` imports Keras and TensorFlow), so that `--help` stays instant
+(see keras_selfattn_cli/_table.py).
+
+Which backend writes which format is Keras 3.15's (measured: README's
+"Export from every backend"): SavedModel from TensorFlow and JAX (jax2tf),
+ONNX from all three (tf2onnx; Keras's jax2onnx and torch.onnx routes),
+LiteRT from TensorFlow and torch (litert-torch, fixed shapes), OpenVINO from
+TensorFlow and torch, `.pt2` from torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+BACKENDS = ("tensorflow", "jax", "torch")
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatRow:
+    """One export format.
+
+    Attributes:
+        name: The format's name ("onnx"): `export_decode_step`'s
+            `export_format`, the runtime process's key, the report's label.
+        title: How messages name the format ("ONNX").
+        artifact: How messages name one artifact ("ONNX model").
+        suffix: The file name's required ending, or None for a folder
+            (the SavedModel's version folder).
+        path_argument: `verify`'s keyword naming this format's artifact.
+        export_metavar: The command line's `export --NAME` metavar.
+        verify_metavar: The command line's `verify --NAME` metavar.
+        help: The command line's help of `export --NAME`.
+        runtime: The package that runs the artifact in its check.
+        packages: What exporting needs on every backend.
+        backend_packages: What it needs besides on one backend.
+        extra: The pip extra installing `packages`, or None (always there).
+        refused: {backend: why Keras has no route there}; the backends not
+            named export it.
+    """
+
+    name: str
+    title: str
+    artifact: str
+    suffix: str | None
+    path_argument: str
+    export_metavar: str
+    verify_metavar: str
+    help: str
+    runtime: str
+    packages: tuple[str, ...] = ()
+    backend_packages: Mapping[str, tuple[str, ...]] = dataclasses.field(
+        default_factory=dict
+    )
+    extra: str | None = None
+    refused: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def option(self) -> str:
+        """The command line's option: "--onnx", "--saved-model"."""
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """The backends that export this format, in `BACKENDS` order."""
+        return tuple(b for b in BACKENDS if b not in self.refused)
+
+    def refusal(self, backend: str) -> str | None:
+        """One line saying why `backend` cannot export this format and the
+        way that works, or None when it can."""
+        if backend not in self.refused:
+            return None
+        return (
+            f"{self.title} export does not run on the {backend} backend "
+            f"({self.refused[backend]}): save the model as .keras, load it under "
+            f"KERAS_BACKEND={self.backends[0]} and export there"
+        )
+
+
+SAVED_MODEL = FormatRow(
+    name="saved_model",
+    title="SavedModel",
+    artifact="SavedModel",
+    suffix=None,
+    path_argument="saved_model_dir",
+    export_metavar="BASE_DIR",
+    verify_metavar="VERSION_DIR",
+    help="write BASE_DIR/NAME/VERSION/ (TF Serving layout)",
+    runtime="tensorflow",
+    refused={"torch": "Keras exports torch models to it only through torch_xla"},
+)
+ONNX = FormatRow(
+    name="onnx",
+    title="ONNX",
+    artifact="ONNX model",
+    suffix=".onnx",
+    path_argument="onnx_path",
+    export_metavar="OUT.onnx",
+    verify_metavar="PATH",
+    help="write an ONNX file",
+    runtime="onnxruntime",
+    packages=("onnx", "tf2onnx", "onnxruntime"),
+    backend_packages={"jax": ("jax2onnx",), "torch": ("onnxscript",)},
+    extra="onnx",
+)
+LITERT = FormatRow(
+    name="litert",
+    title="LiteRT",
+    artifact="LiteRT model",
+    suffix=".tflite",
+    path_argument="litert_path",
+    export_metavar="OUT.tflite",
+    verify_metavar="PATH",
+    help="write a LiteRT (.tflite) file",
+    runtime="ai_edge_litert",
+    packages=("ai_edge_litert",),
+    backend_packages={"torch": ("litert_torch",)},
+    extra="litert",
+    refused={"jax": "Keras converts to LiteRT only from TensorFlow and torch"},
+)
+OPENVINO = FormatRow(
+    name="openvino",
+    title="OpenVINO",
+    artifact="OpenVINO model",
+    suffix=".xml",
+    path_argument="openvino_path",
+    export_metavar="OUT.xml",
+    verify_metavar="PATH",
+    help="write OpenVINO IR (.xml + .bin)",
+    runtime="openvino",
+    packages=("openvino",),
+    extra="openvino",
+    refused={
+        "jax": "Keras's jax2tf route gives XlaCallModule ops, which OpenVINO "
+        "cannot convert"
+    },
+)
+TORCH = FormatRow(
+    name="torch",
+    title="torch (.pt2)",
+    artifact="torch program",
+    suffix=".pt2",
+    path_argument="torch_path",
+    export_metavar="OUT.pt2",
+    verify_metavar="PATH",
+    help="write a torch.export program (torch)",
+    runtime="torch",
+    refused={
+        "tensorflow": "torch.export needs the torch backend",
+        "jax": "torch.export needs the torch backend",
+    },
+)
+
+# Every format, in the order exports are staged and reported.
+ROWS: tuple[FormatRow, ...] = (SAVED_MODEL, ONNX, LITERT, OPENVINO, TORCH)
+BY_NAME: Mapping[str, FormatRow] = {row.name: row for row in ROWS}
+NAMES: tuple[str, ...] = tuple(BY_NAME)
+# The formats written as files (every one but the SavedModel's folder).
+FILE_ROWS: tuple[FormatRow, ...] = tuple(r for r in ROWS if r.suffix is not None)

@@ -1,0 +1,304 @@
+"""Quantized models in exports: Keras's own integers, on each runtime's kernels.
+
+`model.quantize(mode)` stores each `Dense` kernel (SelfAttention's
+projections included) as integers with per-channel or per-group scales.
+Keras computes such a layer with its own quantized call (int8: activations
+quantized per token, symmetric, then an integer matmul), which no converter
+maps to a runtime's integer kernels and which TensorFlow's CPU runs slower
+than float. An export instead traces each quantized `Dense` as a matmul
+with its *dequantized* kernel (`QuantizedDense.kernel`, Keras's own
+dequantization formula) in one of two forms (`traced`):
+
+- `VARIABLES`: the graph reads the stored integer variables and dequantizes
+  them once per call (SavedModel, `.pt2`): the file keeps the integers,
+  the arithmetic is float.
+- `CONSTANTS`: the graph holds the dequantized kernel as a constant, which
+  the format's own pass then stores again as Keras's integers for its
+  runtime's integer kernels (ONNX `MatMulInteger`/`MatMulNBits`, LiteRT's
+  dynamic-range kernels, OpenVINO's compressed weights), found by value.
+
+Checks compare a quantized model's artifact with two references computed
+by Keras on the same inputs: the quantized model itself, and the same model
+with the dequantized kernels in float (`dequantized_reference`); see
+`verify`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import keras
+import numpy as np
+from keras import ops
+
+VARIABLES = "variables"
+CONSTANTS = "constants"
+# Keras's modes whose kernels an export re-expresses (Embedding keeps its
+# own call: a gather of int8 rows, which every converter keeps as integers).
+MODES = ("int8", "int4", "float8", "gptq", "awq")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class QuantizedDense:
+    """One quantized `Dense` layer, as stored by Keras.
+
+    Attributes:
+        layer: The layer.
+        mode: "int8", "int4", "float8", "gptq" or "awq".
+        kernel: The dequantized float32 kernel `(in, out)`: what the float
+            reference computes, by Keras's own formula.
+        integers: The stored integers unpacked to `(in, out)`: int8 in
+            [-127, 127] ("int8"), int8 in [-8, 7] ("int4"), uint8 codes with
+            `zero` ("gptq", "awq", grouped "int4" as codes + 8); None for
+            "float8".
+        scale: "int8" and per-channel "int4": `(out,)`, kernel = integers /
+            scale. Grouped modes: `(groups, out)`, kernel =
+            (integers - zero) * scale.
+        zero: The grouped modes' `(groups, out)` zero points, else None.
+        group_size: Input rows per group (grouped modes), else None.
+        bits: 8 or 4 (0 for "float8").
+        input_divisor: "awq": `(in,)`, the kernel's rows are divided by it
+            (x @ kernel = (x / input_divisor) @ dequantized codes).
+        activations: How Keras quantizes this layer's inputs: the
+            `AbsMaxQuantizer`'s (low, high, epsilon) for int8 per token
+            symmetric, or None (float inputs).
+    """
+
+    layer: keras.layers.Dense
+    mode: str
+    kernel: np.ndarray
+    integers: np.ndarray | None
+    scale: np.ndarray | None
+    zero: np.ndarray | None = None
+    group_size: int | None = None
+    bits: int = 8
+    input_divisor: np.ndarray | None = None
+    activations: tuple[float, float, float] | None = None
+
+
+def _numpy(variable) -> np.ndarray:
+    return np.asarray(keras.ops.convert_to_numpy(variable))
+
+
+def _unpack(packed, length: int, axis: int, dtype: str) -> np.ndarray:
+    """Keras's own `unpack_int4` of a stored kernel, as numpy."""
+    from keras import quantizers
+
+    return _numpy(quantizers.unpack_int4(packed, length, axis=axis, dtype=dtype))
+
+
+def _activations(layer) -> tuple[float, float, float] | None:
+    quantizer = getattr(layer, "inputs_quantizer", None)
+    if quantizer is None:
+        return None
+    low, high = quantizer.value_range
+    return (float(low), float(high), float(quantizer.epsilon))
+
+
+def _grouped(layer, values: np.ndarray, mode: str, bits: int, divisor=None):
+    """A grouped layer from its (in, out) stored values and Keras's scales and
+    zeros ((out, groups) for gptq/awq, (groups, out) for int4).
+
+    The codes are unsigned (MatMulNBits' and OpenVINO's u4/u8): int4's
+    signed values and zero points are shifted by 8, which keeps
+    `codes - zero`.
+    """
+    scale = _numpy(layer.kernel_scale).astype(np.float32)
+    zero = _numpy(layer.kernel_zero).astype(np.float32)
+    if mode in ("gptq", "awq"):  # stored (out, groups)
+        scale, zero = scale.T, zero.T
+    shift = 8 if mode == "int4" else 0
+    groups = _numpy(layer.g_idx).astype(np.int64)
+    kernel = (values.astype(np.float32) - zero[groups]) * scale[groups]
+    if divisor is not None:
+        kernel = kernel / divisor[:, None]
+    # One group spans every input row; otherwise the first change of group.
+    group_size = groups.size if scale.shape[0] == 1 else int(np.argmax(groups != 0))
+    contiguous = group_size > 0 and np.array_equal(
+        groups, np.arange(groups.size) // group_size
+    )
+    return QuantizedDense(
+        layer,
+        mode,
+        kernel.astype(np.float32),
+        (values.astype(np.int16) + shift).astype(np.uint8),
+        scale,
+        zero + shift,
+        group_size if contiguous else None,
+        bits,
+        divisor,
+    )
+
+
+def describe(layer) -> QuantizedDense | None:
+    """The `QuantizedDense` of a quantized `Dense` layer; None otherwise."""
+    mode = getattr(layer, "quantization_mode", None)
+    if not isinstance(layer, keras.layers.Dense) or mode not in MODES:
+        return None
+    if mode == "int8":
+        integers = _numpy(layer._kernel).astype(np.int8)
+        scale = _numpy(layer.kernel_scale).astype(np.float32)
+        kernel = integers.astype(np.float32) / scale
+        return QuantizedDense(
+            layer, mode, kernel, integers, scale, activations=_activations(layer)
+        )
+    if mode == "int4":
+        integers = _unpack(layer._kernel, layer._orig_output_dim, -1, "int8")
+        if getattr(layer, "_int4_block_size", None) in (None, -1):
+            scale = _numpy(layer.kernel_scale).astype(np.float32)
+            kernel = integers.astype(np.float32) / scale
+            return QuantizedDense(
+                layer,
+                mode,
+                kernel,
+                integers,
+                scale,
+                bits=4,
+                activations=_activations(layer),
+            )
+        return _grouped(layer, integers, mode, 4)
+    if mode in ("gptq", "awq"):
+        if mode == "gptq" and not layer.is_gptq_calibrated:
+            return None
+        if mode == "awq" and not layer.is_awq_calibrated:
+            return None
+        from keras.src.quantizers import gptq_core
+
+        bits = 4 if mode == "awq" else gptq_core.get_weight_bits_for_layer(layer, None)
+        codes = layer.quantized_kernel
+        codes = _unpack(codes, layer.units, 0, "uint8") if bits == 4 else _numpy(codes)
+        divisor = None
+        if mode == "awq":
+            divisor = _numpy(layer.awq_scales).astype(np.float32)
+        return _grouped(layer, codes.T, mode, bits, divisor)
+    # float8: the kernel rounded to float8 with its scale, as Keras's call does.
+    from keras import quantizers
+
+    kernel = quantizers.quantize_and_dequantize(
+        ops.convert_to_tensor(layer._kernel),
+        ops.convert_to_tensor(layer.kernel_scale),
+        "float8_e4m3fn",
+        "float32",
+    )
+    return QuantizedDense(layer, mode, _numpy(kernel).astype(np.float32), None, None)
+
+
+def _layers(model: keras.Model) -> list:
+    found, stack, seen = [], [model], set()
+    while stack:
+        layer = stack.pop()
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        found.append(layer)
+        stack.extend(reversed(layer._layers))
+    return found
+
+
+def quantized_layers(model: keras.Model) -> tuple[QuantizedDense, ...]:
+    """Every quantized `Dense` of `model`, nested ones included."""
+    described = (describe(layer) for layer in _layers(model))
+    return tuple(q for q in described if q is not None)
+
+
+def modes(model: keras.Model) -> tuple[str, ...]:
+    """The quantization modes of `model`'s layers (Embedding too), sorted."""
+    return tuple(
+        sorted(
+            {
+                layer.quantization_mode
+                for layer in _layers(model)
+                if getattr(layer, "quantization_mode", None) is not None
+            }
+        )
+    )
+
+
+def _kernel_of(quantized: QuantizedDense, form: str):
+    """The traced kernel: a constant, or Keras's dequantization of the
+    stored variables (the float8 kernel is rounded once, a constant)."""
+    layer = quantized.layer
+    if form == CONSTANTS or quantized.mode == "float8":
+        return ops.convert_to_tensor(quantized.kernel)
+    if quantized.mode == "int8":
+        return ops.divide(ops.cast(layer._kernel, "float32"), layer.kernel_scale)
+    from keras import quantizers
+
+    if quantized.mode == "int4":
+        unpacked = quantizers.unpack_int4(
+            layer._kernel, layer._orig_output_dim, axis=-1
+        )
+        if quantized.zero is None:
+            return ops.divide(ops.cast(unpacked, "float32"), layer.kernel_scale)
+        return _dequantize_groups(
+            unpacked, layer.kernel_scale, layer.kernel_zero, layer.g_idx, 0
+        )
+    codes = layer.quantized_kernel
+    if quantized.bits == 4:
+        codes = quantizers.unpack_int4(codes, layer.units, axis=0, dtype="uint8")
+    kernel = ops.transpose(
+        _dequantize_groups(
+            codes, layer.kernel_scale, layer.kernel_zero, layer.g_idx, -1
+        )
+    )
+    if quantized.input_divisor is not None:
+        kernel = ops.divide(kernel, ops.expand_dims(layer.awq_scales, -1))
+    return kernel
+
+
+def _dequantize_groups(values, scale, zero, g_idx, group_axis: int):
+    """Keras's `dequantize_with_sz_map`: (values - zero[g]) * scale[g], with
+    each input row's group g from `g_idx`."""
+    groups = ops.cast(g_idx, "int32")
+    scales = ops.take(scale, groups, axis=group_axis)
+    zeros = ops.cast(ops.take(zero, groups, axis=group_axis), scales.dtype)
+    return ops.multiply(ops.subtract(values, zeros), scales)
+
+
+def _dense_call(quantized: QuantizedDense, form: str):
+    """`Dense.call` with the kernel `_kernel_of` gives (LoRA kept)."""
+    layer = quantized.layer
+
+    def call(inputs, training=None):
+        kernel = ops.cast(_kernel_of(quantized, form), inputs.dtype)
+        x = ops.matmul(inputs, kernel)
+        if layer.lora_enabled:
+            lora = ops.matmul(
+                ops.matmul(inputs, layer.lora_kernel_a), layer.lora_kernel_b
+            )
+            x = ops.add(
+                x, ops.cast((layer.lora_alpha / layer.lora_rank) * lora, x.dtype)
+            )
+        if layer.bias is not None:
+            x = ops.add(x, ops.cast(layer.bias, x.dtype))
+        if layer.activation is not None:
+            x = layer.activation(x)
+        return x
+
+    return call
+
+
+@contextlib.contextmanager
+def traced(layers: Sequence[QuantizedDense], form: str) -> Iterator[None]:
+    """While the block runs, each layer computes with its dequantized kernel.
+
+    Args:
+        layers: From `quantized_layers`.
+        form: `VARIABLES` (dequantize the stored integers per call) or
+            `CONSTANTS` (the dequantized kernel as a constant).
+    """
+    if form not in (VARIABLES, CONSTANTS):
+        raise ValueError(f"`form` must be {VARIABLES!r} or {CONSTANTS!r}: {form!r}")
+    replaced = []
+    try:
+        for quantized in layers:
+            object.__setattr__(
+                quantized.layer, "quantized_call", _dense_call(quantized, form)
+            )
+            replaced.append(quantized.layer)
+        yield
+    finally:
+        for layer in replaced:
+            object.__delattr__(layer, "quantized_call")
