@@ -81,7 +81,7 @@ lock:
 		--output-file $(LOCK) pyproject.toml
 
 bench: install
-	$(PY) -m benchmarks.cpu && $(PY) -m benchmarks.runtimes
+	$(PY) -m benchmarks.cpu && $(PY) -m benchmarks.runtimes && $(PY) -m benchmarks.quantized
 
 clean:
 	rm -rf $(VENV) $(LATEST_VENV) $(TOOLS_VENV) artifacts .pytest_cache .ruff_cache

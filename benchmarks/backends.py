@@ -125,11 +125,18 @@ def run_checks(backend, rows: list[Row], flash: str) -> list[dict]:
 
 
 # ---------------------------------------------------------------- one row
+def estimate(row: Row) -> int:
+    """`pairs.estimated_bytes` of a row: its training step when it has one
+    (the larger), else its forward pass."""
+    return pairs.estimated_bytes(row.batch, row.time, row.num_heads, train=row.train)
+
+
 def _too_big(backend, row: Row) -> str | None:
-    """Why a CPU row is not run (its (B, H, T, T) tensors would not fit)."""
+    """Why a CPU row is not run (its (B, H, T, T) tensors would not fit in
+    host memory; on a GPU an out-of-memory error is caught and reported)."""
     if backend.is_gpu():
         return None
-    return refusal(pairs.estimated_bytes(row, row.train))
+    return refusal(estimate(row))
 
 
 def _prepare(backend, row: Row, dtype: str, flash: str, result: dict) -> dict:

@@ -26,6 +26,10 @@ over `stateless_call` (the step donates its caches, so their update happens
 in place, as in a decoding loop); TensorFlow `tf.function`; PyTorch eager
 under `torch.no_grad()`. Cache memory is the bytes of the cache tensors.
 
+The printed report (`to_markdown`) is made from the results alone, what
+--json writes: every number in it is a measured value, a setting, a target's
+threshold, or the model as built (key_dim and kv heads read from the caches).
+
 Targets (reported as met / not met, never asserted): cached decode at least
 5x faster per token than recomputing at context 512 and 20x at 2048; GQA
 caches 4x smaller; GQA no slower than full heads (median time ratio <= 1).
@@ -49,8 +53,12 @@ from keras_selfattn import SelfAttention
 
 FULL, GQA = "full", "gqa"
 UNCACHED, CACHED = "uncached", "cached"
+# The issue's targets (thresholds, not measurements): cached speedup per
+# context, GQA cache memory ratio (= GQA_DIVISOR), GQA / full time ratio.
 SPEEDUP_TARGETS = {512: 5.0, 2048: 20.0}
 GQA_DIVISOR = 4
+NO_SLOWER = 1.0
+BATCH = 1
 MIB = 2**20
 
 
@@ -204,8 +212,10 @@ class Prepared:
     uncached: Callable[[], object]
     cached: Callable[[], object]
     cache_bytes: int
+    cache_shape: list[int]
     max_abs_difference: float
     compiled: str
+    model: dict
 
 
 class _CachedCall:
@@ -220,22 +230,44 @@ class _CachedCall:
         return out
 
 
+def describe_model(stack: AttentionStack, x, caches: Sequence) -> dict:
+    """The built stack as the report states it, read from its input `x`, its
+    first layer's config and its caches, (batch, 2, max_length, kv heads,
+    key_dim)."""
+    layer = stack.attention_layers[0]
+    config = layer.get_config()
+    batch, _, _, _, key_dim = tuple(caches[0].shape)
+    return {
+        "layers": len(stack.attention_layers),
+        "features": int(x.shape[-1]),
+        "num_heads": int(config["num_heads"]),
+        "key_dim": int(key_dim),
+        "output_dim": config["output_dim"],
+        "causal": bool(config["causal"]),
+        "rope_max_wavelength": config["rope_max_wavelength"],
+        "use_bias": bool(config["use_bias"]),
+        "dtype": layer.compute_dtype,
+        "batch": int(batch),
+    }
+
+
 def prepare(settings: Settings, context: int, kv_heads: int, seed: int) -> Prepared:
     """Builds the stack, fills its caches with positions 0 .. C - 2, checks
     the cached step against the full forward, and returns the callables."""
     keras.utils.set_random_seed(seed)
     stack = AttentionStack(settings, kv_heads)
-    x = np.random.default_rng(seed).normal(size=(1, context, settings.features))
+    x = np.random.default_rng(seed).normal(size=(BATCH, context, settings.features))
     x = ops.convert_to_tensor(x.astype("float32"))
     stack(x[:, :2])  # builds the layers
     forward, step, compiled = compile_calls(stack)
     expected = ops.convert_to_numpy(forward(x))
     _, caches = stack(
         x[:, : context - 1],
-        caches=stack.empty_caches(1, context),
+        caches=stack.empty_caches(BATCH, context),
         cache_update_index=0,
     )
-    size = cache_bytes(caches)
+    size, model = cache_bytes(caches), describe_model(stack, x, caches)
+    shape = [int(n) for n in caches[0].shape]
     last, index = x[:, context - 1 :], ops.convert_to_tensor(context - 1, "int32")
     cached = _CachedCall(step, last, caches, index)
     got = ops.convert_to_numpy(cached())
@@ -243,8 +275,10 @@ def prepare(settings: Settings, context: int, kv_heads: int, seed: int) -> Prepa
         uncached=lambda: forward(x),
         cached=cached,
         cache_bytes=size,
+        cache_shape=shape,
         max_abs_difference=float(np.max(np.abs(got - expected))),
         compiled=compiled,
+        model=model,
     )
 
 
@@ -285,8 +319,10 @@ def measure_context(settings: Settings, context: int) -> dict:
             {
                 "context": context,
                 "kind": kind,
-                "num_heads": settings.num_heads,
-                "num_key_value_heads": heads[kind],
+                "num_heads": p.model["num_heads"],
+                # (batch, 2, max_length, kv heads, key_dim) of one layer.
+                "cache_shape": p.cache_shape,
+                "num_key_value_heads": p.cache_shape[3],
                 "uncached_ms": 1e3 * timing.median(_name(UNCACHED, kind)),
                 "cached_ms": 1e3 * timing.median(_name(CACHED, kind)),
                 # uncached time / cached time, per round.
@@ -306,7 +342,27 @@ def measure_context(settings: Settings, context: int) -> dict:
             timing, _name(UNCACHED, GQA), _name(UNCACHED, FULL)
         ),
     }
-    return {"rows": rows, "gqa": gqa, "compiled": prepared[FULL].compiled}
+    return {
+        "rows": rows,
+        "gqa": gqa,
+        "compiled": prepared[FULL].compiled,
+        "model": prepared[FULL].model,
+    }
+
+
+def _target(text: str, context: int, unit: str, value: float, threshold: float) -> dict:
+    """One target: its value and threshold as numbers, met when the value is
+    at least the threshold (unit "speedup", "memory_ratio") or at most it
+    ("time_ratio")."""
+    met = value <= threshold if unit == "time_ratio" else value >= threshold
+    return {
+        "target": text,
+        "context": context,
+        "unit": unit,
+        "value": value,
+        "threshold": threshold,
+        "met": bool(met),
+    }
 
 
 def targets(rows: list[dict], gqa_rows: list[dict]) -> list[dict]:
@@ -315,35 +371,28 @@ def targets(rows: list[dict], gqa_rows: list[dict]) -> list[dict]:
     for row in rows:
         goal = SPEEDUP_TARGETS.get(row["context"])
         if row["kind"] == FULL and goal is not None:
+            text = (
+                f"cached decode >= {goal:g}x faster per token than recomputing, "
+                f"context {row['context']}"
+            )
             results.append(
-                {
-                    "target": f"cached decode >= {goal:g}x faster per token than "
-                    f"recomputing, context {row['context']}",
-                    "measured": f"{row['speedup']['median']:.1f}x",
-                    "met": row["speedup"]["median"] >= goal,
-                }
+                _target(text, row["context"], "speedup", row["speedup"]["median"], goal)
             )
     for g in gqa_rows:
         context = g["context"]
+        text = f"GQA cache memory {GQA_DIVISOR:g}x smaller, context {context}"
         results.append(
-            {
-                "target": f"GQA cache memory {GQA_DIVISOR}x smaller, context {context}",
-                "measured": f"{g['memory_ratio']:.2f}x smaller",
-                "met": g["memory_ratio"] >= GQA_DIVISOR,
-            }
+            _target(
+                text, context, "memory_ratio", g["memory_ratio"], float(GQA_DIVISOR)
+            )
         )
         for key, what in (
             ("cached_time_ratio", "cached step"),
             ("uncached_time_ratio", "full forward"),
         ):
-            ratio = g[key]["median"]
+            text = f"GQA {what} no slower than full heads, context {context}"
             results.append(
-                {
-                    "target": f"GQA {what} no slower than full heads, context "
-                    f"{context}",
-                    "measured": f"time ratio {ratio:.2f}",
-                    "met": ratio <= 1.0,
-                }
+                _target(text, context, "time_ratio", g[key]["median"], NO_SLOWER)
             )
     return results
 
@@ -362,11 +411,14 @@ def run(settings: Settings) -> dict:
         results["rows"] += measured["rows"]
         results["gqa"].append(measured["gqa"])
         results["compiled"] = measured["compiled"]
+        results["model"] = measured["model"]
     results["targets"] = targets(results["rows"], results["gqa"])
     return results
 
 
 # ------------------------------------------------------------------ report
+# Every number the report prints is a field of the results (the JSON written
+# by --json), formatted here; nothing in it is typed in.
 def _quartiles(ratio: dict, digits: int) -> str:
     return (
         f"{ratio['median']:.{digits}f} "
@@ -374,49 +426,81 @@ def _quartiles(ratio: dict, digits: int) -> str:
     )
 
 
+# (key of a row, or function of a row -> cell text, header): `report.table`.
+ROW_COLUMNS: list[tuple[str | Callable[[dict], str], str]] = [
+    ("context", "context"),
+    (lambda r: f"{r['num_heads']} ({r['num_key_value_heads']})", "heads (kv heads)"),
+    (lambda r: f"{r['uncached_ms']:.3f}", "uncached ms/token"),
+    (lambda r: f"{r['cached_ms']:.3f}", "cached ms/token"),
+    (lambda r: _quartiles(r["speedup"], 1), "cached speedup (quartiles)"),
+    (lambda r: f"{r['cache_bytes'] / MIB:.3f}", "cache MiB"),
+    ("max_abs_difference", "max abs diff"),
+]
+GQA_COLUMNS: list[tuple[str | Callable[[dict], str], str]] = [
+    ("context", "context"),
+    (
+        lambda g: f"{g['cache_bytes_full']} -> {g['cache_bytes_gqa']}",
+        "cache bytes, full -> GQA",
+    ),
+    (lambda g: f"{g['memory_ratio']:.2f}x", "memory ratio"),
+    (lambda g: _quartiles(g["cached_time_ratio"], 2), "GQA/full time, cached step"),
+    (
+        lambda g: _quartiles(g["uncached_time_ratio"], 2),
+        "GQA/full time, full forward",
+    ),
+]
+# A target's measured value, by unit.
+MEASURED = {
+    "speedup": "{:.1f}x",
+    "memory_ratio": "{:.2f}x smaller",
+    "time_ratio": "time ratio {:.2f}",
+}
+
+
+def _model_line(model: dict, settings: dict) -> str:
+    causal = "causal " if model["causal"] else ""
+    parts = [
+        f"{model['layers']} {causal}SelfAttention layers with residuals",
+        f"D={model['features']}",
+        f"{model['num_heads']} heads x key_dim {model['key_dim']}",
+    ]
+    if model["rope_max_wavelength"]:
+        parts.append(f"RoPE (max wavelength {model['rope_max_wavelength']:g})")
+    if model["use_bias"]:
+        parts.append("biases")
+    if model["output_dim"]:
+        parts.append(f"output_dim={model['output_dim']}")
+    return (
+        f"- Model: {', '.join(parts)}; {model['dtype']}, batch "
+        f"{model['batch']}; GQA: num_key_value_heads = num_heads / "
+        f"{settings['gqa_divisor']}"
+    )
+
+
+def _target_line(target: dict) -> str:
+    measured = MEASURED[target["unit"]].format(target["value"])
+    return f"- {target['target']}: {measured}, {'met' if target['met'] else 'NOT met'}"
+
+
 def to_markdown(results: dict) -> str:
-    """Settings, the per-token table, the GQA table and the targets."""
+    """Settings, the per-token table, the GQA table and the targets, all from
+    `results` (what `run` returns and --json writes)."""
     m, s = results["machine"], results["settings"]
     lines = [
         f"- Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB "
         f"(load average {m['load_average_1_5_15min']}), {m['os']}",
         f"- Software: Python {m['python']}, Keras {m['keras']}, {m['backend']} "
         f"{m['backend_version']}; device {m['device']}; commit {m['git_commit']}",
-        f"- Model: {s['layers']} causal SelfAttention layers with residuals, "
-        f"D={s['features']}, {s['num_heads']} heads x key_dim "
-        f"{s['features'] // s['num_heads']}, RoPE, biases, output_dim=D; "
-        f"float32, batch 1; GQA: num_key_value_heads = num_heads / "
-        f"{s['gqa_divisor']}",
+        _model_line(results["model"], s),
         f"- Compiled: {results['compiled']}; {s['rounds']} interleaved rounds; "
         f"{m['date_utc']}",
         "",
-        "| context | heads (kv heads) | uncached ms/token | cached ms/token "
-        "| cached speedup (quartiles) | cache MiB | max abs diff |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in results["rows"]:
-        lines.append(
-            f"| {r['context']} | {r['num_heads']} ({r['num_key_value_heads']}) "
-            f"| {r['uncached_ms']:.3f} | {r['cached_ms']:.3f} "
-            f"| {_quartiles(r['speedup'], 1)} | {r['cache_bytes'] / MIB:.3f} "
-            f"| {r['max_abs_difference']:.1e} |"
-        )
-    lines += [
+        *report.table(ROW_COLUMNS, results["rows"]),
         "",
-        "| context | cache bytes, full -> GQA | memory ratio "
-        "| GQA/full time, cached step | GQA/full time, full forward |",
-        "|---|---|---|---|---|",
-    ]
-    for g in results["gqa"]:
-        lines.append(
-            f"| {g['context']} | {g['cache_bytes_full']} -> {g['cache_bytes_gqa']} "
-            f"| {g['memory_ratio']:.2f}x | {_quartiles(g['cached_time_ratio'], 2)} "
-            f"| {_quartiles(g['uncached_time_ratio'], 2)} |"
-        )
-    lines += ["", "Targets:"]
-    lines += [
-        f"- {t['target']}: {t['measured']}, {'met' if t['met'] else 'NOT met'}"
-        for t in results["targets"]
+        *report.table(GQA_COLUMNS, results["gqa"]),
+        "",
+        "Targets:",
+        *(_target_line(t) for t in results["targets"]),
     ]
     return "\n".join(lines) + "\n"
 

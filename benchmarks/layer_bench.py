@@ -38,7 +38,7 @@ def _row(
     }
 
 
-def _max_difference(calls: dict, shape: cases.Shape, mask=None) -> float:
+def _max_difference(calls: dict, mask=None) -> float:
     """Largest |ours - mha| over real (unpadded) query positions."""
     ours = np.asarray(calls["ours"]())
     mha = np.asarray(calls["mha"]())
@@ -70,9 +70,7 @@ def forward_rows(plan: cases.Plan) -> list[dict]:
         for kind in cases.MASK_KINDS:
             ours, mha = cases.build_layers(shape, plan.config, causal=kind == "causal")
             calls = cases.forward_calls(ours, mha, x, kind, mask)
-            difference = _max_difference(
-                calls, shape, mask if kind == "padding" else None
-            )
+            difference = _max_difference(calls, mask if kind == "padding" else None)
             flops = cases.forward_flops(shape, plan.config)
             rows.append(
                 _timed_row(

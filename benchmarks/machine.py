@@ -39,6 +39,21 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def _vnni_flags() -> list[str] | None:
+    """The CPU's VNNI flags (`avx512_vnni`, `avx_vnni`, ...): the int8
+    dot-product instructions integer matmul kernels use; [] for none, None
+    when /proc/cpuinfo has no x86 flags line."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    flags = line.split(":", 1)[1].split()
+                    return sorted(flag for flag in flags if "vnni" in flag)
+    except OSError:
+        pass
+    return None
+
+
 def _load_average() -> list[float] | None:
     try:
         return [round(value, 2) for value in os.getloadavg()]
@@ -98,7 +113,8 @@ def _layer_sources() -> tuple[str, list[str], list[str]]:
 
 
 def describe(backend=None) -> dict:
-    """CPU, cores, memory, load, OS, library versions, commit, layer, UTC date.
+    """CPU, VNNI flags, cores, memory, load, OS, library versions, commit,
+    layer, UTC date.
 
     `layer_sha256` hashes the sources of the keras_selfattn modules this run
     loaded, and `layer_modified` lists those that differ from `git_commit`,
@@ -112,6 +128,7 @@ def describe(backend=None) -> dict:
     layer_sha256, layer_files, modified = _layer_sources()
     result = {
         "cpu": _cpu_model(),
+        "vnni": _vnni_flags(),
         "cores": os.cpu_count(),
         "memory_gib": _memory_gib(),
         "load_average_1_5_15min": _load_average(),

@@ -1,7 +1,8 @@
 """The SelfAttention / MultiHeadAttention pair every benchmark compares.
 
-One pair builder (`build_layer`), one FLOP count (`forward_flops`), the rows
-of `python -m benchmarks.backends` and their inputs. Backend-agnostic: numpy
+One pair builder (`build_layer`), one FLOP count (`forward_flops`), one
+memory estimate (`estimated_bytes`), the rows of `python -m
+benchmarks.backends` and their inputs. Backend-agnostic: numpy
 and Keras only, never TensorFlow, so the backends benchmark runs on a machine
 with only keras + jax or keras + torch.
 
@@ -159,15 +160,58 @@ def train_flops(row: Row) -> int:
     return 3 * forward_flops(row)
 
 
-def estimated_bytes(row: Row, train: bool) -> int:
-    """Rough peak of an unfused layer's (B, H, T, T) float32 tensors.
+# The benchmarks' one memory estimate (`estimated_bytes`), in float32 tensors
+# of the attention scores' shape (B, H, queries at once, T) held at the peak
+# of one call. Measured 2026-11-25 on CPU (growth of VmHWM over one call in a
+# fresh process, `pairs` layers at (B, H, T) = (1, 4, 4096), D = 64, float32,
+# every mask; the largest rechecked at T = 8192: 2.65 and 3.01, and JAX's
+# training step at T = 2048: 7.05), the largest counts were:
+# - forward: 3.08 PyTorch with flash_attention=False (SelfAttention, causal;
+#   2.0 without a mask), 3.02 JAX (SelfAttention, padding; 2.0 otherwise),
+#   2.76 TensorFlow (MultiHeadAttention, causal; SelfAttention 1.1-1.6, also
+#   with sliding_window=256); chunk_size=512: at most 2.3 blocks of
+#   (1, 4, 512, 4096);
+# - training step (forward + gradients): 7.98 JAX (SelfAttention; 7.0-7.1
+#   otherwise), 3.47 TensorFlow (MultiHeadAttention, padding), 3.07 PyTorch.
+# Each is that maximum with at least 5 % to spare. Fused kernels (PyTorch's
+# scaled_dot_product_attention, which both layers take by default there) hold
+# no such tensor (growth <= 0.1 copy): the estimate ignores them, so it bounds
+# the layer on whichever path it takes.
+PEAK_SCORE_COPIES = {"forward": 3.25, "train": 8.5}
+FLOAT32_BYTES = 4
 
-    Used on CPU only, to skip rows the machine cannot hold rather than let
-    the kernel's OOM killer pick a process: about 3 copies (scores, masked
-    scores, weights) for a forward pass, 4 when the backward pass keeps them.
+
+def estimated_bytes(
+    batch: int,
+    time: int,
+    num_heads: int,
+    *,
+    train: bool = False,
+    chunk_size: int | None = None,
+) -> int:
+    """Estimated peak bytes of one attention call's score-shaped tensors.
+
+    The one memory estimate of the benchmarks: `subprocesses` (peak-RSS and
+    speed children of `benchmarks.cpu`) and `backends` (rows on a CPU) ask it
+    whether a case fits in the available memory (`subprocesses.refusal`)
+    before starting it, rather than let the kernel's OOM killer pick a
+    process. It counts only what grows with T²: PEAK_SCORE_COPIES float32
+    tensors of shape (B, H, Q, T) (scores, masked scores, weights, and in
+    training their gradients), Q = T, or the query block (`chunk_size`) when
+    the layer computes attention a block at a time. The process itself, the
+    weights and the activations are left to the caller's margin.
+
+    Args:
+        batch, time, num_heads: B, T and H of the call.
+        train: a training step (forward + gradients) instead of a forward.
+        chunk_size: SelfAttention's `chunk_size` (queries per block), if set.
+
+    Returns:
+        Bytes, rounded down.
     """
-    copies = 4 if train else 3
-    return copies * row.batch * row.num_heads * row.time**2 * 4
+    queries = time if chunk_size is None else min(chunk_size, time)
+    copies = PEAK_SCORE_COPIES["train" if train else "forward"]
+    return int(copies * batch * num_heads * queries * time * FLOAT32_BYTES)
 
 
 def mha_weights(row: Row, seed: int = 0) -> list[np.ndarray]:
@@ -276,13 +320,13 @@ def apply_fn(kind: str, row: Row) -> Callable:
     return apply
 
 
-def inputs(row: Row, batch: int | None = None, time: int | None = None, seed: int = 1):
+def inputs(row: Row, time: int | None = None, seed: int = 1):
     """(x float32 (B, T, D), mask (B, T) bool or None) as numpy arrays.
 
-    The padding mask is right-padded: lengths from T/2 to T, the first
-    sequence full.
+    `time` replaces the row's T (a short warm-up call). The padding mask is
+    right-padded: lengths from T/2 to T, the first sequence full.
     """
-    b = row.batch if batch is None else batch
+    b = row.batch
     t = row.time if time is None else time
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(b, t, row.features)).astype("float32")

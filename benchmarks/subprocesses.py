@@ -1,6 +1,7 @@
 """Memory and long-sequence measurements, each in a fresh child process.
 
-A child that would need more memory than the machine has available is not
+A child that would need more memory than the machine has available
+(`pairs.estimated_bytes`, the one estimate, plus `MARGIN_BYTES`) is not
 started; its row says so instead of holding a number. With
 `in_process=True` (the quick run of the test suite) the probes run in this
 process instead: faster, but the peak RSS is then this process's.
@@ -10,16 +11,13 @@ from __future__ import annotations
 
 import json
 
-from benchmarks import probe
+from benchmarks import pairs, probe
 
 GIB = 1024**3
-# Headroom kept free for the rest of the machine besides the estimate.
+# Kept free besides the estimate (`pairs.estimated_bytes`, the attention
+# tensors only): the child process itself (about 0.6-0.7 GiB with TensorFlow
+# loaded), its weights and activations, and the rest of the machine.
 MARGIN_BYTES = 3 * GIB // 2
-# Peak of an unchunked forward pass in (B, H, T, T) float32 copies, measured
-# at time 16384 (TF 2.21, CPU): about 1 without a mask (TensorFlow reuses the
-# scores' buffer), about 2.4 with one (bool mask, masked scores, weights).
-COPIES_UNMASKED = 1.25
-COPIES_MASKED = 2.5
 
 
 def spec(
@@ -45,18 +43,18 @@ def spec(
     }
 
 
-def estimated_bytes(probe_spec: dict) -> int:
-    """Rough peak of a pass's (B, H, T, T) tensors (0 when chunked)."""
-    options = probe_spec["options"]
-    if options.get("chunk_size"):
-        return 0
-    b, t, h = probe_spec["batch"], probe_spec["time"], probe_spec["num_heads"]
-    masked = options.get("causal") or options.get("sliding_window")
-    copies = COPIES_MASKED if masked else COPIES_UNMASKED
-    return int(copies * b * h * t * t * 4)
+def estimate(probe_spec: dict) -> int:
+    """`pairs.estimated_bytes` of the forward pass a probe SPEC describes."""
+    return pairs.estimated_bytes(
+        probe_spec["batch"],
+        probe_spec["time"],
+        probe_spec["num_heads"],
+        chunk_size=probe_spec["options"].get("chunk_size"),
+    )
 
 
 def available_bytes() -> int:
+    """MemAvailable of /proc/meminfo, in bytes."""
     with open("/proc/meminfo", encoding="utf-8") as meminfo:
         for line in meminfo:
             if line.startswith("MemAvailable:"):
@@ -65,13 +63,14 @@ def available_bytes() -> int:
 
 
 def _too_big(probe_spec: dict) -> str | None:
-    return refusal(estimated_bytes(probe_spec))
+    return refusal(estimate(probe_spec))
 
 
-def refusal(estimate: int) -> str | None:
-    """Why a measurement needing about `estimate` bytes is not started, or
-    None when it fits in MemAvailable with `MARGIN_BYTES` to spare."""
-    needed = estimate + MARGIN_BYTES
+def refusal(estimated: int) -> str | None:
+    """Why a measurement needing about `estimated` bytes
+    (`pairs.estimated_bytes`) is not started, or None when it fits in
+    MemAvailable with `MARGIN_BYTES` to spare."""
+    needed = estimated + MARGIN_BYTES
     available = available_bytes()
     if needed > available:
         return (

@@ -39,12 +39,17 @@ class Interleaved:
         return statistics.median(self.ratios(baseline, candidate))
 
     def quartiles(self, baseline: str, candidate: str) -> tuple[float, float]:
-        """First and third quartiles of the per-round ratios (the noise)."""
+        """First and third quartiles of the per-round ratios (the noise).
+
+        Exclusive quartiles, kept within the ratios' range: with two rounds
+        the exclusive method extrapolates beyond them (ratios 1 and 3 would
+        give 0.5 and 3.5; -0.1 for a time ratio was seen).
+        """
         ratios = self.ratios(baseline, candidate)
         if len(ratios) < 2:
             return ratios[0], ratios[0]
         q1, _, q3 = statistics.quantiles(ratios, n=4)
-        return q1, q3
+        return max(q1, min(ratios)), min(q3, max(ratios))
 
 
 def _calls_per_round(fn: Callable[[], object], min_round_s: float) -> int:

@@ -192,19 +192,24 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
         """The name of the implementation a call with these arguments takes:
         "fused", "chunked" or "explicit" (see docs/attention-paths.md).
 
-        Raises the ValueError the call would raise if `flash_attention=True`
-        and the call cannot use the fused kernel.
+        Raises:
+            ValueError: the one the call would raise (checked alike, built or
+                not): bad `inputs`, masks or request, or `flash_attention=True`
+                and the call cannot use the fused kernel.
         """
-        return self._choose(
-            ops.convert_to_tensor(inputs),
-            self._masks(mask, attention_mask),
-            training,
-            return_attention_scores,
-        ).name
-
-    def _choose(self, inputs, masks: Masks, training, return_attention_scores: bool):
-        # `implementation` may ask before the layer is built.
+        # The call's checks, in its order: `__call__`'s, `build`'s, `call`'s.
+        input_dim = None if self._dims is None else self._dims.input_dim
+        _inputs.check(self.name, inputs, input_dim)
         dims = self._dims or _config.dims(self, inputs.shape[-1])
+        self._decoding(
+            inputs, mask, attention_mask, return_attention_scores, None, None
+        )
+        masks = self._masks(mask, attention_mask)
+        inputs = ops.convert_to_tensor(inputs)
+        return self._choose(inputs, masks, training, return_attention_scores, dims).name
+
+    def _choose(self, inputs, masks: Masks, training, return_scores: bool, dims=None):
+        dims = dims or self._dims
         return choose(
             masks,
             query_on_gpu=on_gpu(inputs),
@@ -213,7 +218,7 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
             flash_attention=self.flash_attention,
             chunk_size=self.chunk_size,
             dropout=self.seed_generator is not None and bool(training),
-            return_weights=return_attention_scores,
+            return_weights=return_scores,
             layer_name=self.name,
         )
 
@@ -227,7 +232,7 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
         cache=None,
         cache_update_index=None,
     ):
-        decoding = self._decoding(
+        offset = self._decoding(
             inputs,
             mask,
             attention_mask,
@@ -235,9 +240,8 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
             cache,
             cache_update_index,
         )
-        offset = guard = None
+        decoding, guard = cache is not None, None
         if decoding:
-            offset = cache_lib.index_of(cache_update_index, self.name)
             guard = cache_lib.Guard.of(inputs, cache, offset, self.name)
             inputs, cache = guard.inputs, guard.cache
         elif mask is not None:
@@ -301,20 +305,22 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
 
     def _decoding(
         self, inputs, mask, attention_mask, return_attention_scores, cache, index
-    ) -> bool:
-        """Whether the call decodes (has a cache); raises its ValueErrors."""
+    ):
+        """Raises the call's ValueErrors; returns None without a cache, else
+        `index` converted (`cache_lib.index_of`): the call reads it once (an
+        eager tensor's value waits for the device)."""
         if cache is None:
             cache_lib.check_no_index(index, self.name)
             _inputs.check_masks(self.name, inputs.shape, mask, attention_mask)
             _inputs.check_scores_request(
                 self.name, self.chunk_size, return_attention_scores
             )
-            return False
-        cache_lib.check_call(
+            return None
+        index = cache_lib.check_call(
             self, inputs, cache, index, attention_mask, return_attention_scores
         )
         _inputs.check_decoding_mask(self.name, inputs, cache, mask)
-        return True
+        return index
 
     def empty_cache(self, batch_size: int, max_length: int):
         """A key/value cache of zeros for `layer(x, cache=..., cache_update_index=...)`.
@@ -357,7 +363,7 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
         cache_update_index=None,
     ):
         # `__call__` has checked `inputs`, and built the layer.
-        decoding = self._decoding(
+        self._decoding(
             inputs,
             mask,
             attention_mask,
@@ -369,7 +375,7 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
             tuple(inputs.shape[:-1]) + (self._dims.output_width,),
             dtype=self.compute_dtype,
         )
-        if decoding:
+        if cache is not None:
             return output, keras.KerasTensor(cache.shape, dtype=cache.dtype)
         if not return_attention_scores:
             return output

@@ -22,7 +22,7 @@ import keras
 import keras_selfattn  # noqa: F401  (registers SelfAttention)
 from keras_selfattn.export import decode_step, formats, pipeline
 from keras_selfattn.export._endpoint import build_endpoint
-from keras_selfattn.export.formats import onnx_fused, table
+from keras_selfattn.export.formats import table
 from keras_selfattn.export.verify import (
     DEFAULT_ATOL,
     DEFAULT_RTOL,
@@ -140,6 +140,8 @@ def _stage_label(destination: formats.Destination, decoding: bool) -> str:
     if row is table.ONNX:
         detail = f" (opset {options['opset'] or 'default'})"
         if options["fuse_attention"]:
+            from keras_selfattn.export.formats import onnx_fused  # needs onnx
+
             detail = detail.replace(
                 ")", f" -> {onnx_fused.FUSED_OPSET}, fused Attention)"
             )
@@ -184,6 +186,8 @@ def run_export(args: argparse.Namespace) -> int:
             fusion_log: list[str] = []
             with contextlib.ExitStack() as logging:
                 if destination.options.get("fuse_attention"):
+                    from keras_selfattn.export.formats import onnx_fused
+
                     fusion_log = logging.enter_context(onnx_fused.collect_log())
                 stack = saved_model if fmt == table.SAVED_MODEL.name else files
                 try:

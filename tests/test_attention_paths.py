@@ -206,6 +206,62 @@ def test_flash_attention_true_says_why_it_cannot(call, reason):
     assert reason in str(caught.value)
 
 
+# name -> (layer arguments, inputs, call arguments, what the error names).
+BAD_CALLS = {
+    "rank 2 inputs": ({}, X[0], {}, r"rank 3.*inputs.shape=\(8, 6\)"),
+    "int inputs": ({}, X.astype("int32"), {}, r"inputs.dtype=int32"),
+    "a list of inputs": ({}, [X, X], {}, r"inputs=a list of 2 items"),
+    # Unbuilt: 5 features for 2 heads; built: not the 6 features it was built for.
+    "5 features": ({}, X[..., :5], {}, r"features=(5|6)"),
+    "mask shape": ({}, X, {"mask": RIGHT_PADDED[:, :5]}, r"mask.shape=\(3, 5\)"),
+    "attention_mask shape": (
+        {},
+        X,
+        {"attention_mask": ATTENTION[:, :5]},
+        r"attention_mask.shape=\(3, 5, 8\)",
+    ),
+    "weights of a chunked layer": (
+        {"chunk_size": 4},
+        X,
+        {"return_attention_scores": True},
+        r"chunk_size=4.*return_attention_scores=True",
+    ),
+    # The mask is checked before the kernel is chosen, as in the call.
+    "mask shape before flash_attention": (
+        {"flash_attention": True},
+        X,
+        {"mask": RIGHT_PADDED[:, :5], "return_attention_scores": True},
+        r"mask.shape=\(3, 5\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("built", [False, True], ids=["unbuilt", "built"])
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_implementation_raises_what_the_call_raises(case, built):
+    """implementation() checks its arguments as the call does: the same
+    ValueError, built or not (and it builds nothing)."""
+    config, inputs, call, message = BAD_CALLS[case]
+
+    def layer():
+        layer = SelfAttention(num_heads=2, name="checked", **config)
+        if built:
+            layer.build(X.shape)
+        return layer
+
+    keras.config.disable_traceback_filtering()  # the call's message, bare
+    try:
+        with pytest.raises(ValueError, match=message) as from_call:
+            layer()(inputs, **call)
+    finally:
+        keras.config.enable_traceback_filtering()
+    asked = layer()
+    with pytest.raises(ValueError, match=message) as from_implementation:
+        asked.implementation(inputs, **call)
+    assert str(from_implementation.value) == str(from_call.value)
+    assert asked.built == built
+
+
 @pytest.mark.skipif(BACKEND != "jax", reason="a limit of JAX's kernel")
 def test_jax_flash_attention_true_needs_equal_head_dims():
     layer = SelfAttention(key_dim=4, value_dim=3, flash_attention=True)

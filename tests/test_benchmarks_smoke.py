@@ -4,23 +4,28 @@ No timing assertions: benchmarks are not tests. These tests check that the
 benchmark runs end to end, that its JSON and Markdown are complete, that its
 numbers are positive and finite, and that the two layers it compares compute
 the same function. The CPU benchmark runs in this process (TensorFlow
-suite only); `benchmarks.runtimes --quick` runs once, in its own
-KERAS_BACKEND=tensorflow interpreter (one_suite).
+suite only); `benchmarks.runtimes --quick` and `benchmarks.quantized --quick`
+(slow) run once each, in their own KERAS_BACKEND=tensorflow interpreter
+(one_suite).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
+from decimal import Decimal
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from benchmarks import cases, cpu, report, runtimes, subprocesses, timing
+from benchmarks import cases, cpu, quantized, report, runtimes, subprocesses, timing
 
 ROOT = Path(__file__).resolve().parents[1]
 tensorflow_only = pytest.mark.tensorflow_only(
@@ -277,3 +282,337 @@ def test_runtimes_tokens_are_right_padded():
     assert lengths.tolist() == [5, 7, 10]
     for row, length in zip(ids, lengths, strict=True):
         assert (row[:length] > 0).all() and (row[length:] == 0).all()
+
+
+@pytest.mark.slow  # 13 checked exports: about 70 s on 2 shared cores
+@pytest.mark.one_suite(
+    "benchmarks.quantized runs in its own KERAS_BACKEND=tensorflow interpreter"
+)
+def test_quantized_reports_every_runtime_and_precision(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.quantized", "--quick", "--out", tmp_path],
+        cwd=ROOT,
+        env={**os.environ, "KERAS_BACKEND": "tensorflow"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = json.loads((tmp_path / "quantized.json").read_text(encoding="utf-8"))
+    markdown = (tmp_path / "quantized.md").read_text(encoding="utf-8")
+    assert markdown in done.stdout  # the table printed is the table written
+    expected = [
+        (runtime, precision)
+        for runtime in quantized.RUNTIMES
+        for precision in quantized.PRECISIONS
+    ] + [("onnx", quantized.ANCHOR)]
+    assert [(r["runtime"], r["precision"]) for r in loaded["files"]] == expected
+    shapes = [f"({b}, {t})" for b, t in quantized.QUICK.shapes]
+    assert [(r["shape"], r["runtime"], r["precision"]) for r in loaded["rows"]] == [
+        (shape, *key) for shape in shapes for key in expected
+    ]
+    files = {(r["runtime"], r["precision"]): r for r in loaded["files"]}
+    for key, row in files.items():
+        if "status" in row:  # the exporter refused, or the runtime is missing
+            assert row["status"].startswith(("not exported:", "not installed:")), row
+            continue
+        assert row["bytes"] > 0 and row["stored_as"], row
+        assert f"| {key[0]} | {key[1]} | {row['stored_as']} |" in markdown
+    for runtime in quantized.RUNTIMES:
+        if "not installed" not in files[(runtime, "float")].get("status", ""):
+            assert 0 < files[(runtime, "int8")]["size_vs_float"] < 1, runtime
+    assert 0 < files[("onnx", quantized.ANCHOR)]["size_vs_float"] < 1
+    for row in loaded["rows"]:
+        if "status" in row:
+            assert row["status"] == files[(row["runtime"], row["precision"])]["status"]
+            continue
+        assert math.isfinite(row["ms"]) and row["ms"] > 0, row
+        assert 0 <= row["max_abs_diff"] < 1, row
+        if row["precision"] != "float":
+            assert row["vs_float"] > 0, row
+        if (row["runtime"], row["precision"]) == ("onnx", "int8"):
+            assert row["time_vs_anchor"] > 0, row
+    assert "## Targets" in markdown and loaded["targets"]
+    vnni = loaded["machine"]["vnni"]  # its flags, [] for none, None off x86
+    assert "VNNI: " in markdown and all(flag in markdown for flag in vnni or [])
+
+
+# ------------------------------------------------------------ memory estimate
+@pytest.mark.slow
+@tensorflow_only
+def test_the_memory_estimate_bounds_measured_growth():
+    # TensorFlow's largest forward in copies of (B, H, T, T) was
+    # MultiHeadAttention with a causal mask (2.76 at T = 4096): its measured
+    # peak growth in a fresh process stays under pairs.estimated_bytes.
+    spec = subprocesses.spec("mha", 1, 2048, 64, 4, 16, None, causal=True)
+    result = subprocesses.peak_memory(spec)
+    growth = (result["peak_mib"] - result["baseline_mib"]) * 2**20
+    copy = 1 * 4 * 2048 * 2048 * 4
+    assert copy < growth < subprocesses.estimate(spec), (growth / copy, result)
+
+
+# -------------------------------------------------------------- decode report
+def _half_unit(text: str) -> float:
+    """Half a unit of the last digit `text` shows ("0.822": 0.0005)."""
+    return 0.5 * 10.0 ** Decimal(text).as_tuple().exponent
+
+
+def _shows(text: str, value: float) -> bool:
+    """Whether `text` is `value` rounded to the digits `text` shows."""
+    return abs(float(text) - value) <= _half_unit(text) * (1 + 1e-9)
+
+
+def _tables(markdown: str) -> list[list[dict[str, str]]]:
+    """Every Markdown table of `markdown`, as one {header: cell} per line."""
+    tables, lines = [], []
+    for line in [*markdown.splitlines(), ""]:
+        if line.startswith("|"):
+            lines.append([cell.strip() for cell in line.strip("|").split("|")])
+        elif lines:
+            header, _, *body = lines
+            tables.append([dict(zip(header, row, strict=True)) for row in body])
+            lines = []
+    return tables
+
+
+def _check_quartiles(cell: str, ratio: dict) -> None:
+    match = re.fullmatch(r"([0-9.]+) \(([0-9.]+)-([0-9.]+)\)", cell)
+    assert match, cell
+    for text, key in zip(match.groups(), ("median", "q1", "q3"), strict=True):
+        assert _shows(text, ratio[key]), (cell, ratio)
+
+
+def _check_decode_report(markdown: str, results: dict) -> None:
+    """Every cell, target and model figure of the decode report against the
+    results it was given (the JSON it records)."""
+    rows, gqa_rows = _tables(markdown)
+    assert len(rows) == len(results["rows"])
+    for cells, row in zip(rows, results["rows"], strict=True):
+        assert cells["context"] == str(row["context"])
+        heads = f"{row['num_heads']} ({row['num_key_value_heads']})"
+        assert cells["heads (kv heads)"] == heads
+        assert _shows(cells["uncached ms/token"], row["uncached_ms"]), cells
+        assert _shows(cells["cached ms/token"], row["cached_ms"]), cells
+        _check_quartiles(cells["cached speedup (quartiles)"], row["speedup"])
+        assert _shows(cells["cache MiB"], row["cache_bytes"] / 2**20), cells
+        assert _shows(cells["max abs diff"], row["max_abs_difference"]), cells
+    assert len(gqa_rows) == len(results["gqa"])
+    for cells, gqa in zip(gqa_rows, results["gqa"], strict=True):
+        assert cells["context"] == str(gqa["context"])
+        full, grouped = cells["cache bytes, full -> GQA"].split(" -> ")
+        assert [int(full), int(grouped)] == [
+            gqa["cache_bytes_full"],
+            gqa["cache_bytes_gqa"],
+        ]
+        ratio = cells["memory ratio"].removesuffix("x")
+        assert _shows(ratio, gqa["memory_ratio"]), cells
+        _check_quartiles(cells["GQA/full time, cached step"], gqa["cached_time_ratio"])
+        _check_quartiles(
+            cells["GQA/full time, full forward"], gqa["uncached_time_ratio"]
+        )
+    lines = re.findall(r"^- (.+): ([^,:]+), (met|NOT met)$", markdown, re.M)
+    assert len(lines) == len(results["targets"])
+    for (text, measured, met), target in zip(lines, results["targets"], strict=True):
+        assert text == target["target"]
+        assert f"{target['threshold']:g}x" in text or target["unit"] == "time_ratio"
+        assert text.endswith(f"context {target['context']}")
+        assert _shows(re.search(r"[0-9]+\.[0-9]+", measured).group(), target["value"])
+        assert (met == "met") == target["met"]
+    model = results["model"]
+    match = re.search(
+        r"^- Model: (\d+) causal SelfAttention layers with residuals, D=(\d+), "
+        r"(\d+) heads x key_dim (\d+), RoPE \(max wavelength (\d+)\), biases, "
+        r"output_dim=(\d+); (\w+), batch (\d+); GQA: num_key_value_heads = "
+        r"num_heads / (\d+)$",
+        markdown,
+        re.M,
+    )
+    assert match, markdown
+    assert list(match.groups()) == [
+        str(v)
+        for v in (
+            model["layers"],
+            model["features"],
+            model["num_heads"],
+            model["key_dim"],
+            f"{model['rope_max_wavelength']:g}",
+            model["output_dim"],
+            model["dtype"],
+            model["batch"],
+            results["settings"]["gqa_divisor"],
+        )
+    ]
+
+
+def _leaves(value):
+    if isinstance(value, dict):
+        for item in value.values():
+            yield from _leaves(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _leaves(item)
+    else:
+        yield value
+
+
+def _numbers_not_in(markdown: str, results: dict) -> list[str]:
+    """Numbers of `markdown` that are neither in a string of `results` nor
+    one of its numbers (cache bytes also in MiB) at the digits shown."""
+    leaves = list(_leaves(results))
+    strings = [leaf for leaf in leaves if isinstance(leaf, str)]
+    numbers = [
+        float(leaf)
+        for leaf in leaves
+        if isinstance(leaf, (int, float)) and not isinstance(leaf, bool)
+    ]
+    numbers += [row["cache_bytes"] / 2**20 for row in results["rows"]]
+    return [
+        token
+        for token in re.findall(r"\d+(?:\.\d+)?(?:e[+-]\d+)?", markdown)
+        if not any(token in text for text in strings)
+        and not any(_shows(token, number) for number in numbers)
+    ]
+
+
+def _decode_results() -> dict:
+    """Results as `benchmarks.decode.run` returns them, with made-up numbers."""
+    from benchmarks import decode
+
+    rows, gqa = [], []
+    for context, scale in ((512, 1.0), (2048, 7.0)):
+        for kind, kv_heads in (("full", 8), ("gqa", 2)):
+            rows.append(
+                {
+                    "context": context,
+                    "kind": kind,
+                    "num_heads": 8,
+                    "cache_shape": [1, 2, context, kv_heads, 32],
+                    "num_key_value_heads": kv_heads,
+                    "uncached_ms": 26.71 * scale,
+                    "cached_ms": 3.8813 / kv_heads,
+                    "speedup": {"median": 6.87 * scale, "q1": 6.79, "q3": 6.94},
+                    "cache_bytes": 4 * 2 * context * kv_heads * 32 * 4,
+                    "max_abs_difference": 4.83e-7 * scale,
+                }
+            )
+        gqa.append(
+            {
+                "context": context,
+                "cache_bytes_full": 4 * 2 * context * 8 * 32 * 4,
+                "cache_bytes_gqa": 4 * 2 * context * 2 * 32 * 4,
+                "memory_ratio": 4.0,
+                "cached_time_ratio": {"median": 0.853, "q1": 0.8, "q3": 1.234},
+                "uncached_time_ratio": {"median": 1.004, "q1": 0.98, "q3": 1.031},
+            }
+        )
+    return {
+        "machine": {
+            "cpu": "Test CPU",
+            "cores": 3,
+            "memory_gib": 7.5,
+            "load_average_1_5_15min": [1.25, 2.5, 3.75],
+            "os": "Linux-9.9",
+            "python": "3.99.1",
+            "keras": "9.8.7",
+            "backend": "jax",
+            "backend_version": "0.0.1",
+            "device": "cpu",
+            "git_commit": "abc1234",
+            "date_utc": "2031-01-02 03:04 UTC",
+        },
+        "settings": {"rounds": 13, "gqa_divisor": 4},
+        "model": {
+            "layers": 4,
+            "features": 256,
+            "num_heads": 8,
+            "key_dim": 32,
+            "output_dim": 256,
+            "causal": True,
+            "rope_max_wavelength": 10000.0,
+            "use_bias": True,
+            "dtype": "float32",
+            "batch": 1,
+        },
+        "compiled": "jax.jit",
+        "rows": rows,
+        "gqa": gqa,
+        "targets": decode.targets(rows, gqa),
+    }
+
+
+def test_decode_report_shows_the_results_numbers_only():
+    from benchmarks import decode
+
+    results = _decode_results()
+    markdown = decode.to_markdown(results)
+    _check_decode_report(markdown, results)
+    assert _numbers_not_in(markdown, results) == []
+    assert "| 2048 | 8 (2) | 186.970 | 1.941 | 48.1 (6.8-6.9) | 4.000 | 3.4e-06 |" in (
+        markdown
+    )
+    met = {t["target"]: t["met"] for t in results["targets"]}
+    assert met["cached decode >= 5x faster per token than recomputing, context 512"]
+    assert met["cached decode >= 20x faster per token than recomputing, context 2048"]
+    assert not met["GQA full forward no slower than full heads, context 512"]
+    # The checks fail when the report and the results disagree.
+    changed = _decode_results()
+    changed["rows"][1]["uncached_ms"] += 0.01
+    with pytest.raises(AssertionError):
+        _check_decode_report(markdown, changed)
+    changed = _decode_results()
+    changed["model"]["key_dim"] = 16
+    with pytest.raises(AssertionError):
+        _check_decode_report(markdown, changed)
+    assert _numbers_not_in(markdown + "\n- typed in: 6.5x", results) == ["6.5"]
+
+
+def test_decode_quartiles_stay_within_the_rounds():
+    # decode --quick times 2 rounds, where exclusive quartiles extrapolate
+    # (ratios 1 and 3: 0.5 and 3.5); its table once showed a time ratio's
+    # quartiles as "(-0.1-4.6)".
+    two = timing.Interleaved({"a": [1.0, 3.0], "b": [1.0, 1.0]})
+    assert two.quartiles("a", "b") == (1.0, 3.0)
+    three = timing.Interleaved({"a": [1.0, 3.0, 2.0], "b": [1.0, 1.0, 1.0]})
+    assert three.quartiles("a", "b") == (1.0, 3.0)
+
+
+@pytest.fixture(scope="module")
+def decode_quick(tmp_path_factory) -> tuple[str, dict]:
+    """(printed Markdown, recorded JSON) of `benchmarks.decode --quick`."""
+    from benchmarks import decode
+
+    path = tmp_path_factory.mktemp("decode") / "decode.json"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert decode.main(["--quick", "--json", str(path)]) == 0
+    return printed.getvalue(), json.loads(path.read_text(encoding="utf-8"))
+
+
+@pytest.mark.slow
+def test_decode_prints_the_numbers_it_records(decode_quick):
+    from benchmarks import decode
+
+    printed, recorded = decode_quick
+    assert printed == decode.to_markdown(recorded)
+    _check_decode_report(printed, recorded)
+    assert _numbers_not_in(printed, recorded) == []
+
+
+@pytest.mark.slow
+def test_decode_records_the_model_it_measured(decode_quick):
+    from benchmarks import decode
+
+    _, recorded = decode_quick
+    settings, model = decode.QUICK, recorded["model"]
+    assert model["features"] == settings.features
+    assert model["layers"] == settings.layers
+    # SelfAttention's default key_dim: features // num_heads.
+    assert model["key_dim"] == settings.features // settings.num_heads
+    kv_heads = {"full": settings.num_heads, "gqa": settings.num_heads // 4}
+    for row in recorded["rows"]:
+        kv = kv_heads[row["kind"]]
+        assert row["num_key_value_heads"] == kv
+        assert row["cache_shape"] == [1, 2, row["context"], kv, model["key_dim"]]
+        # one float32 cache per layer
+        assert row["cache_bytes"] == settings.layers * 4 * math.prod(row["cache_shape"])

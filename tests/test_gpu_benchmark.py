@@ -19,12 +19,14 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import keras
 import numpy as np
 import pytest
 
-from benchmarks import pairs, probe
+import benchmarks
+from benchmarks import backends, pairs, probe, subprocesses
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKEND = keras.backend.backend()
@@ -200,3 +202,91 @@ def test_flash_is_passed_to_both_layers_unless_auto():
     assert pairs.flash_kwargs("off") == {"flash_attention": False}
     with pytest.raises(ValueError, match="flash must be one of"):
         pairs.flash_kwargs("yes")
+
+
+# ------------------------------------------------------------- memory estimate
+GIB = 2**30
+
+
+def test_both_callers_give_the_one_estimate():
+    # (B, H, T) = (2, 4, 1024): a (B, H, T, T) float32 tensor is 32 MiB; the
+    # estimate is 3.25 of them for a forward pass, 8.5 for a training step,
+    # and per block of 256 queries (B, H, 256, T) when chunked.
+    copy = 2 * 4 * 1024 * 1024 * 4
+    forward_row = pairs.Row("r", 2, 1024, num_heads=4, train=False)
+    train_row = pairs.Row("r", 2, 1024, num_heads=4, train=True)
+    spec = subprocesses.spec("mha", 2, 1024, 256, 4, 64, None)
+    chunked = subprocesses.spec(
+        "self_attention", 2, 1024, 256, 4, 64, None, chunk_size=256
+    )
+    assert backends.estimate(forward_row) == subprocesses.estimate(spec)
+    assert subprocesses.estimate(spec) == int(3.25 * copy)
+    assert backends.estimate(train_row) == int(8.5 * copy)
+    assert subprocesses.estimate(chunked) == int(3.25 * copy / 4)
+    # A chunk longer than the sequence is the whole sequence.
+    longer = subprocesses.spec(
+        "self_attention", 2, 1024, 256, 4, 64, None, chunk_size=4096
+    )
+    assert subprocesses.estimate(longer) == subprocesses.estimate(spec)
+
+
+def test_the_estimate_has_one_home(monkeypatch):
+    calls = []
+
+    def recorded(*args, **kwargs):
+        calls.append((args, kwargs))
+        return 123
+
+    monkeypatch.setattr(pairs, "estimated_bytes", recorded)
+    row = pairs.Row("r", 3, 64, num_heads=2, train=True)
+    spec = subprocesses.spec("self_attention", 3, 64, 32, 2, 16, None, chunk_size=8)
+    assert backends.estimate(row) == 123 == subprocesses.estimate(spec)
+    assert calls == [
+        ((3, 64, 2), {"train": True}),
+        ((3, 64, 2), {"chunk_size": 8}),
+    ]
+    # No other benchmark module has an estimator of its own.
+    folder = Path(benchmarks.__file__).parent
+    defining = [
+        path.name
+        for path in sorted(folder.glob("*.py"))
+        if "def estimated_bytes" in path.read_text(encoding="utf-8")
+    ]
+    assert defining == ["pairs.py"]
+
+
+class _Machine:
+    """A backend stand-in: only whether it is a GPU matters here."""
+
+    def __init__(self, gpu: bool):
+        self._gpu = gpu
+
+    def is_gpu(self) -> bool:
+        return self._gpu
+
+
+def test_cases_that_would_not_fit_are_not_started(monkeypatch):
+    # 4 GiB available; the margin is 1.5 GiB. (1, 4, 8192): 1 GiB a copy.
+    monkeypatch.setattr(subprocesses, "available_bytes", lambda: 4 * GIB)
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("a case that does not fit was started")
+
+    monkeypatch.setattr(probe, "run_child", no_child)
+    monkeypatch.setattr(probe, "run", no_child)
+    big = pairs.Row("big", 1, 8192, num_heads=4, train=False)  # 3.25 GiB
+    assert backends._too_big(_Machine(gpu=False), big) == (
+        "not run: needs about 4.8 GiB, 4.0 GiB available"
+    )
+    assert backends._too_big(_Machine(gpu=True), big) is None  # host memory only
+    small = pairs.Row("small", 1, 4096, num_heads=4, train=False)  # 0.8 GiB
+    assert backends._too_big(_Machine(gpu=False), small) is None
+    spec = subprocesses.spec("self_attention", 1, 8192, 64, 4, 16, None)
+    assert subprocesses.peak_memory(spec) == {
+        "status": "not run: needs about 4.8 GiB, 4.0 GiB available"
+    }
+    chunked = subprocesses.spec(
+        "self_attention", 1, 8192, 64, 4, 16, None, chunk_size=512
+    )
+    assert subprocesses.refusal(subprocesses.estimate(chunked)) is None
+    assert subprocesses.speed(chunked, spec, rounds=1)["status"].startswith("not run")

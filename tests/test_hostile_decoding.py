@@ -87,6 +87,55 @@ def test_every_integer_index_type_decodes_alike(kind):
     np.testing.assert_allclose(to_numpy(output), full[:, 3:5], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["0-d np.int64 array", "int32 tensor", "int64 tensor"])
+def test_a_tensor_index_is_read_once_per_call(kind, monkeypatch):
+    """Reading a tensor index's value waits for the device (a host sync):
+    every backend reads it in `cache._known_value`, once per cached call."""
+    from keras_selfattn.attention import cache as cache_lib
+
+    layer = _layer(rope_max_wavelength=100.0)
+    full = to_numpy(layer(X))
+    cache = _prefilled(layer)
+    reads, original = [], cache_lib._known_value
+
+    def spy(index):
+        reads.append(index)
+        return original(index)
+
+    monkeypatch.setattr(cache_lib, "_known_value", spy)
+    index = INTEGER_INDICES[kind](3)
+    output, _ = layer(X[:, 3:5], cache=cache, cache_update_index=index)
+    assert len(reads) == 1, reads
+    np.testing.assert_allclose(to_numpy(output), full[:, 3:5], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch tensor methods")
+def test_eager_torch_cached_call_reads_the_index_tensor_once():
+    """On eager PyTorch every read of a tensor's value (`item`, `int`, ...)
+    is a host sync: a cached call makes exactly one, of its index."""
+    import torch
+
+    host_reads = {"item", "tolist", "numpy", "__int__", "__index__", "__bool__"}
+    reads = []
+
+    class CountingIndex(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", None) in host_reads:
+                reads.append(func.__name__)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    layer = _layer(rope_max_wavelength=100.0)
+    full = to_numpy(layer(X))
+    cache = _prefilled(layer)
+    index = torch.tensor(3, dtype=torch.int32).as_subclass(CountingIndex)
+    assert int(index) == 3 and reads == ["__int__"]  # the counter counts
+    reads.clear()
+    output, _ = layer(X[:, 3:5], cache=cache, cache_update_index=index)
+    assert len(reads) == 1, reads
+    np.testing.assert_allclose(to_numpy(output), full[:, 3:5], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     "index",
     [

@@ -35,7 +35,7 @@ def test_saved_model_export_without_onnx_packages(tmp_path):
         model = keras.models.load_model({str(model_path)!r})
         print("saved", ex.export_saved_model(model, {str(tmp_path / "sm")!r}, "m"))
         try:
-            ex.export_onnx
+            ex.export_onnx(model, {str(tmp_path / "api.onnx")!r})
         except ImportError as error:
             print("api:", error)
         status = main(["export", {str(model_path)!r}, "--onnx",
@@ -59,3 +59,4 @@ def test_saved_model_export_without_onnx_packages(tmp_path):
     assert "cli status 1" in out
     assert "keras_selfattn[onnx]" in result.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "m.onnx").exists()
+    assert not (tmp_path / "api.onnx").exists()

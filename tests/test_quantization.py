@@ -216,49 +216,6 @@ def test_calibrated_modes_with_kerass_arguments(mode):
     assert 0 < error <= factor * plain_error, (error, plain_error)
 
 
-@pytest.fixture(scope="module")
-def exported_int8(tmp_path_factory):
-    from keras_selfattn.export import export_onnx, export_saved_model
-
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((None, FEATURES), name="x")
-    attention = SelfAttention(
-        num_heads=2, output_dim=FEATURES, use_bias=True, causal=True
-    )
-    model = keras.Model(inputs, attention(inputs))
-    float_output = to_numpy(model(X))
-    _quantize(model, "int8")
-    quantization_error = np.abs(to_numpy(model(X)) - float_output).max()
-    directory = tmp_path_factory.mktemp("int8")
-    saved_model = export_saved_model(model, directory, "m", check=False)
-    onnx_path = export_onnx(model, directory / "m.onnx", check=False)
-    return (
-        model,
-        quantization_error,
-        {"saved_model_dir": saved_model, "onnx_path": onnx_path},
-    )
-
-
-@pytest.mark.tensorflow_only("SavedModel and ONNX export")
-@pytest.mark.parametrize("artifact", ["saved_model_dir", "onnx_path"])
-def test_int8_model_exports_and_verifies(exported_int8, artifact):
-    """The exports compute the quantized model's outputs within 1e-4, a
-    hundredth of what quantization itself changes (about 0.02 here)."""
-    from keras_selfattn.export import verify
-
-    model, quantization_error, artifacts = exported_int8
-    atol = 1e-4
-    assert quantization_error > 100 * atol
-    report = verify(
-        model,
-        **{artifact: artifacts[artifact]},
-        shapes=((1, 1), (2, 9), (3, 33)),
-        atol=atol,
-        rtol=0.0,
-    )
-    assert all(row.ok for row in report.rows)
-
-
 def test_float8_training_updates_the_scales():
     """float8 training as in `Dense`: `fit` records the inputs' amax history
     (all zeros before) and keeps the loss finite."""

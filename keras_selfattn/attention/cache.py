@@ -322,11 +322,21 @@ def update(cache, key, value, index, valid=None, padding=None):
 
 def check_call(
     layer, inputs, cache, index, attention_mask, return_attention_scores: bool
-) -> None:
-    """Raises the ValueErrors of a call of the built SelfAttention `layer`
-    with a `cache` (not None) whose arguments or layer (`causal`, head sizes,
-    key/value heads, compute dtype) cannot decode, and of an `index` known to
-    overflow the cache."""
+):
+    """Checks a call of the built SelfAttention `layer` with a `cache` (not
+    None), and converts its `cache_update_index` `index` once: the call reads
+    the value this returns, never `index` again (reading an eager tensor's
+    value waits for the device).
+
+    Returns:
+        `index` as `index_of` converts it: a Python int when its value is
+        known now, else an int32 scalar tensor.
+
+    Raises:
+        ValueError: the arguments or the layer (`causal`, head sizes,
+            key/value heads, compute dtype) cannot decode, or `index` is
+            known to overflow the cache.
+    """
     causal, dims, layer_name = layer.causal, layer._dims, layer.name
     problems = {
         "causal": not causal,
@@ -356,6 +366,7 @@ def check_call(
     index = index_of(index, layer_name)
     if isinstance(index, int):
         check_fit(index, tuple(inputs.shape)[1], tuple(cache.shape)[2], layer_name)
+    return index
 
 
 def check_no_index(index, layer_name: str) -> None:

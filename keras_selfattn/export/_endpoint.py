@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import keras
 import numpy as np
 
-from keras_selfattn.export import quantization
+from keras_selfattn.export import precision, quantization
 from keras_selfattn.export._target import ExportTarget, NamedInput
 from keras_selfattn.self_attention import SelfAttention
 
@@ -30,13 +30,19 @@ class Endpoint:
     """A Keras model taking a list of inputs and returning a list of outputs.
 
     Attributes:
-        source: The user's model.
+        source: The model the export computes: the user's model, or its
+            float32 view when the user's computes in half precision
+            (`precision.float32_view`); the checks' reference.
         model: Functional model with the same layers (and weights) as
             `source`, plus the requested attention weights as extra outputs.
         inputs: The named inputs, in `model`'s order.
         output_names: Names of `model`'s outputs, in order; the first
             `num_source_outputs` are `source`'s own outputs.
         num_source_outputs: How many outputs come from `source` itself.
+        original: The user's half-precision model when `source` is its
+            float32 view, else None.
+        half: The half dtype the export keeps (`precision="model"`), else
+            None.
     """
 
     source: keras.Model
@@ -44,6 +50,8 @@ class Endpoint:
     inputs: tuple[NamedInput, ...]
     output_names: tuple[str, ...]
     num_source_outputs: int
+    original: keras.Model | None = None
+    half: str | None = None
 
     def target(self) -> ExportTarget:
         """The `ExportTarget`: `model` on a list of inputs, flat outputs."""
@@ -130,9 +138,19 @@ def _structure(model: keras.Model, which: str):
 
 
 def _output_names(model: keras.Model) -> list[str]:
+    """The outputs' names in `keras.tree.flatten` order: a dict's keys, else
+    the names Keras gives, made unique (the second output of one layer,
+    such as its attention scores, is "<layer>_1")."""
     if isinstance(_structure(model, "output"), dict):
         return sorted(model.output)  # keras.tree.flatten's order
-    return list(keras.Model(model.inputs, model.outputs).output_names)
+    names: list[str] = []
+    for name in keras.Model(model.inputs, model.outputs).output_names:
+        unique, count = name, 0
+        while unique in names:
+            count += 1
+            unique = f"{name}_{count}"
+        names.append(unique)
+    return names
 
 
 def _attention_mapping(model, attention_outputs) -> dict[str, str]:
@@ -159,7 +177,9 @@ def _attention_mapping(model, attention_outputs) -> dict[str, str]:
 
 
 def build_endpoint(
-    model: keras.Model, attention_outputs: str | Mapping[str, str] | None = None
+    model: keras.Model,
+    attention_outputs: str | Mapping[str, str] | None = None,
+    export_precision: str = precision.FLOAT32,
 ) -> Endpoint:
     """Builds the `Endpoint` of `model`.
 
@@ -168,11 +188,18 @@ def build_endpoint(
         attention_outputs: None, the name of a top-level SelfAttention layer
             (its weights become the output "attention_weights"), or a dict
             {layer name: output name}.
+        export_precision: "float32" (a half-precision model is exported as
+            its float32 view) or "model" (its own compute dtype).
 
     Returns:
         The `Endpoint`.
     """
+    export_precision = precision.check_precision(export_precision)
     inputs = model_inputs(model)
+    half = precision.half_dtype(model)
+    original = None
+    if half is not None and export_precision == precision.FLOAT32:
+        original, model, half = model, precision.float32_view(model), None
     names = _output_names(model)
     mapping = _attention_mapping(model, attention_outputs)
     graph = keras.Model(model.inputs, keras.tree.flatten(model.outputs))
@@ -194,30 +221,42 @@ def build_endpoint(
     all_names = names + list(mapping.values())
     if len(set(all_names)) != len(all_names):
         raise ValueError(
-            f"Output names must be unique. Received: {all_names} "
-            "(model outputs followed by `attention_outputs`)"
+            f"`attention_outputs` must name outputs the model does not have. "
+            f"Received: attention_outputs={attention_outputs!r} (the model's "
+            f"outputs: {names})"
         )
-    return Endpoint(model, graph, inputs, tuple(all_names), len(names))
+    return Endpoint(model, graph, inputs, tuple(all_names), len(names), original, half)
 
 
 def keras_reference(
-    endpoint: Endpoint, arrays: Mapping[str, np.ndarray]
+    endpoint: Endpoint,
+    arrays: Mapping[str, np.ndarray],
+    source: keras.Model | None = None,
 ) -> dict[str, np.ndarray]:
-    """Keras's outputs, by name: the user's model itself for its own outputs.
+    """Keras's outputs, by name: the model itself for its own outputs.
 
-    Attention outputs, which the user's model does not return, come from
+    Attention outputs, which the model does not return, come from
     `endpoint.model`.
+
+    Args:
+        endpoint: The endpoint.
+        arrays: Inputs by name.
+        source: The model to run (default `endpoint.source`); another one
+            (the user's half-precision model) gives only its own outputs.
     """
-    source = endpoint.source
+    model = endpoint.source if source is None else source
     structured = keras.tree.map_structure(
-        lambda t: arrays[t.name], _structure(source, "input")
+        lambda t: arrays[t.name], _structure(model, "input")
     )
-    flat = keras.tree.flatten(source(structured, training=False))
+    flat = keras.tree.flatten(model(structured, training=False))
     result = {
-        name: keras.ops.convert_to_numpy(value)
+        name: keras.ops.convert_to_numpy(value).astype("float32")
+        if str(value.dtype) in precision.HALF
+        else keras.ops.convert_to_numpy(value)
         for name, value in zip(endpoint.output_names, flat, strict=False)
     }
-    if len(endpoint.output_names) > endpoint.num_source_outputs:
+    extra = len(endpoint.output_names) > endpoint.num_source_outputs
+    if extra and source is None:
         for name, value in endpoint.target().call_named(arrays).items():
             result.setdefault(name, keras.ops.convert_to_numpy(value))
     return result

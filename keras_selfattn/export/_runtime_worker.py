@@ -208,15 +208,9 @@ class _OpenVINO:
         self._compiled = core.compile_model(model, "CPU", config)
         self.description = {}
         if model.has_rt_info(_OPENVINO_KEY):
-            schemes = json.loads(model.get_rt_info(_OPENVINO_KEY).astype(str))
-            group = self._compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")
-            activations = (
-                f"activations quantized to int8 in groups of {group} by the CPU plugin"
-                if group
-                else "float activations"
-            )
-            scheme = "; ".join(sorted(set(schemes.values()))) + "; " + activations
-            self.description = {"scheme": scheme, "exact": False}
+            stated = json.loads(model.get_rt_info(_OPENVINO_KEY).astype(str))
+            scheme = "; ".join(sorted(set(stated["layers"].values())))
+            self.description = {"scheme": scheme, "exact": stated["exact"]}
         self.input_names = [port.get_any_name() for port in model.inputs]
         self.output_names = [
             port.get_any_name() if port.get_names() else f"output_{index}"
@@ -260,6 +254,15 @@ class _Torch:
             outputs = self._pytree.tree_leaves(self._module(*args, **kwargs))
         values = [output.detach().numpy() for output in outputs]
         return dict(zip(self.output_names, values, strict=True))
+
+
+def _plain(value) -> np.ndarray:
+    """`value` as a numpy array `.npz` keeps: bfloat16 (an ml_dtypes type,
+    which numpy reloads as raw bytes) widened to float32, exactly."""
+    array = np.asarray(value)
+    if array.dtype.name == "bfloat16":
+        return array.astype(np.float32)
+    return array
 
 
 def _open(request: dict):
@@ -306,7 +309,7 @@ def serve(request: dict) -> dict:
                 with np.load(step) as loaded:
                     arrays = {**{k: loaded[k] for k in loaded.files}, **state}
                 produced = artifact({inputs[k]: v for k, v in arrays.items()})
-                result = {name: np.asarray(produced[outputs[name]]) for name in outputs}
+                result = {name: _plain(produced[outputs[name]]) for name in outputs}
                 np.savez(step + ".out.npz", **result)
                 state = {inp: result[out] for out, inp in run["feedback"].items()}
         except Exception as error:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import keras
 
 from keras_selfattn.export import pipeline
-from keras_selfattn.export._endpoint import build_endpoint
+from keras_selfattn.export._endpoint import Endpoint, build_endpoint
 from keras_selfattn.export.formats import table
 from keras_selfattn.export.verify import DEFAULT_ATOL, DEFAULT_RTOL, verify
 
@@ -26,11 +26,13 @@ def _export(
     check: bool,
     atol: float,
     rtol: float,
+    precision: str,
     **options: object,
 ) -> str:
     """`model`'s endpoint exported in `row`'s format (module docstring)."""
     destination = pipeline.check_destination(row.name, path, **options)
-    endpoint = build_endpoint(model, attention_outputs)
+    endpoint = build_endpoint(model, attention_outputs, precision)
+    _require_half(row, endpoint)
     fixed = destination.options.get("shape")
 
     def checked(staged: str) -> None:
@@ -40,10 +42,28 @@ def _export(
             atol=atol,
             rtol=rtol,
             shapes=None if fixed is None else [fixed],
+            precision=precision,
             **{row.path_argument: staged},
         )
 
     return pipeline.export(endpoint.target(), destination, checked if check else None)
+
+
+def _require_half(row: table.FormatRow, endpoint: Endpoint) -> None:
+    """Refuses `precision="model"` for a half dtype the format cannot keep.
+
+    Raises:
+        ValueError: one line naming the format, the dtype and what works.
+    """
+    if endpoint.half is not None and endpoint.half not in row.half:
+        keeps = f" (it keeps {' and '.join(row.half)})" if row.half else ""
+        raise ValueError(
+            f"{row.title} export cannot keep {endpoint.half} arithmetic{keeps}: "
+            "export in float32 (precision='float32', the default), or in "
+            f"{endpoint.half} to "
+            + ", ".join(r.title for r in table.ROWS if endpoint.half in r.half)
+            + ". Received: precision='model'"
+        )
 
 
 def export_saved_model(
@@ -58,6 +78,7 @@ def export_saved_model(
     check: bool = True,
     atol: float = DEFAULT_ATOL,
     rtol: float = DEFAULT_RTOL,
+    precision: str = "float32",
 ) -> str:
     """Exports `model` for TF Serving as `base_dir/name/VERSION/`.
 
@@ -92,6 +113,11 @@ def export_saved_model(
         check: Whether to load the written SavedModel and compare it with
             Keras (see `verify`) before moving it into place.
         atol, rtol: Tolerances of that check.
+        precision: For a model computing in float16 or bfloat16 (a mixed
+            precision policy): "float32" (default) exports its float32
+            arithmetic from its float32 variables; "model" keeps its own
+            dtype where the format can (`formats.table`: SavedModel both,
+            ONNX float16, .pt2 both). Float models ignore it.
 
     Returns:
         The version folder's path.
@@ -117,6 +143,7 @@ def export_saved_model(
         check,
         atol,
         rtol,
+        precision,
         name=name,
         version=version,
         warmup=warmup,
@@ -134,6 +161,7 @@ def export_onnx(
     check: bool = True,
     atol: float = DEFAULT_ATOL,
     rtol: float = DEFAULT_RTOL,
+    precision: str = "float32",
 ) -> str:
     """Exports `model` to an ONNX file (tf2onnx; jax2onnx / torch.onnx via Keras).
 
@@ -159,6 +187,7 @@ def export_onnx(
             be fused keeps its decomposed form and is logged with the reason.
         check: Whether to run the onnxruntime comparison (see `verify`).
         atol, rtol: Tolerances of that check.
+        precision: As in `export_saved_model`.
 
     Returns:
         `path`, as a string.
@@ -183,6 +212,7 @@ def export_onnx(
         check,
         atol,
         rtol,
+        precision,
         opset=opset,
         fuse_attention=fuse_attention,
     )
@@ -197,6 +227,7 @@ def export_litert(
     check: bool = True,
     atol: float = DEFAULT_ATOL,
     rtol: float = DEFAULT_RTOL,
+    precision: str = "float32",
 ) -> str:
     """Exports `model` to a LiteRT (.tflite) file.
 
@@ -216,6 +247,7 @@ def export_litert(
         attention_outputs: As in `export_saved_model`.
         check: Whether to verify the file before it appears.
         atol, rtol: Tolerances of that check.
+        precision: As in `export_saved_model`.
 
     Returns:
         `path`, as a string.
@@ -232,7 +264,15 @@ def export_litert(
     'artifacts/model.tflite'
     """
     return _export(
-        table.LITERT, model, path, attention_outputs, check, atol, rtol, shape=shape
+        table.LITERT,
+        model,
+        path,
+        attention_outputs,
+        check,
+        atol,
+        rtol,
+        precision,
+        shape=shape,
     )
 
 
@@ -244,6 +284,7 @@ def export_openvino(
     check: bool = True,
     atol: float = DEFAULT_ATOL,
     rtol: float = DEFAULT_RTOL,
+    precision: str = "float32",
 ) -> str:
     """Exports `model` to OpenVINO IR (`path` .xml and its .bin).
 
@@ -255,7 +296,8 @@ def export_openvino(
     Args:
         model: A Functional or Sequential model with named `keras.Input`s.
         path: The .xml file to create (the .bin goes beside it).
-        attention_outputs, check, atol, rtol: As in `export_litert`.
+        attention_outputs, check, atol, rtol, precision: As in
+            `export_litert`.
 
     Returns:
         `path`, as a string.
@@ -270,7 +312,9 @@ def export_openvino(
     >>> export_openvino(model, "artifacts/model.xml")  # doctest: +SKIP
     'artifacts/model.xml'
     """
-    return _export(table.OPENVINO, model, path, attention_outputs, check, atol, rtol)
+    return _export(
+        table.OPENVINO, model, path, attention_outputs, check, atol, rtol, precision
+    )
 
 
 def export_torch(
@@ -281,6 +325,7 @@ def export_torch(
     check: bool = True,
     atol: float = DEFAULT_ATOL,
     rtol: float = DEFAULT_RTOL,
+    precision: str = "float32",
 ) -> str:
     """Exports `model` as a `torch.export` program (.pt2), torch backend only.
 
@@ -291,7 +336,8 @@ def export_torch(
     Args:
         model: A Functional or Sequential model with named `keras.Input`s.
         path: The .pt2 file to create.
-        attention_outputs, check, atol, rtol: As in `export_litert`.
+        attention_outputs, check, atol, rtol, precision: As in
+            `export_litert`.
 
     Returns:
         `path`, as a string.
@@ -306,4 +352,6 @@ def export_torch(
     >>> export_torch(model, "artifacts/model.pt2")  # doctest: +SKIP
     'artifacts/model.pt2'
     """
-    return _export(table.TORCH, model, path, attention_outputs, check, atol, rtol)
+    return _export(
+        table.TORCH, model, path, attention_outputs, check, atol, rtol, precision
+    )

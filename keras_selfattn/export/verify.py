@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 import keras
 import numpy as np
 
-from keras_selfattn.export import _runtimes, quantization
+from keras_selfattn.export import _runtimes, precision, quantization
 from keras_selfattn.export._endpoint import Endpoint, build_endpoint, keras_reference
 from keras_selfattn.export._inputs import example_inputs, is_padded
 from keras_selfattn.export._target import ExportTarget
@@ -71,6 +71,8 @@ class ParityRow:
             Keras - dequantized float reference| on the same inputs.
         scheme: Quantized models: how the artifact computes (its activation
             scheme), as it says or as its runtime shows; "" if unknown.
+        model_precision_err: A half-precision model exported in float32:
+            largest |runtime - the model's own half-precision outputs|.
     """
 
     runtime: str
@@ -81,6 +83,7 @@ class ParityRow:
     dequantized_err: float | None = None
     quantization_err: float | None = None
     scheme: str = ""
+    model_precision_err: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,11 +91,18 @@ class ParityReport:
     """All `ParityRow`s of a `verify` call and the tolerances used.
 
     `str(report)` (or `report.table()`) renders a text table.
+
+    Attributes:
+        rows: The rows.
+        atol, rtol: The float tolerances.
+        notes: Lines rendered below the table (how a half-precision model
+            or artifact was judged).
     """
 
     rows: tuple[ParityRow, ...]
     atol: float
     rtol: float
+    notes: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -111,7 +121,11 @@ class ParityReport:
 
     def table(self) -> str:
         """The report as an aligned text table."""
+        if self.quantized:
+            return self._quantized_table()
+        half = any(row.model_precision_err is not None for row in self.rows)
         header = ("runtime", "shape", "max abs err", "max rel err", "ok")
+        header += ("vs model's own dtype",) if half else ()
         lines = [header] + [
             (
                 row.runtime,
@@ -120,10 +134,9 @@ class ParityReport:
                 f"{row.max_rel_err:.2e}",
                 "yes" if row.ok else "NO",
             )
+            + ((f"{row.model_precision_err:.2e}",) if half else ())
             for row in self.rows
         ]
-        if self.quantized:
-            return self._quantized_table()
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
         text = [
             "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
@@ -131,6 +144,7 @@ class ParityReport:
         ]
         text.insert(1, "  ".join("-" * width for width in widths))
         text.append(f"tolerance: |err| <= {self.atol:g} + {self.rtol:g} * |keras|")
+        text.extend(self.notes)
         return "\n".join(text)
 
     def _quantized_table(self) -> str:
@@ -169,6 +183,7 @@ class ParityReport:
             f"also |err vs quantized keras| <= {self.atol:g} + {self.rtol:g} * "
             f"|keras| + {ROUNDING_SHARE:g} x keras's own"
         )
+        text.extend(self.notes)
         return "\n".join(text)
 
     def __str__(self) -> str:
@@ -272,6 +287,52 @@ def quantized_row(
     )
 
 
+def _float_row(
+    runtime: str,
+    label: str,
+    pairs: Sequence[tuple],
+    atol: float,
+    rtol: float,
+    half: str | None,
+) -> ParityRow:
+    """`parity_row`, each pair's atol raised to `precision.half_tolerance`
+    of its expected output for a half-precision artifact."""
+    if half is None:
+        return parity_row(runtime, label, pairs, atol, rtol)
+    rows = [
+        parity_row(
+            runtime,
+            label,
+            [(want, have)],
+            max(atol, precision.half_tolerance(half, np.asarray(want))),
+            rtol,
+        )
+        for want, have in pairs
+    ]
+    return ParityRow(
+        runtime,
+        label,
+        max(row.max_abs_err for row in rows),
+        max(row.max_rel_err for row in rows),
+        all(row.ok for row in rows),
+    )
+
+
+def _largest_gap(
+    wanted: Sequence[Mapping[str, np.ndarray]],
+    produced: Sequence[Mapping[str, np.ndarray]],
+    names: Sequence[str],
+) -> float:
+    """The largest |produced - wanted| over the outputs `wanted` has."""
+    gaps = [
+        float(_gap(step_have[name], step_want[name]).max(initial=0.0))
+        for step_want, step_have in zip(wanted, produced, strict=True)
+        for name in names
+        if name in step_want
+    ]
+    return max(gaps, default=0.0)
+
+
 def brief(error: BaseException | str, limit: int = 300) -> str:
     """The error's message on one line, at most `limit` characters."""
     text = " ".join(str(error).split()) or type(error).__name__
@@ -316,6 +377,8 @@ def check_artifacts(
     rtol: float,
     action: str = "on {label} inputs",
     dequantized: Sequence[Sequence[Mapping[str, np.ndarray]]] | None = None,
+    model_outputs: Sequence[Sequence[Mapping[str, np.ndarray]]] | None = None,
+    half: str | None = None,
 ) -> tuple[ParityRow, ...]:
     """Runs each artifact in a fresh process and compares it with `expected`.
 
@@ -329,6 +392,10 @@ def check_artifacts(
         action: How a failing run is described ("{label}" is filled in).
         dequantized: A quantized model's dequantized-float outputs, as
             `expected` (None for a float model).
+        model_outputs: A half-precision model's own outputs, as `expected`,
+            when `expected` is its float32 view's (reported, not judged).
+        half: The half dtype the artifacts compute in: each output's atol
+            is then at least `precision.half_tolerance` of it.
 
     Returns:
         The rows, run by run, each run's artifacts in `artifacts` order.
@@ -368,9 +435,11 @@ def check_artifacts(
                 for name in target.output_names
             ]
             if dequantized is None:
-                rows[(index, runtime)] = parity_row(
-                    runtime, labels[index], pairs, atol, rtol
-                )
+                row = _float_row(runtime, labels[index], pairs, atol, rtol, half)
+                if model_outputs is not None:
+                    gap = _largest_gap(model_outputs[index], have, target.output_names)
+                    row = dataclasses.replace(row, model_precision_err=gap)
+                rows[(index, runtime)] = row
                 continue
             floats = [
                 step[name]
@@ -389,7 +458,12 @@ def check_artifacts(
 
 
 def finish_report(
-    rows: Sequence[ParityRow], atol: float, rtol: float, what: str, hint: str = ""
+    rows: Sequence[ParityRow],
+    atol: float,
+    rtol: float,
+    what: str,
+    hint: str = "",
+    notes: Sequence[str] = (),
 ) -> ParityReport:
     """The report of `rows`; raises ParityError when one is beyond tolerance.
 
@@ -398,8 +472,9 @@ def finish_report(
         atol, rtol: The tolerances they were judged by.
         what: What the rows compare, e.g. "checks differ from Keras".
         hint: Appended to the message when the worst row is not ok.
+        notes: The report's notes.
     """
-    report = ParityReport(tuple(rows), atol, rtol)
+    report = ParityReport(tuple(rows), atol, rtol, tuple(notes))
     if not report.ok:
         worst = max(report.failures, key=lambda row: row.max_abs_err)
         raise ParityError(
@@ -491,11 +566,26 @@ def check_tolerance(name: str, value: object) -> float:
     return float(value)
 
 
+@dataclasses.dataclass(frozen=True)
+class _References:
+    """What `verify` compares artifacts with, per run (one step each).
+
+    Attributes:
+        expected: Keras's outputs (the float32 view's, for a half model).
+        dequantized: A quantized model's dequantized-float outputs, or None.
+        model_outputs: A half model's own outputs when `expected` is its
+            float32 view's, or None.
+    """
+
+    expected: list
+    dequantized: list | None
+    model_outputs: list | None
+
+
 def forward_runs(
     endpoint: Endpoint, shapes: Sequence[tuple[int, int]], seed: int
-) -> tuple[list[_runtimes.Run], list, list[str], list | None]:
-    """The one-step runs of `verify`, Keras's outputs, their labels, and a
-    quantized model's dequantized-float outputs (None for a float model).
+) -> tuple[list[_runtimes.Run], list[str], _References]:
+    """The one-step runs of `verify`, their labels, and the references.
 
     A model with a fixed length keeps it (the label says the shape run),
     and shapes that come out the same are run once.
@@ -503,6 +593,7 @@ def forward_runs(
     target = endpoint.target()
     runs, expected, labels = [], [], []
     dequantized = [] if target.quantized else None
+    model_outputs = [] if endpoint.original is not None else None
     for index, (batch, time) in enumerate(shapes):
         arrays = example_inputs(target, batch, time, seed=seed + index)
         time = next((a.shape[1] for a in arrays.values() if a.ndim > 1), time)
@@ -517,7 +608,11 @@ def forward_runs(
         if dequantized is not None:
             with target.traced(quantization.CONSTANTS):
                 dequantized.append([keras_reference(endpoint, arrays)])
-    return runs, expected, labels, dequantized
+        if model_outputs is not None:
+            model_outputs.append(
+                [keras_reference(endpoint, arrays, source=endpoint.original)]
+            )
+    return runs, labels, _References(expected, dequantized, model_outputs)
 
 
 def verify(
@@ -534,6 +629,7 @@ def verify(
     rtol: float = DEFAULT_RTOL,
     seed: int = 0,
     openvino_precision: str = "f32",
+    precision: str = "float32",
 ) -> ParityReport:
     """Checks that exported models compute what the Keras model computes.
 
@@ -566,6 +662,11 @@ def verify(
             model's arithmetic), or "bf16" to measure OpenVINO's default on
             CPUs with AVX512-BF16 (its row is then labelled
             "openvino_bf16"; pass tolerances that fit bf16).
+        precision: How the artifacts were exported from a model computing
+            in float16 or bfloat16: "float32" (the default: compared with
+            the model's float32 view, and the report gives the error
+            against its own outputs) or "model" (in its own dtype, compared
+            within a tolerance from that dtype's epsilon).
 
     Returns:
         A `ParityReport` (every row within tolerance).
@@ -591,16 +692,38 @@ def verify(
     shapes = _check_shapes(DEFAULT_SHAPES if shapes is None else shapes)
     atol = check_tolerance("atol", atol)
     rtol = check_tolerance("rtol", rtol)
-    endpoint = build_endpoint(model, attention_outputs)
-    runs, expected, labels, dequantized = forward_runs(endpoint, shapes, seed)
+    endpoint = build_endpoint(model, attention_outputs, precision)
+    runs, labels, references = forward_runs(endpoint, shapes, seed)
     rows = check_artifacts(
         endpoint.target(),
         artifacts,
         runs,
-        expected,
+        references.expected,
         labels,
         atol,
         rtol,
-        dequantized=dequantized,
+        dequantized=references.dequantized,
+        model_outputs=references.model_outputs,
+        half=endpoint.half,
     )
-    return finish_report(rows, atol, rtol, "checks differ from Keras")
+    return finish_report(
+        rows, atol, rtol, "checks differ from Keras", notes=_notes(endpoint)
+    )
+
+
+def _notes(endpoint: Endpoint) -> tuple[str, ...]:
+    """How a half-precision model was judged, for the report."""
+    if endpoint.original is not None:
+        dtype = precision.half_dtype(endpoint.original)
+        return (
+            f"the model computes in {dtype}: checked against its float32 view "
+            f"(same weights); the last column is the error against its own "
+            f"{dtype} outputs",
+        )
+    if endpoint.half is not None:
+        epsilon = precision.EPSILON[endpoint.half]
+        return (
+            f"{endpoint.half} artifact: atol at least {precision.HALF_EPSILONS} x "
+            f"{epsilon:g} (its epsilon) x (max |keras| + 1) per output",
+        )
+    return ()

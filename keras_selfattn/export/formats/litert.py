@@ -9,12 +9,21 @@ integers and scales (Keras's largest code in a channel is 127, so the
 converter's scale is Keras's; `stored_integers` reads them back and the
 export refuses a file where they differ), and LiteRT runs the matmuls
 with int8 weights and per-row int8 activations.
+
+That is for int8 layers whose activations Keras quantizes too. LiteRT has
+no kernel for Keras's weight-only layers (int4 in groups with zero points,
+gptq, awq: float activations times 4-bit weights), and its dynamic-range
+kernels would quantize their activations, which Keras does not: such a
+model is written with its dequantized kernels as float32 weights (exactly
+Keras's results; the file is float-sized), and a warning says so. ONNX and
+OpenVINO keep those weights 4-bit.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import keras
 import numpy as np
@@ -24,9 +33,17 @@ from keras_selfattn.export._target import ExportTarget
 from keras_selfattn.export.formats import table
 from keras_selfattn.export.formats._base import ExportError, Format, converting
 
-SCHEME = "int8 weights, activations quantized per row (LiteRT dynamic range)"
 # The converter leaves smaller tensors float (its `min_num_elements`).
 CONVERTER_MIN_ELEMENTS = 1024
+logger = logging.getLogger(__name__)
+
+
+def dynamic_range(quantized: Sequence[quantization.QuantizedDense]) -> bool:
+    """Whether LiteRT's dynamic-range kernels compute these layers as Keras
+    does: int8 weights with Keras's per-token activation quantization."""
+    return bool(quantized) and all(
+        q.mode == "int8" and q.activations is not None for q in quantized
+    )
 
 
 def check_shape(shape: object) -> tuple[int, int] | None:
@@ -132,10 +149,18 @@ class LiteRTFormat(Format):
             else fixed_signature(target, shape)
         )
         extra = {}
-        if target.quantized and keras.backend.backend() == "tensorflow":
+        if dynamic_range(target.quantized) and keras.backend.backend() == "tensorflow":
             import tensorflow as tf
 
             extra["optimizations"] = [tf.lite.Optimize.DEFAULT]
+        elif target.quantized:
+            modes = sorted({q.mode for q in target.quantized})
+            logger.warning(
+                "LiteRT: the %s layers are written with float32 weights (LiteRT "
+                "has no kernel computing them as Keras does); ONNX and OpenVINO "
+                "keep their integers",
+                "/".join(modes),
+            )
         with (
             converting(self.row.title, self.advice),
             target.traced(self.quantized_form),

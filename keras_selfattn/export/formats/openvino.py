@@ -6,7 +6,15 @@ its dequantized kernels as constants; `compress` then stores each as
 Keras's integers (int8 with per-channel scales, or 4/8-bit codes in groups
 with zero points) behind OpenVINO's decompression pattern
 (Constant -> Convert -> [Subtract] -> Multiply), which its CPU plugin keeps
-compressed in its matmuls.
+compressed in its matmuls. That plugin also quantizes a compressed
+matmul's activations to int8, symmetric, in groups of
+`DYNAMIC_QUANTIZATION_GROUP_SIZE` inputs (32 by default); the file sets
+that option (its rt_info `runtime_options`, read when a model is compiled)
+to the input width of Keras's int8 layers, so that each row is one group:
+Keras's own per-token scheme (measured equal to Keras within 1e-6), and 0
+(float activations, as Keras computes them) for weight-only models (int4,
+gptq, awq). A layer whose input width differs from the group gets float
+activations.
 
 `without_fused_attention` works around a bug of OpenVINO 2026.4's CPU
 plugin: the converter fuses attention without a mask into one
@@ -36,6 +44,9 @@ from keras_selfattn.export.formats._base import Format, converting
 
 # Where a quantized export says what it computes (the model's rt_info).
 SCHEME_KEY = "keras_selfattn_quantization"
+# The CPU plugin's activation quantization group, set in the model's rt_info.
+GROUP_OPTION = ["runtime_options", "DYNAMIC_QUANTIZATION_GROUP_SIZE"]
+EXACT_INT8 = "int8 activations per token, symmetric (Keras's scheme)"
 
 
 def _decompressed(quantized: quantization.QuantizedDense, transposed: bool):
@@ -134,6 +145,34 @@ def _fits(quantized: quantization.QuantizedDense) -> bool:
     return quantized.group_size is not None and inputs % quantized.group_size == 0
 
 
+def activation_group(quantized) -> int:
+    """The group that makes Keras's int8 layers per-token (module
+    docstring): their widest input, or 0 when there are none or a
+    weight-only layer has that width too (it would be quantized)."""
+    widths = {q.kernel.shape[0] for q in quantized if q.activations is not None}
+    if not widths:
+        return 0
+    group = max(widths)
+    weight_only = {q.kernel.shape[0] for q in quantized if q.activations is None}
+    return 0 if group in weight_only else group
+
+
+def _describe_layers(quantized, schemes: dict[str, str], group: int) -> dict:
+    """{"layers": {name: scheme}, "exact": all layers compute Keras's own}."""
+    exact = True
+    for q in quantized:
+        if schemes[q.layer.name].startswith("float32"):
+            exact = False
+        elif q.activations is not None and q.kernel.shape[0] == group:
+            schemes[q.layer.name] += "; " + EXACT_INT8
+        elif q.activations is not None:
+            schemes[q.layer.name] += "; float activations"
+            exact = False
+        else:
+            schemes[q.layer.name] += "; float activations"
+    return {"layers": schemes, "exact": exact}
+
+
 def compress(model, quantized) -> dict[str, str]:
     """Replaces each quantized kernel constant (found by value, either
     orientation) by Keras's integers and their decompression; returns each
@@ -221,7 +260,10 @@ class OpenVINOFormat(Format):
         without_fused_attention(model)
         if target.quantized:
             schemes = compress(model, target.quantized)
-            model.set_rt_info(json.dumps(schemes), SCHEME_KEY)
+            group = activation_group(target.quantized)
+            model.set_rt_info(str(group), GROUP_OPTION)
+            description = _describe_layers(target.quantized, schemes, group)
+            model.set_rt_info(json.dumps(description), SCHEME_KEY)
         openvino.save_model(model, path, compress_to_fp16=False)
 
 

@@ -40,13 +40,18 @@ def _polymorphic_shape(shape: tuple[int | str, ...]) -> str:
 def write_saved_model(target: ExportTarget, directory: str) -> None:
     """Writes `target` as a SavedModel with one signature, `target.signature_name`.
 
-    On JAX (through jax2tf) every dynamic axis after the batch is the one
-    symbol "time", as in ONNX's axis names: inputs of one sequence have one
+    Each weight is stored once: on TensorFlow the endpoint tracks the
+    variables its function reads (Keras's `ExportArchive.track` would save
+    every one a second time, as the Keras variable wrapping it), on JAX
+    the tracked model's variables are the function's arguments. On JAX
+    (through jax2tf) every dynamic axis after the batch is the one symbol
+    "time", as in ONNX's axis names: inputs of one sequence have one
     length, which the signature then checks.
     """
     archive = keras.export.ExportArchive()
-    archive.track(target.model)
     options = {}
+    if keras.backend.backend() != "tensorflow":
+        archive.track(target.model)
     if keras.backend.backend() == "jax":
         shapes = [_polymorphic_shape(spec.axis_names()) for spec in target.inputs]
         options["jax2tf_kwargs"] = {"polymorphic_shapes": shapes}

@@ -42,6 +42,9 @@ class FormatRow:
         extra: The pip extra installing `packages`, or None (always there).
         refused: {backend: why Keras has no route there}; the backends not
             named export it.
+        half: The half-precision dtypes whose arithmetic an artifact of this
+            format keeps (`precision="model"`); other models it computes in
+            float32 only.
     """
 
     name: str
@@ -59,6 +62,7 @@ class FormatRow:
     )
     extra: str | None = None
     refused: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    half: tuple[str, ...] = ()
 
     @property
     def option(self) -> str:
@@ -93,6 +97,7 @@ SAVED_MODEL = FormatRow(
     help="write BASE_DIR/NAME/VERSION/ (TF Serving layout)",
     runtime="tensorflow",
     refused={"torch": "Keras exports torch models to it only through torch_xla"},
+    half=("float16", "bfloat16"),
 )
 ONNX = FormatRow(
     name="onnx",
@@ -107,6 +112,7 @@ ONNX = FormatRow(
     packages=("onnx", "tf2onnx", "onnxruntime"),
     backend_packages={"jax": ("jax2onnx",), "torch": ("onnxscript",)},
     extra="onnx",
+    half=("float16",),
 )
 LITERT = FormatRow(
     name="litert",
@@ -154,6 +160,7 @@ TORCH = FormatRow(
         "tensorflow": "torch.export needs the torch backend",
         "jax": "torch.export needs the torch backend",
     },
+    half=("float16", "bfloat16"),
 )
 
 # Every format, in the order exports are staged and reported.
