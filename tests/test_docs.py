@@ -1,11 +1,12 @@
-"""The documentation's Python examples run and print what they say.
+"""The documentation's Python examples run, print what they say, and warn of
+nothing.
 
 Every ```python block of README.md, CONTRIBUTING.md and docs/*.md runs in a
 fresh interpreter on the TensorFlow backend (the examples export SavedModel
 and ONNX), except one right after an `<!-- not run: reason -->` comment
 (e.g. a client that needs a live server). A `print(...)  # text` line
-promises that output. The blocks do not depend on the suite's backend, so
-they run in one suite.
+promises that output; no Python warning may reach stderr. The blocks do not
+depend on the suite's backend, so they run in one suite.
 """
 
 import re
@@ -38,6 +39,8 @@ def _run_block(block: str, cwd: Path) -> None:
         env={"TF_CPP_MIN_LOG_LEVEL": "3", "PATH": "/usr/bin:/bin"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    warned = [line for line in result.stderr.splitlines() if "Warning: " in line]
+    assert not warned, warned
     printed = result.stdout.strip().splitlines()
     promised = [
         comment.strip()

@@ -61,6 +61,7 @@ class Endpoint:
             self.output_names,
             lambda tensors: keras.tree.flatten(self.model(tensors, training=False)),
             quantized=quantization.quantized_layers(self.model),
+            embeddings=quantization.quantized_embeddings(self.model),
         )
 
 

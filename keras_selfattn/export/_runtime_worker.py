@@ -252,7 +252,10 @@ class _Torch:
         args, kwargs = self._pytree.tree_unflatten(flat, self._spec)
         with torch.no_grad():
             outputs = self._pytree.tree_leaves(self._module(*args, **kwargs))
-        values = [output.detach().numpy() for output in outputs]
+        values = [  # numpy has no bfloat16: widened, exactly
+            (o.float() if o.dtype == torch.bfloat16 else o).detach().numpy()
+            for o in outputs
+        ]
         return dict(zip(self.output_names, values, strict=True))
 
 

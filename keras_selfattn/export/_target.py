@@ -58,6 +58,8 @@ class ExportTarget:
         what: How errors name it ("model", "decode step").
         quantized: The model's quantized `Dense` layers (empty for a float
             model), from `quantization.quantized_layers`.
+        embeddings: Its int8 `Embedding` layers
+            (`quantization.quantized_embeddings`).
     """
 
     model: keras.Model
@@ -67,12 +69,13 @@ class ExportTarget:
     signature_name: str = SERVING_SIGNATURE
     what: str = "model"
     quantized: tuple[quantization.QuantizedDense, ...] = ()
+    embeddings: tuple[keras.layers.Embedding, ...] = ()
 
     @contextlib.contextmanager
     def traced(self, form: str) -> Iterator[None]:
         """While the block runs (the conversion), quantized layers compute in
         `form` (`quantization.VARIABLES` or `CONSTANTS`)."""
-        with quantization.traced(self.quantized, form):
+        with quantization.traced(self.quantized, form, self.embeddings):
             yield
 
     @property

@@ -34,6 +34,11 @@ def _export(
     endpoint = build_endpoint(model, attention_outputs, precision)
     _require_half(row, endpoint)
     fixed = destination.options.get("shape")
+    runtime_options = {}
+    if row is table.OPENVINO and endpoint.half is not None:
+        # A float32 IR that OpenVINO computes in bf16 (`table.OPENVINO.half`).
+        endpoint = build_endpoint(model, attention_outputs)
+        runtime_options["openvino_precision"] = "bf16"
 
     def checked(staged: str) -> None:
         verify(
@@ -43,6 +48,7 @@ def _export(
             rtol=rtol,
             shapes=None if fixed is None else [fixed],
             precision=precision,
+            **runtime_options,
             **{row.path_argument: staged},
         )
 
@@ -117,7 +123,9 @@ def export_saved_model(
             precision policy): "float32" (default) exports its float32
             arithmetic from its float32 variables; "model" keeps its own
             dtype where the format can (`formats.table`: SavedModel both,
-            ONNX float16, .pt2 both). Float models ignore it.
+            ONNX float16, .pt2 both; OpenVINO bfloat16, which it computes
+            when it compiles a float32 IR on a CPU with AVX512-BF16, and
+            is checked so). Float models ignore it.
 
     Returns:
         The version folder's path.

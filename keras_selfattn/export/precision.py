@@ -27,7 +27,7 @@ EPSILON = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
 # A half-precision artifact passes within this many units of its dtype's
 # epsilon times the largest output magnitude (plus one, for outputs near 0):
 # several roundings of that size compound through a few layers.
-HALF_EPSILONS = 16
+HALF_EPSILONS = 8
 
 
 def _walk(model: keras.Model) -> list:

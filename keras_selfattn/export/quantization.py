@@ -17,9 +17,16 @@ dequantization formula) in one of two forms (`traced`):
   runtime's integer kernels (ONNX `MatMulInteger`/`MatMulNBits`, LiteRT's
   dynamic-range kernels, OpenVINO's compressed weights), found by value.
 
+An int8 `Embedding` keeps its int8 table in every form; while traced it
+gathers rows and multiplies them by the reciprocal of their scales, both
+gathered from 2-D tables (`_embedding_call`): Keras's own call gathers the
+scales from a vector and divides, which torch exports as `aten::ravel` and
+`aten::divide`, ops neither torch.onnx nor OpenVINO's torch frontend
+converts.
+
 Checks compare a quantized model's artifact with two references computed
 by Keras on the same inputs: the quantized model itself, and the same model
-with the dequantized kernels in float (`dequantized_reference`); see
+with the dequantized kernels in float (`traced` with `CONSTANTS`); see
 `verify`.
 """
 
@@ -203,6 +210,16 @@ def quantized_layers(model: keras.Model) -> tuple[QuantizedDense, ...]:
     return tuple(q for q in described if q is not None)
 
 
+def quantized_embeddings(model: keras.Model) -> tuple[keras.layers.Embedding, ...]:
+    """Every int8 `Embedding` of `model`, nested ones included."""
+    return tuple(
+        layer
+        for layer in _layers(model)
+        if isinstance(layer, keras.layers.Embedding)
+        and layer.quantization_mode == "int8"
+    )
+
+
 def modes(model: keras.Model) -> tuple[str, ...]:
     """The quantization modes of `model`'s layers (Embedding too), sorted."""
     return tuple(
@@ -280,24 +297,45 @@ def _dense_call(quantized: QuantizedDense, form: str):
     return call
 
 
+def _embedding_call(layer: keras.layers.Embedding):
+    """The int8 `Embedding`'s call as exports trace it (module docstring)."""
+
+    def call(inputs, training=None):
+        ids = inputs
+        if ids.dtype not in ("int32", "int64"):
+            ids = ops.cast(ids, "int32")
+        rows = ops.take(layer._embeddings, ids, axis=0)
+        rows = ops.cast(rows, layer.compute_dtype)
+        inverse = ops.expand_dims(ops.reciprocal(layer.embeddings_scale), -1)
+        return ops.multiply(rows, ops.take(ops.cast(inverse, rows.dtype), ids, axis=0))
+
+    return call
+
+
 @contextlib.contextmanager
-def traced(layers: Sequence[QuantizedDense], form: str) -> Iterator[None]:
+def traced(
+    layers: Sequence[QuantizedDense],
+    form: str,
+    embeddings: Sequence[keras.layers.Embedding] = (),
+) -> Iterator[None]:
     """While the block runs, each layer computes with its dequantized kernel.
 
     Args:
         layers: From `quantized_layers`.
         form: `VARIABLES` (dequantize the stored integers per call) or
             `CONSTANTS` (the dequantized kernel as a constant).
+        embeddings: From `quantized_embeddings`: their export call, in
+            either form.
     """
     if form not in (VARIABLES, CONSTANTS):
         raise ValueError(f"`form` must be {VARIABLES!r} or {CONSTANTS!r}: {form!r}")
+    calls = [(q.layer, _dense_call(q, form)) for q in layers]
+    calls += [(layer, _embedding_call(layer)) for layer in embeddings]
     replaced = []
     try:
-        for quantized in layers:
-            object.__setattr__(
-                quantized.layer, "quantized_call", _dense_call(quantized, form)
-            )
-            replaced.append(quantized.layer)
+        for layer, call in calls:
+            object.__setattr__(layer, "quantized_call", call)
+            replaced.append(layer)
         yield
     finally:
         for layer in replaced:

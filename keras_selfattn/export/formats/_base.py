@@ -22,6 +22,7 @@ import importlib
 import io
 import logging
 import os
+import re
 import sys
 import tempfile
 import warnings
@@ -121,21 +122,38 @@ def converting(title: str, advice: str) -> Iterator[None]:
         ) from error
 
 
+# Lines that say why a converter failed, most telling first (a regex
+# each): what it could not convert, then any error line. The first line
+# of the exception stands in when none matches.
+_CAUSES = (
+    r"No conversion rule found for operations: .*",
+    r"Select TensorFlow op\(s\).*",
+    r"Exporting the operator .* is not supported.*",
+    r"(?i:error): .*",
+)
+
+
 def cause(error: BaseException, log: str) -> str:
     """The line that says why a converter failed.
 
-    Converters bury it: TensorFlow's converter among its MLIR diagnostics
-    ("error: ..."), OpenVINO after its stack of frontends. The first
-    diagnostic line that reads as an error is chosen, else the exception's
-    first line.
+    Converters bury it: TensorFlow's converter among its MLIR diagnostics,
+    OpenVINO under "Check 'false' failed" and a summary, torch.onnx after
+    its frames. The first line matching `_CAUSES` (in that order of
+    preference) is chosen, else the exception's first line.
     """
     lines = [
-        line.strip() for line in (str(error) + "\n" + log).splitlines() if line.strip()
+        line.strip()
+        for line in (str(error) + "\n" + log).splitlines()
+        if line.strip() and "Traceback" not in line
     ]
-    for line in lines:
-        lowered = line.lower()
-        if "error:" in lowered and "traceback" not in lowered:
-            return one_line(line[lowered.index("error:") + len("error:") :], 200)
+    for pattern in _CAUSES:
+        for line in lines:
+            found = re.search(pattern, line)
+            if found:
+                text = found.group(0)
+                if text.lower().startswith("error:"):
+                    text = text[len("error:") :]
+                return one_line(text, 200)
     return one_line(lines[0] if lines else type(error).__name__, 200)
 
 

@@ -1,22 +1,23 @@
 """LiteRT (.tflite): TensorFlow's converter, or litert-torch on torch.
 
 On TensorFlow the converter keeps batch and time dynamic; litert-torch on
-torch fixes them (option `shape`). A quantized model is traced with its
-dequantized kernels as constants and converted with dynamic-range
-quantization (`tf.lite.Optimize.DEFAULT`): the converter re-quantizes each
-kernel per output channel, symmetric, which gives back exactly Keras's
-integers and scales (Keras's largest code in a channel is 127, so the
-converter's scale is Keras's; `stored_integers` reads them back and the
-export refuses a file where they differ), and LiteRT runs the matmuls
-with int8 weights and per-row int8 activations.
+torch fixes them (option `shape`). A quantized model is converted with its
+dequantized kernels as float constants, then quantized by LiteRT's own
+`ai_edge_quantizer` (`RECIPES`), the same on both backends:
 
-That is for int8 layers whose activations Keras quantizes too. LiteRT has
-no kernel for Keras's weight-only layers (int4 in groups with zero points,
-gptq, awq: float activations times 4-bit weights), and its dynamic-range
-kernels would quantize their activations, which Keras does not: such a
-model is written with its dequantized kernels as float32 weights (exactly
-Keras's results; the file is float-sized), and a warning says so. ONNX and
-OpenVINO keep those weights 4-bit.
+- int8 layers whose activations Keras quantizes (per token): dynamic range,
+  int8 weights per output channel, symmetric, and int8 activations per row
+  on LiteRT's hybrid kernels. Re-quantizing the dequantized kernel gives
+  back exactly Keras's integers and scales (Keras's largest code in a
+  channel is 127, so the quantizer's scale is Keras's); `check_integers`
+  reads them back and the export refuses a file where they differ.
+- int8 layers without activation quantization: the same weights, float
+  activations (weight-only), as Keras computes them.
+- Keras's other modes (int4 in groups with zero points, gptq, awq, float8):
+  LiteRT has no kernel that computes them as Keras does (its 4-bit weights
+  are symmetric), so they are written as their dequantized float32 kernels
+  (exactly Keras's results; the file is float-sized), and a warning says
+  so. ONNX and OpenVINO keep those weights 4-bit.
 """
 
 from __future__ import annotations
@@ -33,17 +34,28 @@ from keras_selfattn.export._target import ExportTarget
 from keras_selfattn.export.formats import table
 from keras_selfattn.export.formats._base import ExportError, Format, converting
 
-# The converter leaves smaller tensors float (its `min_num_elements`).
-CONVERTER_MIN_ELEMENTS = 1024
 logger = logging.getLogger(__name__)
+# ai_edge_quantizer's recipe for models whose every quantized layer is int8,
+# by whether Keras quantizes their activations.
+RECIPES = {True: "dynamic_wi8_afp32", False: "weight_only_wi8_afp32"}
 
 
-def dynamic_range(quantized: Sequence[quantization.QuantizedDense]) -> bool:
-    """Whether LiteRT's dynamic-range kernels compute these layers as Keras
-    does: int8 weights with Keras's per-token activation quantization."""
-    return bool(quantized) and all(
-        q.mode == "int8" and q.activations is not None for q in quantized
+def recipe_name(quantized: Sequence[quantization.QuantizedDense]) -> str | None:
+    """The recipe that computes these layers as Keras does, or None."""
+    if not quantized or any(q.mode != "int8" for q in quantized):
+        return None
+    activations = {q.activations is not None for q in quantized}
+    return RECIPES[activations.pop()] if len(activations) == 1 else None
+
+
+def quantize(path: str, name: str) -> None:
+    """Quantizes the .tflite file at `path` in place with recipe `name`."""
+    from ai_edge_quantizer import quantizer, recipe
+
+    result = quantizer.Quantizer(path, getattr(recipe, name)()).quantize(
+        enable_progress_bar=False, enable_progress_report=False
     )
+    result.export_model(path, overwrite=True)
 
 
 def check_shape(shape: object) -> tuple[int, int] | None:
@@ -107,8 +119,6 @@ def check_integers(path: str, quantized) -> None:
     """
     stored = {w.tobytes() for w in stored_integers(path)}
     for layer in quantized:
-        if layer.mode != "int8" or layer.integers.size < CONVERTER_MIN_ELEMENTS:
-            continue
         transposed = np.ascontiguousarray(layer.integers.T).tobytes()
         if transposed not in stored and layer.integers.tobytes() not in stored:
             raise ExportError(
@@ -148,12 +158,8 @@ class LiteRTFormat(Format):
             if shape is None
             else fixed_signature(target, shape)
         )
-        extra = {}
-        if dynamic_range(target.quantized) and keras.backend.backend() == "tensorflow":
-            import tensorflow as tf
-
-            extra["optimizations"] = [tf.lite.Optimize.DEFAULT]
-        elif target.quantized:
+        recipe = recipe_name(target.quantized)
+        if target.quantized and recipe is None:
             modes = sorted({q.mode for q in target.quantized})
             logger.warning(
                 "LiteRT: the %s layers are written with float32 weights (LiteRT "
@@ -168,13 +174,11 @@ class LiteRTFormat(Format):
         ):
             warnings.simplefilter("ignore")
             target.keras_model().export(
-                path,
-                format="litert",
-                verbose=False,
-                input_signature=signature,
-                **extra,
+                path, format="litert", verbose=False, input_signature=signature
             )
-        if extra:
+            if recipe is not None:
+                quantize(path, recipe)
+        if recipe is not None:
             check_integers(path, target.quantized)
 
 

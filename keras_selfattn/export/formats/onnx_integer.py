@@ -6,13 +6,17 @@ dequantized kernel, a constant (`quantization.CONSTANTS`); `rewrite` finds
 each by value and replaces it:
 
 - int8 with Keras's activation quantizer (symmetric, per token): Keras's
-  exact scheme on `MatMulInteger`. Per row of the input, scale =
-  high / (max |x| + epsilon), q = round(x * scale), computed with the same
-  float operations as Keras (so the same integers), then shifted by 128 to
-  uint8 with zero point 128: ONNX Runtime's fast x86 kernel takes uint8 x
-  int8 (with VNNI: `vpdpbusd`), and the int32 products are the int8 ones.
-  The output is cast and divided by kernel_scale * scale, as Keras does.
-  Keras's clip to [low, high] is left out where it cannot bind
+  exact scheme on ONNX Runtime's integer matmul. Per row of the input,
+  scale = high / (max |x| + epsilon) and y = x * scale, with the same float
+  operations as Keras (so the same integers); `QuantizeLinear(y, 1, 128)`
+  rounds y half to even (as Keras's `round`) and shifts it by 128 to uint8
+  in one pass (y / 1 is y: exactly round(y) + 128). ONNX Runtime's fast x86
+  kernel takes uint8 x int8 (with VNNI: `vpdpbusd`), and with zero point
+  128 the int32 products are the int8 ones. `MatMulIntegerToFloat` scales
+  them by 1 / kernel_scale per column and the result is divided by the
+  row's scale: Keras divides by kernel_scale * scale, which rounds
+  differently by a few ulp (the integers, which decide the result, are
+  the same). Keras's clip to [low, high] is left out where it cannot bind
   (|x * scale| < high * (1 + 2**-23) rounds to at most high).
 - weight-only modes (int4 per channel or per group, int8 without
   activation quantization, gptq, awq): `MatMulNBits` (4 or 8 bits, blocks
@@ -37,13 +41,14 @@ from collections.abc import Sequence
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from keras_selfattn.export.formats import onnx_graph as og
 from keras_selfattn.export.quantization import QuantizedDense
 
 METADATA_KEY = "keras_selfattn.quantization"
 CONTRIB_DOMAIN = "com.microsoft"
+_CONTRIB_OPS = ("MatMulNBits", "MatMulIntegerToFloat")
 EXACT_INT8 = "int8 activations per token, symmetric (Keras's scheme): MatMulInteger"
 WEIGHT_ONLY = "float activations, {bits}-bit weights in blocks of {block}: MatMulNBits"
 FLOAT8 = "float32 (float8-rounded kernel; activations not rounded to float8)"
@@ -92,7 +97,7 @@ class _Builder:
 
     def node(self, op: str, inputs: Sequence[str], hint: str, **attrs) -> str:
         output = self.name(hint)
-        domain = CONTRIB_DOMAIN if op in ("MatMulNBits",) else ""
+        domain = CONTRIB_DOMAIN if op in _CONTRIB_OPS else ""
         self.nodes.append(
             helper.make_node(
                 op, list(inputs), [output], name=output, domain=domain, **attrs
@@ -127,23 +132,25 @@ def _quantized_input(builder: _Builder, x: str, activations, cache: dict) -> tup
         f"{prefix}_scale",
     )
     scaled = builder.node("Mul", [x, scale], f"{prefix}_scaled")
-    rounded = builder.node("Round", [scaled], f"{prefix}_rounded")
     if low > -high:  # the clip can bind only when the range is narrower below
-        rounded = builder.node(
+        scaled = builder.node(
             "Clip",
             [
-                rounded,
+                builder.node("Round", [scaled], f"{prefix}_rounded"),
                 builder.constant(f"{prefix}_low", np.float32(low)),
                 builder.constant(f"{prefix}_hi", np.float32(high)),
             ],
             f"{prefix}_clipped",
         )
-    shifted = builder.node(
-        "Add",
-        [rounded, builder.constant(f"{prefix}_128", np.float32(128))],
-        f"{prefix}_shifted",
+    codes = builder.node(
+        "QuantizeLinear",
+        [
+            scaled,
+            builder.constant(f"{prefix}_unit", np.float32(1.0)),
+            builder.constant(f"{prefix}_128", np.uint8(128)),
+        ],
+        f"{prefix}_u8",
     )
-    codes = builder.node("Cast", [shifted], f"{prefix}_u8", to=TensorProto.UINT8)
     cache[(x, activations)] = (codes, scale)
     return codes, scale
 
@@ -151,14 +158,19 @@ def _quantized_input(builder: _Builder, x: str, activations, cache: dict) -> tup
 def _exact_int8(builder, x, output, quantized: QuantizedDense, cache) -> None:
     codes, scale = _quantized_input(builder, x, quantized.activations, cache)
     name = quantized.layer.name
-    weights = builder.constant(f"{name}_int8_kernel", quantized.integers)
-    zero = builder.constant(f"{name}_zero_point", np.uint8(128))
-    products = builder.node("MatMulInteger", [codes, weights, zero], f"{name}_int32")
-    floats = builder.node("Cast", [products], f"{name}_float", to=TensorProto.FLOAT)
-    kernel_scale = builder.constant(f"{name}_kernel_scale", quantized.scale)
-    output_scale = builder.node("Mul", [kernel_scale, scale], f"{name}_out_scale")
+    products = builder.node(
+        "MatMulIntegerToFloat",
+        [
+            codes,
+            builder.constant(f"{name}_int8_kernel", quantized.integers),
+            builder.constant(f"{name}_unit", np.float32(1.0)),
+            builder.constant(f"{name}_inverse_scale", 1.0 / quantized.scale),
+            builder.constant(f"{name}_zero_point", np.uint8(128)),
+        ],
+        f"{name}_products",
+    )
     builder.nodes.append(
-        helper.make_node("Div", [floats, output_scale], [output], name=output)
+        helper.make_node("Div", [products, scale], [output], name=output)
     )
 
 

@@ -124,7 +124,7 @@ LITERT = FormatRow(
     verify_metavar="PATH",
     help="write a LiteRT (.tflite) file",
     runtime="ai_edge_litert",
-    packages=("ai_edge_litert",),
+    packages=("ai_edge_litert", "ai_edge_quantizer"),
     backend_packages={"torch": ("litert_torch",)},
     extra="litert",
     refused={"jax": "Keras converts to LiteRT only from TensorFlow and torch"},
@@ -145,6 +145,9 @@ OPENVINO = FormatRow(
         "jax": "Keras's jax2tf route gives XlaCallModule ops, which OpenVINO "
         "cannot convert"
     },
+    # OpenVINO picks its arithmetic when it compiles (bf16 by default on CPUs
+    # with AVX512-BF16): the IR is float32, checked at bf16.
+    half=("bfloat16",),
 )
 TORCH = FormatRow(
     name="torch",
