@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 
 import keras
 import numpy as np
 import pytest
 
 from keras_selfattn import SelfAttention
+from keras_selfattn.attention import dispatch
 from keras_selfattn.attention.chunked import chunked_attention
 from keras_selfattn.attention.masks import Masks
 from tests import layer_harness
@@ -425,6 +427,62 @@ def test_return_attention_scores_is_refused():
 def test_invalid_chunk_size(bad):
     with pytest.raises(ValueError, match=f"chunk_size={bad!r}"):
         SelfAttention(chunk_size=bad)
+
+
+def test_exact_unchunked_only_within_its_context():
+    """Within `dispatch.exact_unchunked()` (nested too) calls take an exact
+    unchunked path with the chunked path's numbers; outside it, and in a
+    thread that did not enter it, the chunked one."""
+    chunked, plain = _twin_layers({"num_heads": 2, "causal": True}, 4, 4)
+    x = _inputs(2, 9, 4)
+    padding, _ = _masks("padding", 2, 9)
+    expected = to_numpy(chunked(x, mask=padding))
+    assert chunked.implementation(x, padding) == "chunked"
+    in_thread = []
+
+    def elsewhere():
+        in_thread.append(chunked.implementation(x, padding))
+
+    with dispatch.exact_unchunked():
+        inside = chunked.implementation(x, padding)
+        assert inside in ("explicit", "fused")
+        with dispatch.exact_unchunked():
+            assert chunked.implementation(x, padding) == inside
+        assert chunked.implementation(x, padding) == inside
+        unchunked = to_numpy(chunked(x, mask=padding))
+        thread = threading.Thread(target=elsewhere)
+        thread.start()
+        thread.join()
+    assert in_thread == ["chunked"]
+    assert chunked.implementation(x, padding) == "chunked"
+    np.testing.assert_allclose(unchunked, expected, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        unchunked, to_numpy(plain(x, mask=padding)), atol=1e-5, rtol=1e-5
+    )
+
+
+@pytest.mark.tensorflow_only("tf.function graphs")
+def test_graph_traced_within_exact_unchunked_has_no_loop():
+    """What the LiteRT converter needs: no while loop (and so no TensorList
+    ops, which only TensorFlow's Flex delegate runs) in the traced graph."""
+    import tensorflow as tf
+
+    layer = SelfAttention(num_heads=2, causal=True, chunk_size=4)
+    layer.build((None, None, 4))
+
+    def graph_ops() -> set[str]:
+        run = tf.function(layer, input_signature=[tf.TensorSpec((None, None, 4))])
+        graph = run.get_concrete_function().graph.as_graph_def()
+        ops = {node.op for node in graph.node}
+        for function in graph.library.function:
+            ops |= {node.op for node in function.node_def}
+        return ops
+
+    assert {"While", "StatelessWhile"} & graph_ops()
+    with dispatch.exact_unchunked():
+        unchunked = graph_ops()
+    assert not {"While", "StatelessWhile", "If", "StatelessIf"} & unchunked
+    assert not any(op.startswith("TensorList") for op in unchunked)
 
 
 @pytest.mark.tensorflow_only("SavedModel export")

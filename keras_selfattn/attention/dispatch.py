@@ -12,8 +12,9 @@ declares (`heads.TIME_FIRST` or `heads.HEADS_FIRST`), weights
 A call is described once, by its static facts (`CallFacts`: backend, dtype,
 device, masks present, decoding, dropout in training, returned weights, the
 layer's `chunk_size` and `flash_attention`, whether PyTorch is tracing it for
-export), never by tensor values, so a traced or exported call takes one fixed
-path. Each implementation in `IMPLEMENTATIONS` declares what it cannot do, as
+export, whether it is made within `exact_unchunked()`), never by tensor
+values, so a traced or exported call takes one fixed path. Each
+implementation in `IMPLEMENTATIONS` declares what it cannot do, as
 (predicate over the facts, reason) pairs, and `choose` takes the first one,
 in the order fused, chunked, explicit, that nothing rules out; those
 declarations are the only rules.
@@ -23,19 +24,70 @@ convert for every length: the fused path with key and value repeated to the
 query's heads (they refuse `enable_gqa=True`), and the explicit path in place
 of the chunked one (whose blocks are a Python loop on PyTorch, which a trace
 would unroll at the traced length). Both compute the same numbers.
+
+`chunk_size` is a memory option of the layer, not a property of its
+function: within `exact_unchunked()` every call traced takes an exact
+unchunked path (fused where it serves the call, else explicit) instead of
+the chunked one. An exporter whose format cannot hold the chunked path's
+loop enters it around tracing: the LiteRT converter cannot convert
+`tf.map_fn`'s while loop and TensorList ops to builtin LiteRT ops (the file
+would need the Flex delegate, "Select TensorFlow op(s)"), so the LiteRT
+export traces the unchunked path, as PyTorch's exporters already do. Keras's
+own calls (training, inference, `predict`) keep the chunked path.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
 
 from keras_selfattn.attention import chunked, explicit, fused, heads
 from keras_selfattn.attention.masks import Masks
+
+# Set within `exact_unchunked()`; a ContextVar, so other threads and
+# asyncio tasks that did not enter the context keep the chunked path.
+_EXACT_UNCHUNKED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "keras_selfattn_exact_unchunked", default=False
+)
+
+
+@contextlib.contextmanager
+def exact_unchunked() -> Iterator[None]:
+    """Within this context, calls take an exact unchunked path, never the
+    chunked one.
+
+    For exporters whose format cannot hold the chunked path (a loop over
+    blocks): enter it around the tracing of the exported function, so the
+    artifact computes attention whole (the fused path where `choose` would
+    take it anyway, else the explicit one). The numbers are the chunked
+    path's up to float32 rounding; only the memory bound of `chunk_size` is
+    given up, in the artifact. Decided while a call is traced, so a traced
+    function keeps the path it was traced with (a `tf.function` traced before
+    entering keeps the chunked one). It nests, and it holds in the thread (or
+    asyncio task) that entered it only.
+
+    Example:
+
+    >>> from keras_selfattn.attention import dispatch  # doctest: +SKIP
+    >>> with dispatch.exact_unchunked():  # doctest: +SKIP
+    ...     model.export("model.tflite", format="litert")
+    """
+    token = _EXACT_UNCHUNKED.set(True)
+    try:
+        yield
+    finally:
+        _EXACT_UNCHUNKED.reset(token)
+
+
+def unchunked_requested() -> bool:
+    """Whether the call is made within `exact_unchunked()`."""
+    return _EXACT_UNCHUNKED.get()
 
 
 def exporting() -> bool:
@@ -68,6 +120,7 @@ class CallFacts:
         dropout: Whether dropout is active in this call.
         return_weights: Whether the weights are returned.
         exporting: Whether PyTorch is tracing the call for export.
+        unchunked: Whether the call is made within `exact_unchunked()`.
         chunk_size: The layer's `chunk_size`.
         flash_attention: The layer's `flash_attention`, or where that is
             None, `keras.config.is_flash_attention_enabled()`: None
@@ -84,6 +137,7 @@ class CallFacts:
     dropout: bool
     return_weights: bool
     exporting: bool
+    unchunked: bool
     chunk_size: int | None
     flash_attention: bool | None
 
@@ -128,6 +182,7 @@ class CallFacts:
             dropout=dropout,
             return_weights=return_weights,
             exporting=exporting(),
+            unchunked=unchunked_requested(),
             chunk_size=chunk_size,
             flash_attention=flash_attention,
         )
@@ -267,6 +322,11 @@ IMPLEMENTATIONS = {
             (
                 lambda f: f.exporting,
                 "PyTorch's exporters would unroll its blocks at the traced length",
+            ),
+            (
+                lambda f: f.unchunked,
+                "the call is traced within exact_unchunked(), for a format "
+                "that cannot hold its loop over blocks",
             ),
         ),
         arguments=lambda f: {"chunk_size": f.chunk_size},

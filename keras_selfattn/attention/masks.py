@@ -81,12 +81,15 @@ def band(masks: Masks, query_pos, key_pos):
     Returns:
         Bool, True where the query may see the key, or None if both are off.
     """
+    # Python's operators, not `ops.less_equal`/`ops.subtract`: on torch these
+    # trace as aten::le and aten::sub, which OpenVINO's torch frontend
+    # converts (it has no rule for the aliases aten::less_equal, aten::subtract).
     rules = []
     if masks.causal:
-        rules.append(ops.less_equal(key_pos, query_pos))
+        rules.append(key_pos <= query_pos)
     if masks.sliding_window is not None:
-        distance = ops.abs(ops.subtract(query_pos, key_pos))
-        rules.append(ops.less(distance, masks.sliding_window))
+        distance = ops.abs(query_pos - key_pos)
+        rules.append(distance < masks.sliding_window)
     return all_of(rules)
 
 

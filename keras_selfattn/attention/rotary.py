@@ -10,16 +10,93 @@ for a head of size D, position p and i < D/2, the pair
 with `x1 = x[..., :D/2]`, `x2 = x[..., D/2:]` and the (T, D/2) angle table
 tiled to D by concatenating it with itself. Positions are offset .. offset
 + T - 1 along the time axis of the layout (`heads.HEADS_FIRST` or `heads.TIME_FIRST`).
-The angles, their cosines and the rotation run in float32; the result is
-cast back to the input's dtype.
+
+The cosines and sines come from constants, never from a runtime's own
+`sin` and `cos`: a position p is written in base 256, p = sum_l d_l 256^l,
+and the rotation by p is the product of the rotations by d_l 256^l, each
+looked up in a table of cosines and sines computed in float64 when the
+graph is built (`digit_table`, 4 x 256 rows of D):
+
+    cos(a + b) = cos a cos b - sin a sin b,  sin(a + b) = sin a cos b + cos a sin b
+
+Only gathers, integer division and float32 products and differences, which
+every runtime rounds alike: the table is the same to the bit in Keras (on
+TensorFlow) and in its SavedModel, LiteRT (XNNPACK or not), ONNX Runtime and
+OpenVINO files, and within about a float32 ulp per digit of the exact one
+at any int32 position. A digit 0 rotates by exactly nothing (cos 1, sin 0),
+so a table built with fewer digits (every position known while tracing) is
+the same to the bit too.
+
+Float32 angles and the runtime's `sin` and `cos` made it differ: the angle
+loses up to p * 2^-24 radians (that table was 3e-6 from the exact one below
+position 512, this one is 1e-7), and each runtime's `sin` and `cos` differ
+from TensorFlow's by 1-2 ulps (ai_edge_litert's by up to 2.4e-7). Rotated
+queries and keys that differ by an ulp change a score in proportion to its
+size, and the softmax of scores of tens turned those ulps into outputs past
+the export check's 1e-5 + 1e-4 |keras| (LiteRT files of rotary models
+refused, max abs err 1e-3 at 2x128). The rotation itself runs in float32;
+the result is cast back to the input's dtype.
 """
 
 from __future__ import annotations
 
+import functools
+
 import keras
+import numpy as np
 from keras import ops
 
 from keras_selfattn.attention import heads, masks
+
+# A position is written in base `BASE` with at most `DIGITS` digits: enough
+# for every int32 position (256 ** 4 = 2 ** 32).
+BASE = 256
+DIGITS = 4
+
+
+@functools.lru_cache(maxsize=64)
+def digit_table(depth: int, max_wavelength: float, scaling_factor: float) -> np.ndarray:
+    """The float32 (DIGITS * BASE, D) table of the rotations by d * BASE**l,
+    computed in float64: row l * BASE + d holds the cosines (its first D/2
+    entries), then the sines, of the angles (d * BASE**l / scaling_factor) /
+    max_wavelength ** (2i / D), i < D/2."""
+    exponents = np.arange(0, depth, 2, dtype=np.float64) / depth
+    wavelengths = np.power(np.float64(max_wavelength), exponents)
+    steps = (
+        np.arange(DIGITS * BASE)
+        % BASE
+        * np.float64(BASE) ** (np.arange(DIGITS * BASE) // BASE)
+    )
+    angles = (steps / np.float64(scaling_factor))[:, None] / wavelengths[None, :]
+    found = np.concatenate([np.cos(angles), np.sin(angles)], axis=-1)
+    found = found.astype("float32")
+    found.flags.writeable = False  # shared by every call (lru_cache)
+    return found
+
+
+def _divide(x, divisor):
+    """`x // divisor` of non-negative int32 tensors. On JAX `lax.div`
+    (truncating, the same for them): `jnp.floor_divide` takes a remainder,
+    which jax2onnx cannot convert for a time of symbolic size."""
+    if keras.backend.backend() == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        x, divisor = jnp.broadcast_arrays(x, jnp.asarray(divisor, x.dtype))
+        return jax.lax.div(x, divisor)
+    return ops.floor_divide(x, divisor)
+
+
+def _digits_needed(time, offset) -> int:
+    """How many base-`BASE` digits the positions offset .. offset + T - 1
+    have: `DIGITS` unless both are known while tracing."""
+    if not (isinstance(time, int) and isinstance(offset, int)):
+        return DIGITS
+    largest = max(offset + time - 1, 0)
+    needed = 1
+    while BASE**needed <= largest:
+        needed += 1
+    return needed
 
 
 def table(
@@ -35,22 +112,44 @@ def table(
         scaling_factor: Positions are divided by it (keras-hub's
             `scaling_factor`).
         offset: The position of the first step (an int or a scalar int
-            tensor): the cache index when decoding.
+            tensor; positions must stay below 2**31): the cache index when
+            decoding.
 
     Returns:
-        A tuple `(cos, sin)` of float32 tensors of shape (T, D).
+        A tuple `(cos, sin)` of float32 tensors of shape (T, D), the same to
+        the bit however many digits are used, in Keras on each backend (on a
+        CPU) and in the exported runtimes.
     """
-    exponents = ops.arange(0, depth, 2, dtype="float32") / float(depth)
-    inverse_freq = 1.0 / ops.power(float(max_wavelength), exponents)
-    positions = masks.positions(time, "float32")
+    rotations = digit_table(depth, float(max_wavelength), float(scaling_factor))
+    positions = masks.positions(time, "int32")
     if not (isinstance(offset, int) and offset == 0):
-        positions = positions + ops.cast(offset, "float32")
-    positions = positions / float(scaling_factor)
-    angles = ops.multiply(
-        ops.expand_dims(positions, 1), ops.expand_dims(inverse_freq, 0)
+        positions = positions + ops.cast(offset, "int32")
+    count = _digits_needed(time, offset)
+    rows = ops.expand_dims(positions, 1)  # (T, 1)
+    if count > 1:  # (T, count): digit l of each position, as a row of level l
+        powers = ops.convert_to_tensor(
+            np.array([BASE**level for level in range(count)], "int32")
+        )
+        # Tensors, not numpy arrays: a numpy operand fails torch.export, and
+        # ops.add of a 1-D array is an int32 BiasAdd on TensorFlow, which
+        # LiteRT lacks.
+        above = _divide(rows, powers)  # the digits from level l up
+        digits = above - _divide(above, BASE) * BASE
+        levels = np.arange(0, count * BASE, BASE, dtype="int32")
+        rows = digits + ops.convert_to_tensor(levels)
+    looked_up = ops.take(ops.convert_to_tensor(rotations[: count * BASE]), rows, 0)
+    level_cos, level_sin = (
+        ops.unstack(half, count, axis=1) for half in ops.split(looked_up, 2, axis=-1)
     )
-    angles = ops.concatenate([angles, angles], axis=-1)  # (T, D)
-    return ops.cos(angles), ops.sin(angles)
+    cos, sin = level_cos[0], level_sin[0]
+    for digit_cos, digit_sin in zip(level_cos[1:], level_sin[1:], strict=True):
+        # The rotation by the digits so far, then by this one; a digit 0 is
+        # cos 1, sin 0, which leaves both exactly as they are.
+        cos, sin = (
+            cos * digit_cos - sin * digit_sin,
+            sin * digit_cos + cos * digit_sin,
+        )
+    return ops.concatenate([cos, cos], axis=-1), ops.concatenate([sin, sin], axis=-1)
 
 
 def rotate(x, layout: str, cos_sin):

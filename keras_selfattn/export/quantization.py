@@ -250,28 +250,42 @@ def _kernel_of(quantized: QuantizedDense, form: str):
         if quantized.zero is None:
             return ops.divide(ops.cast(unpacked, "float32"), layer.kernel_scale)
         return _dequantize_groups(
-            unpacked, layer.kernel_scale, layer.kernel_zero, layer.g_idx, 0
+            quantized, unpacked, layer.kernel_scale, layer.kernel_zero, 0
         )
     codes = layer.quantized_kernel
     if quantized.bits == 4:
         codes = quantizers.unpack_int4(codes, layer.units, axis=0, dtype="uint8")
     kernel = ops.transpose(
-        _dequantize_groups(
-            codes, layer.kernel_scale, layer.kernel_zero, layer.g_idx, -1
-        )
+        _dequantize_groups(quantized, codes, layer.kernel_scale, layer.kernel_zero, 1)
     )
     if quantized.input_divisor is not None:
         kernel = ops.divide(kernel, ops.expand_dims(layer.awq_scales, -1))
     return kernel
 
 
-def _dequantize_groups(values, scale, zero, g_idx, group_axis: int):
-    """Keras's `dequantize_with_sz_map`: (values - zero[g]) * scale[g], with
-    each input row's group g from `g_idx`."""
-    groups = ops.cast(g_idx, "int32")
-    scales = ops.take(scale, groups, axis=group_axis)
-    zeros = ops.cast(ops.take(zero, groups, axis=group_axis), scales.dtype)
-    return ops.multiply(ops.subtract(values, zeros), scales)
+def _dequantize_groups(quantized: QuantizedDense, values, scale, zero, axis: int):
+    """Keras's `dequantize_with_sz_map` of `values` grouped along `axis` (the
+    input axis; `scale` and `zero` hold one row per group there):
+    (values - zero[g]) * scale[g].
+
+    Groups of `group_size` consecutive inputs that tile the axis (Keras's own
+    layout) are a reshape and a broadcast; any other `g_idx` is gathered, as
+    Keras does.
+    """
+    size, inputs = quantized.group_size, quantized.kernel.shape[0]
+    values = ops.cast(values, "float32")
+    if size is None or inputs % size:
+        groups = ops.cast(quantized.layer.g_idx, "int32")
+        scales = ops.take(scale, groups, axis=axis)
+        zeros = ops.cast(ops.take(zero, groups, axis=axis), scales.dtype)
+        return ops.multiply(ops.subtract(values, zeros), scales)
+    shape = tuple(values.shape)
+    grouped = list(shape)
+    grouped[axis : axis + 1] = [inputs // size, size]
+    scale = ops.expand_dims(scale, axis + 1)
+    zero = ops.cast(ops.expand_dims(zero, axis + 1), "float32")
+    values = ops.reshape(values, grouped)
+    return ops.reshape(ops.multiply(ops.subtract(values, zero), scale), shape)
 
 
 def _dense_call(quantized: QuantizedDense, form: str):

@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 import keras
 import numpy as np
 
+from keras_selfattn.attention import dispatch
 from keras_selfattn.export import quantization
 from keras_selfattn.export._target import ExportTarget
 from keras_selfattn.export.formats import table
@@ -167,9 +168,12 @@ class LiteRTFormat(Format):
                 "keep their integers",
                 "/".join(modes),
             )
+        # `chunk_size` is a memory option: the chunked path's loop would need
+        # LiteRT's Flex delegate, so the file computes attention unchunked.
         with (
             converting(self.row.title, self.advice),
             target.traced(self.quantized_form),
+            dispatch.exact_unchunked(),
             warnings.catch_warnings(),
         ):
             warnings.simplefilter("ignore")

@@ -135,6 +135,11 @@ class SavedModelFormat(Format):
         self.require()
         checked = self.check_options(options)
         base_dir = _files.check_path(argument, path)
+        if os.path.lexists(base_dir) and not os.path.isdir(base_dir):
+            raise ValueError(
+                f"`{argument}` must be a folder (TF Serving's base dir), not a "
+                f"file. Received: {argument}={base_dir!r}"
+            )
         model_dir = os.path.join(base_dir, checked["name"])
         version = layout.new_version(model_dir, checked["name"], checked["version"])
         return Destination(
