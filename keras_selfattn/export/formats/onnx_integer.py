@@ -13,10 +13,12 @@ each by value and replaces it:
   in one pass (y / 1 is y: exactly round(y) + 128). ONNX Runtime's fast x86
   kernel takes uint8 x int8 (with VNNI: `vpdpbusd`), and with zero point
   128 the int32 products are the int8 ones. `MatMulIntegerToFloat` scales
-  them by 1 / kernel_scale per column and the result is divided by the
-  row's scale: Keras divides by kernel_scale * scale, which rounds
-  differently by a few ulp (the integers, which decide the result, are
-  the same). Keras's clip to [low, high] is left out where it cannot bind
+  them by 1 / kernel_scale per column and the result is multiplied by
+  the row's (max |x| + epsilon) / high: Keras divides by kernel_scale *
+  scale, which rounds differently by a few ulp (the integers, which decide
+  the result, are the same). Layers reading one input (query, key and
+  value) share its quantization and one matmul over their kernels side by
+  side. Keras's clip to [low, high] is left out where it cannot bind
   (|x * scale| < high * (1 + 2**-23) rounds to at most high).
 - weight-only modes (int4 per channel or per group, int8 without
   activation quantization, gptq, awq): `MatMulNBits` (4 or 8 bits, blocks
@@ -105,22 +107,27 @@ class _Builder:
         )
         return output
 
-    def reduce_max(self, x: str, hint: str) -> str:
+    def reduce(self, op: str, x: str, hint: str) -> str:
+        """`op` ("ReduceMax", "ReduceMin") over the last axis, kept."""
         if self.opset >= 18:
             axes = self.constant(f"{hint}_axes", np.array([-1], np.int64))
-            return self.node("ReduceMax", [x, axes], hint, keepdims=1)
-        return self.node("ReduceMax", [x], hint, axes=[-1], keepdims=1)
+            return self.node(op, [x, axes], hint, keepdims=1)
+        return self.node(op, [x], hint, axes=[-1], keepdims=1)
 
 
 def _quantized_input(builder: _Builder, x: str, activations, cache: dict) -> tuple:
-    """(uint8 codes, per-row scale) of `x` by Keras's AbsMaxQuantizer; shared
+    """(uint8 codes, per-row 1 / scale) of `x` by Keras's AbsMaxQuantizer; shared
     by every layer reading the same tensor."""
     if (x, activations) in cache:
         return cache[(x, activations)]
     low, high, epsilon = activations
     prefix = f"{x.replace(':', '_')}_int8"
-    magnitude = builder.node("Abs", [x], f"{prefix}_abs")
-    largest = builder.reduce_max(magnitude, f"{prefix}_max")
+    # max |x| as max(max x, -min x): two reading passes, where Abs would
+    # write a whole copy of x first (the same value, bit for bit).
+    highest = builder.reduce("ReduceMax", x, f"{prefix}_max")
+    lowest = builder.reduce("ReduceMin", x, f"{prefix}_min")
+    negated = builder.node("Neg", [lowest], f"{prefix}_neg")
+    largest = builder.node("Max", [highest, negated], f"{prefix}_abs")
     denominator = builder.node(
         "Add",
         [largest, builder.constant(f"{prefix}_eps", np.float32(epsilon))],
@@ -151,26 +158,60 @@ def _quantized_input(builder: _Builder, x: str, activations, cache: dict) -> tup
         ],
         f"{prefix}_u8",
     )
-    cache[(x, activations)] = (codes, scale)
-    return codes, scale
+    # The output's per-row factor: 1 / scale, as (max + eps) / high (a
+    # multiply by it costs a fraction of a divide by the scale, and differs
+    # from Keras's division by an ulp, like the rest of the output side).
+    inverse = builder.node(
+        "Div",
+        [denominator, builder.constant(f"{prefix}_high_again", np.float32(high))],
+        f"{prefix}_inverse",
+    )
+    cache[(x, activations)] = (codes, inverse)
+    return codes, inverse
 
 
-def _exact_int8(builder, x, output, quantized: QuantizedDense, cache) -> None:
-    codes, scale = _quantized_input(builder, x, quantized.activations, cache)
-    name = quantized.layer.name
+def _exact_int8(builder, x: str, readers: Sequence[tuple], cache) -> None:
+    """Keras's int8 scheme for the layers reading `x`: one
+    `MatMulIntegerToFloat` over their kernels side by side (query, key and
+    value read one input: one wider matmul, fewer nodes to schedule), one
+    multiply by the row's 1 / scale, split back into each layer's output.
+
+    Args:
+        readers: (output name, QuantizedDense) of each layer reading `x`.
+    """
+    activations = readers[0][1].activations
+    codes, inverse = _quantized_input(builder, x, activations, cache)
+    layers = [quantized for _, quantized in readers]
+    name = "_".join(q.layer.name for q in layers)
+    kernel = np.concatenate([q.integers for q in layers], axis=1)
+    column_factor = np.concatenate([1.0 / q.scale for q in layers])
     products = builder.node(
         "MatMulIntegerToFloat",
         [
             codes,
-            builder.constant(f"{name}_int8_kernel", quantized.integers),
+            builder.constant(f"{name}_int8_kernel", kernel),
             builder.constant(f"{name}_unit", np.float32(1.0)),
-            builder.constant(f"{name}_inverse_scale", 1.0 / quantized.scale),
+            builder.constant(f"{name}_inverse_scale", column_factor.astype("float32")),
             builder.constant(f"{name}_zero_point", np.uint8(128)),
         ],
         f"{name}_products",
     )
+    outputs = [output for output, _ in readers]
+    if len(readers) == 1:
+        builder.nodes.append(
+            helper.make_node("Mul", [products, inverse], outputs, name=outputs[0])
+        )
+        return
+    divided = builder.node("Mul", [products, inverse], f"{name}_divided")
+    widths = np.array([q.integers.shape[1] for q in layers], np.int64)
     builder.nodes.append(
-        helper.make_node("Div", [products, scale], [output], name=output)
+        helper.make_node(
+            "Split",
+            [divided, builder.constant(f"{name}_widths", widths)],
+            outputs,
+            name=f"{name}_split",
+            axis=-1,
+        )
     )
 
 
@@ -273,6 +314,7 @@ def rewrite(
     by_value = _kernels_by_value(quantized)
     schemes: dict[str, LayerScheme] = {}
     cache: dict = {}
+    shared: dict[tuple, list[tuple]] = {}  # (input, activations) -> readers
     kept = []
     for node in graph.node:
         weight = (
@@ -289,7 +331,7 @@ def rewrite(
         name = match.layer.name
         x, output = node.input[0], node.output[0]
         if match.mode == "int8" and match.activations is not None:
-            _exact_int8(builder, x, output, match, cache)
+            shared.setdefault((x, match.activations), []).append((output, match))
             schemes[name] = LayerScheme(name, EXACT_INT8, True)
             continue
         try:
@@ -299,6 +341,8 @@ def rewrite(
             schemes[name] = LayerScheme(name, str(reason), False)
             continue
         schemes[name] = LayerScheme(name, scheme, True)
+    for (x, _), readers in shared.items():
+        _exact_int8(builder, x, readers, cache)
     del graph.node[:]
     graph.node.extend(kept + builder.nodes)
     for q in quantized:
