@@ -197,6 +197,24 @@ def _export(runtime: str, model, directory: str, precision: str) -> list[str]:
     return [xml, xml[: -len(".xml")] + ".bin"]
 
 
+def keras_rows(by_precision: dict) -> list[Artifact]:
+    """The Keras models themselves (`predict_on_batch`, Keras's compiled
+    call), timed with the artifacts: how Keras runs its own quantized
+    layers on this CPU."""
+    return [
+        Artifact(
+            "keras",
+            precision,
+            [],
+            stated="Keras's own call"
+            if precision == "float"
+            else (f"Keras's own {precision} call"),
+            call=model.predict_on_batch,
+        )
+        for precision, model in by_precision.items()
+    ]
+
+
 def export_all(by_precision: dict, directory: str) -> list[Artifact]:
     """Every runtime x precision, then the anchor; a failed export or a
     runtime that is not installed gets a status instead of paths."""
@@ -471,6 +489,7 @@ def run(quick: bool = False, rounds: int | None = None) -> dict:
             if artifact.status is None:
                 load(artifact)
         files = file_rows(artifacts)
+        artifacts += keras_rows(by_precision)
         rows = []
         for shape in plan.shapes:
             rows += latency_rows(artifacts, by_precision["float"], shape, plan)

@@ -309,8 +309,9 @@ def test_quantized_reports_every_runtime_and_precision(tmp_path):
     ] + [("onnx", quantized.ANCHOR)]
     assert [(r["runtime"], r["precision"]) for r in loaded["files"]] == expected
     shapes = [f"({b}, {t})" for b, t in quantized.QUICK.shapes]
+    timed = expected + [("keras", precision) for precision in quantized.PRECISIONS]
     assert [(r["shape"], r["runtime"], r["precision"]) for r in loaded["rows"]] == [
-        (shape, *key) for shape in shapes for key in expected
+        (shape, *key) for shape in shapes for key in timed
     ]
     files = {(r["runtime"], r["precision"]): r for r in loaded["files"]}
     for key, row in files.items():
@@ -327,6 +328,8 @@ def test_quantized_reports_every_runtime_and_precision(tmp_path):
         if "status" in row:
             assert row["status"] == files[(row["runtime"], row["precision"])]["status"]
             continue
+        if row["runtime"] == "keras":  # the models themselves, in Keras: no file
+            assert row["precision"] == "float" or row["vs_float"] > 0, row
         assert math.isfinite(row["ms"]) and row["ms"] > 0, row
         assert 0 <= row["max_abs_diff"] < 1, row
         if row["precision"] != "float":

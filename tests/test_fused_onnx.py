@@ -250,17 +250,27 @@ def test_attention_outputs_fall_back_and_still_match(tmp_path):
     assert report.ok, report.table()
 
 
-def test_half_precision_layer_falls_back_and_still_matches(tmp_path):
+def test_half_precision_layer_fuses_in_float32_and_falls_back_in_float16(tmp_path):
+    """A mixed_float16 model exports in float32 by default (its float32 view):
+    fused, and exact against that view. Kept in float16
+    (`precision="model"`) its core casts inside, so it is not fused."""
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = model_zoo.attention_only(seed=6)
-    path = str(tmp_path / "half.onnx")
-    lines = export_logged(model, path)
+    keras.mixed_precision.set_global_policy("float32")
+    float32 = str(tmp_path / "float32.onnx")
+    assert export_logged(model, float32) == [
+        "layer 'attention': fused into one ONNX Attention node"
+    ]
+    assert count_attention_nodes(onnx.load(float32)) == 1
+    assert verify(model, onnx_path=float32, atol=ATOL).ok
+    half = str(tmp_path / "half.onnx")
+    lines = export_logged(model, half, precision="model")
     assert lines == [
         "layer 'attention': not fused (query/key are cast inside the core (a "
         "half-precision compute dtype); only float32 cores are fused)"
     ]
-    assert count_attention_nodes(onnx.load(path)) == 0
-    assert verify(model, onnx_path=path, atol=1e-2, rtol=1e-2).ok
+    assert count_attention_nodes(onnx.load(half)) == 0
+    assert verify(model, onnx_path=half, precision="model").ok
 
 
 def test_fuse_attention_must_be_bool(tmp_path):

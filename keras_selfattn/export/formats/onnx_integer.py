@@ -51,7 +51,9 @@ from keras_selfattn.export.quantization import QuantizedDense
 METADATA_KEY = "keras_selfattn.quantization"
 CONTRIB_DOMAIN = "com.microsoft"
 _CONTRIB_OPS = ("MatMulNBits", "MatMulIntegerToFloat")
-EXACT_INT8 = "int8 activations per token, symmetric (Keras's scheme): MatMulInteger"
+EXACT_INT8 = (
+    "int8 activations per token, symmetric (Keras's scheme): MatMulIntegerToFloat"
+)
 WEIGHT_ONLY = "float activations, {bits}-bit weights in blocks of {block}: MatMulNBits"
 FLOAT8 = "float32 (float8-rounded kernel; activations not rounded to float8)"
 NOT_FOUND = "float32: its kernel is not a MatMul weight in the converted graph"
