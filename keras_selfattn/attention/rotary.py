@@ -54,6 +54,17 @@ BASE = 256
 DIGITS = 4
 
 
+def _rows_of(table, rows):
+    """`table[rows]`. On torch, `embedding` on the int32 rows: Keras's
+    `take` makes them int64 and corrects negative ones (an `lt` on int64),
+    which litert-torch cannot lower; these rows are never negative."""
+    if keras.backend.backend() == "torch":
+        import torch
+
+        return torch.nn.functional.embedding(rows, table)
+    return ops.take(table, rows, 0)
+
+
 @functools.lru_cache(maxsize=64)
 def digit_table(depth: int, max_wavelength: float, scaling_factor: float) -> np.ndarray:
     """The float32 (DIGITS * BASE, D) table of the rotations by d * BASE**l,
@@ -137,7 +148,7 @@ def table(
         digits = above - _divide(above, BASE) * BASE
         levels = np.arange(0, count * BASE, BASE, dtype="int32")
         rows = digits + ops.convert_to_tensor(levels)
-    looked_up = ops.take(ops.convert_to_tensor(rotations[: count * BASE]), rows, 0)
+    looked_up = _rows_of(ops.convert_to_tensor(rotations[: count * BASE]), rows)
     level_cos, level_sin = (
         ops.unstack(half, count, axis=1) for half in ops.split(looked_up, 2, axis=-1)
     )

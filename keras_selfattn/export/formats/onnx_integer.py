@@ -10,9 +10,15 @@ each by value and replaces it:
   scale = high / (max |x| + epsilon) and y = x * scale, with the same float
   operations as Keras (so the same integers); `QuantizeLinear(y, 1, 128)`
   rounds y half to even (as Keras's `round`) and shifts it by 128 to uint8
-  in one pass (y / 1 is y: exactly round(y) + 128). ONNX Runtime's fast x86
-  kernel takes uint8 x int8 (with VNNI: `vpdpbusd`), and with zero point
-  128 the int32 products are the int8 ones. `MatMulIntegerToFloat` scales
+  in one pass (y / 1 is y: exactly round(y) + 128). The kernel is stored
+  as uint8 too (Keras's integers + 128, zero point 128): ONNX Runtime's
+  uint8 x uint8 kernel is exact on every x86 CPU, while its uint8 x int8
+  one, fast with VNNI (`vpdpbusd`), adds pairs of products in saturating
+  16-bit lanes on CPUs without VNNI (`vpmaddubsw`: AVX2, AVX-512 before
+  VNNI), where codes up to 255 times weights up to 127 overflow them and
+  the file would compute something else than on the machine that checked
+  it. With both zero points 128 the int32 products are exactly the int8
+  ones. `MatMulIntegerToFloat` scales
   them by 1 / kernel_scale per column and the result is multiplied by
   the row's (max |x| + epsilon) / high: Keras divides by kernel_scale *
   scale, which rounds differently by a few ulp (the integers, which decide
@@ -186,15 +192,17 @@ def _exact_int8(builder, x: str, readers: Sequence[tuple], cache) -> None:
     layers = [quantized for _, quantized in readers]
     name = "_".join(q.layer.name for q in layers)
     kernel = np.concatenate([q.integers for q in layers], axis=1)
+    kernel = (kernel.astype(np.int16) + 128).astype(np.uint8)
     column_factor = np.concatenate([1.0 / q.scale for q in layers])
     products = builder.node(
         "MatMulIntegerToFloat",
         [
             codes,
-            builder.constant(f"{name}_int8_kernel", kernel),
+            builder.constant(f"{name}_uint8_kernel", kernel),
             builder.constant(f"{name}_unit", np.float32(1.0)),
             builder.constant(f"{name}_inverse_scale", column_factor.astype("float32")),
             builder.constant(f"{name}_zero_point", np.uint8(128)),
+            builder.constant(f"{name}_kernel_zero_point", np.uint8(128)),
         ],
         f"{name}_products",
     )

@@ -11,10 +11,16 @@ matmul's activations to int8, symmetric, in groups of
 `DYNAMIC_QUANTIZATION_GROUP_SIZE` inputs (32 by default); the file sets
 that option (its rt_info `runtime_options`, read when a model is compiled)
 to the input width of Keras's int8 layers, so that each row is one group:
-Keras's own per-token scheme (measured equal to Keras within 1e-6), and 0
-(float activations, as Keras computes them) for weight-only models (int4,
-gptq, awq). A layer whose input width differs from the group gets float
-activations.
+Keras's own per-token scheme (measured equal to Keras within 1e-6 on an
+AVX-512 VNNI CPU), and 0 (float activations, as Keras computes them) for
+weight-only models (int4, gptq, awq). A layer whose input width differs
+from the group gets float activations. The plugin decides when it compiles
+the model whether it quantizes activations at all: on a CPU without int8
+dot-product instructions (AVX2 without VNNI, measured) it multiplies float
+activations by the decompressed weights. Which of the two a file computes
+therefore depends on the machine that runs it, so the file never claims
+Keras's exact scheme, and its check is the quantization rule that both
+satisfy.
 
 `without_fused_attention` works around a bug of OpenVINO 2026.4's CPU
 plugin: the converter fuses attention without a mask into one
@@ -46,7 +52,10 @@ from keras_selfattn.export.formats._base import Format, converting
 SCHEME_KEY = "keras_selfattn_quantization"
 # The CPU plugin's activation quantization group, set in the model's rt_info.
 GROUP_OPTION = ["runtime_options", "DYNAMIC_QUANTIZATION_GROUP_SIZE"]
-EXACT_INT8 = "int8 activations per token, symmetric (Keras's scheme)"
+PER_TOKEN_INT8 = (
+    "int8 activations per token, symmetric (Keras's scheme) where the CPU "
+    "plugin quantizes activations (VNNI, AMX), float activations elsewhere"
+)
 
 
 def _decompressed(quantized: quantization.QuantizedDense, transposed: bool):
@@ -158,19 +167,16 @@ def activation_group(quantized) -> int:
 
 
 def _describe_layers(quantized, schemes: dict[str, str], group: int) -> dict:
-    """{"layers": {name: scheme}, "exact": all layers compute Keras's own}."""
-    exact = True
+    """{"layers": {name: scheme}, "exact": False}: whether the CPU plugin
+    computes Keras's own scheme depends on the CPU (module docstring)."""
     for q in quantized:
         if schemes[q.layer.name].startswith("float32"):
-            exact = False
-        elif q.activations is not None and q.kernel.shape[0] == group:
-            schemes[q.layer.name] += "; " + EXACT_INT8
-        elif q.activations is not None:
-            schemes[q.layer.name] += "; float activations"
-            exact = False
+            continue
+        if q.activations is not None and q.kernel.shape[0] == group:
+            schemes[q.layer.name] += "; " + PER_TOKEN_INT8
         else:
             schemes[q.layer.name] += "; float activations"
-    return {"layers": schemes, "exact": exact}
+    return {"layers": schemes, "exact": False}
 
 
 def compress(model, quantized) -> dict[str, str]:
