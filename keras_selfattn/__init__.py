@@ -4,7 +4,8 @@ Importing the package registers `keras_selfattn>SelfAttention` with Keras, so
 `keras.models.load_model` finds it without `custom_objects`.
 """
 
+from keras_selfattn.generation import Generated, generate
 from keras_selfattn.self_attention import SelfAttention
 
-__all__ = ["SelfAttention"]
+__all__ = ["Generated", "SelfAttention", "generate"]
 __version__ = "0.1.0"

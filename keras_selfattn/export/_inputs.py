@@ -34,7 +34,8 @@ def is_padded(target: ExportTarget, batch: int, time: int) -> bool:
 def example_inputs(
     target: ExportTarget, batch: int, time: int, seed: int = 0
 ) -> dict[str, np.ndarray]:
-    """Random inputs keyed by input name; every dynamic dim after batch is `time`.
+    """Random inputs keyed by input name; every dynamic dim after batch is `time`
+    (or the target's own `examples`).
 
     Float inputs are standard normal. Integer inputs are token ids in
     [1, vocabulary) and boolean inputs are True; in both, rows after the first
@@ -50,6 +51,8 @@ def example_inputs(
     Returns:
         A dict {input name: numpy array}.
     """
+    if target.examples is not None:
+        return target.examples(batch, time, seed)
     rng = np.random.default_rng(seed)
     vocab = vocabulary_size(target.model)
     lengths = np.concatenate([[time], rng.integers(1, time + 1, size=batch - 1)])

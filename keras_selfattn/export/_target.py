@@ -60,6 +60,10 @@ class ExportTarget:
             model), from `quantization.quantized_layers`.
         embeddings: Its int8 `Embedding` layers
             (`quantization.quantized_embeddings`).
+        examples: Builds valid example inputs `(batch, time, seed) -> {name:
+            array}` for targets whose inputs are not a model's (a
+            generator's controls); None: `_inputs.example_inputs`' random
+            ones.
     """
 
     model: keras.Model
@@ -70,6 +74,7 @@ class ExportTarget:
     what: str = "model"
     quantized: tuple[quantization.QuantizedDense, ...] = ()
     embeddings: tuple[keras.layers.Embedding, ...] = ()
+    examples: Callable[[int, int, int], dict] | None = None
 
     @contextlib.contextmanager
     def traced(self, form: str) -> Iterator[None]:

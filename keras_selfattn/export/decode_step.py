@@ -61,8 +61,10 @@ from keras_selfattn.export.verify import (
     finish_report,
     parity_row,
 )
+from keras_selfattn.generation import cached_model
 from keras_selfattn.self_attention import SelfAttention
 
+_ACTION = "export a decoding step of"
 STEP_SIGNATURE = "decode_step"
 INDEX_NAME = "cache_update_index"
 CACHE_PREFIX = "cache_"
@@ -73,82 +75,8 @@ UPDATED_CACHE_PREFIX = "updated_cache_"
 DEFAULT_SCHEDULES: tuple[tuple[int, int], ...] = ((1, 1), (2, 3), (3, 1 << 30))
 
 
-def _all_layers(model: keras.Model) -> list:
-    layers, stack = [], list(model.layers)
-    while stack:
-        layer = stack.pop()
-        layers.append(layer)
-        stack.extend(getattr(layer, "_layers", None) or [])
-    return layers
-
-
 def _refuse(model: keras.Model, why: str) -> ValueError:
-    return ValueError(
-        f"Cannot export a decoding step of model {model.name!r}: {why} "
-        "(supported: one input, one output, top-level causal SelfAttention "
-        "layers each called once on one tensor, no padding masks)"
-    )
-
-
-def _attention_nodes(model: keras.Model) -> list[SelfAttention]:
-    """The model's SelfAttention layers in call order; refuses the rest."""
-    if isinstance(model, keras.Sequential):
-        top = list(model.layers)
-        calls = [layer for layer in top if isinstance(layer, SelfAttention)]
-    else:
-        top = list(model.layers)
-        calls = []
-        depths = sorted(model._nodes_by_depth, reverse=True)
-        for depth in depths:
-            for node in model._nodes_by_depth[depth]:
-                if isinstance(node.operation, SelfAttention):
-                    calls.append(node.operation)
-                    tensors = [
-                        value
-                        for value in keras.tree.flatten(
-                            (node.arguments.args, node.arguments.kwargs)
-                        )
-                        if isinstance(value, keras.KerasTensor)
-                    ]
-                    extra = {
-                        k: v
-                        for k, v in node.arguments.kwargs.items()
-                        if v is not None and v is not False
-                    }
-                    if len(tensors) != 1 or extra:
-                        raise _refuse(
-                            model,
-                            f"SelfAttention {node.operation.name!r} is called "
-                            f"with more than one input tensor or with {sorted(extra)}",
-                        )
-    names = [layer.name for layer in calls]
-    duplicated = sorted({name for name in names if names.count(name) > 1})
-    if duplicated:
-        raise _refuse(model, f"SelfAttention {duplicated} is called more than once")
-    nested = [
-        layer.name
-        for layer in _all_layers(model)
-        if isinstance(layer, SelfAttention) and layer not in top
-    ]
-    if nested:
-        raise _refuse(model, f"SelfAttention {nested} is nested inside another layer")
-    if not calls:
-        raise _refuse(model, "it has no SelfAttention layer")
-    for layer in calls:
-        if not layer.causal:
-            raise _refuse(model, f"SelfAttention {layer.name!r} has causal=False")
-    masking = [
-        layer.name
-        for layer in _all_layers(model)
-        if isinstance(layer, keras.layers.Masking) or getattr(layer, "mask_zero", 0)
-    ]
-    if masking:
-        raise _refuse(
-            model,
-            f"layers {masking} make padding masks, which a step over the new "
-            "positions cannot apply to the cached ones",
-        )
-    return calls
+    return cached_model.refusal(model, why, _ACTION)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,30 +124,7 @@ class DecodeStep:
 
     def call(self, inputs, caches: Sequence, index):
         """Runs the step with Keras; returns (output, [updated caches])."""
-        by_layer = dict(zip(self.layers, caches, strict=True))
-        updated = {}
-
-        def call_layer(layer, *args, **kwargs):
-            if not isinstance(layer, SelfAttention):
-                return layer(*args, **kwargs)
-            kwargs = {k: v for k, v in kwargs.items() if k not in ("mask",)}
-            output, cache = layer(
-                *args, cache=by_layer[layer], cache_update_index=index, **kwargs
-            )
-            updated[layer] = cache
-            return output
-
-        if isinstance(self.model, keras.Sequential):
-            x = inputs
-            for layer in self.model.layers:
-                x = call_layer(layer, x)
-            output = x
-        else:
-            output = self.model._run_through_graph(
-                [inputs], operation_fn=lambda op: op, call_fn=call_layer
-            )
-            output = keras.tree.flatten(output)[0]
-        return output, [updated[layer] for layer in self.layers]
+        return cached_model.run_cached(self.model, self.layers, inputs, caches, index)
 
     def target(self) -> ExportTarget:
         """The step as an `ExportTarget`: signature "decode_step"."""
@@ -270,7 +175,7 @@ def build_decode_step(model: keras.Model, max_length: int) -> DecodeStep:
         raise _refuse(model, f"it has {len(outputs)} outputs")
     if len(inputs[0].shape) < 2:
         raise _refuse(model, "its input has no time axis (batch, time, ...)")
-    layers = tuple(_attention_nodes(model))
+    layers = cached_model.cached_layers(model, _ACTION)
     names = [inputs[0].name, outputs[0], INDEX_NAME]
     names += [CACHE_PREFIX + layer.name for layer in layers]
     names += [UPDATED_CACHE_PREFIX + layer.name for layer in layers]

@@ -1,0 +1,109 @@
+"""The generation loop compiled for the model's backend.
+
+TensorFlow: a `tf.function` (one trace per prompt shape and output size);
+JAX: `jax.jit` over the model's variable values (a `StatelessScope` maps
+them in, so the weights are arguments, not constants baked into the
+compiled program); PyTorch: eager under `torch.no_grad` (Keras runs the
+loop in Python there). Compiled functions are kept per model.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import keras
+import numpy as np
+
+from keras_selfattn.generation import loop
+from keras_selfattn.generation.arguments import Model, Request
+
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _arguments(request: Request) -> tuple:
+    c = request.controls
+    return (
+        request.prompts,
+        request.lengths,
+        np.int32(request.max_new_tokens),
+        np.float32(c.temperature),
+        np.int32(c.top_k),
+        np.float32(c.top_p),
+        np.int32(c.seed),
+        np.int32(c.end_token),
+    )
+
+
+def _loop_function(read: Model, max_length: int, capacity: int):
+    """The loop as a function of the request's arrays."""
+
+    def generate(prompts, lengths, steps, temperature, top_k, top_p, seed, end):
+        controls = loop.Controls(temperature, top_k, top_p, seed, end)
+        return loop.run(
+            read.model,
+            read.layers,
+            prompts,
+            lengths,
+            max_length=max_length,
+            capacity=capacity,
+            steps=steps,
+            controls=controls,
+            tokens=read.tokens,
+        )
+
+    return generate
+
+
+def _tensorflow(read: Model, max_length: int, capacity: int):
+    import tensorflow as tf
+
+    return tf.function(_loop_function(read, max_length, capacity))
+
+
+def _jax(read: Model, max_length: int, capacity: int):
+    import jax
+
+    variables = read.model.variables
+    generate = _loop_function(read, max_length, capacity)
+
+    @jax.jit
+    def stateless(values, *arrays):
+        with keras.StatelessScope(
+            state_mapping=list(zip(variables, values, strict=True))
+        ):
+            return generate(*arrays)
+
+    return lambda *arrays: stateless([v.value for v in variables], *arrays)
+
+
+def _torch(read: Model, max_length: int, capacity: int):
+    import torch
+
+    generate = _loop_function(read, max_length, capacity)
+
+    def run(*arrays):
+        with torch.no_grad():
+            return generate(*[keras.ops.convert_to_tensor(a) for a in arrays])
+
+    return run
+
+
+_BUILDERS = {"tensorflow": _tensorflow, "jax": _jax, "torch": _torch}
+
+
+def run(read: Model, request: Request) -> tuple[np.ndarray, np.ndarray]:
+    """Runs `request` on `read`'s model; returns numpy (generated, lengths),
+    generated cut to `request.max_new_tokens` columns."""
+    backend = keras.backend.backend()
+    if backend not in _BUILDERS:
+        raise ValueError(
+            f"generate runs on the TensorFlow, JAX and PyTorch backends. "
+            f"Received: KERAS_BACKEND={backend!r}"
+        )
+    key = (request.max_length, request.max_new_tokens)
+    functions = _COMPILED.setdefault(read.model, {})
+    if key not in functions:
+        functions[key] = _BUILDERS[backend](read, *key)
+    generated, lengths = functions[key](*_arguments(request))
+    generated = keras.ops.convert_to_numpy(generated)
+    return generated[:, : request.max_new_tokens], keras.ops.convert_to_numpy(lengths)

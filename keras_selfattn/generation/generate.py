@@ -1,0 +1,120 @@
+"""`generate`: continuations of prompts, from a model's key/value caches."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import keras
+import numpy as np
+
+from keras_selfattn.generation import arguments, compiled
+
+
+@dataclasses.dataclass(frozen=True)
+class Generated:
+    """What `generate` returns.
+
+    Attributes:
+        tokens: int32 `(batch, max_new_tokens)` new token ids (token
+            models), -1 after a row's end; or `(batch, max_new_tokens,
+            features)` new values (value models).
+        lengths: int32 `(batch,)`: how many new positions each row has (an
+            end token counts).
+    """
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+
+    def rows(self) -> list[np.ndarray]:
+        """Each row's new positions, without what follows its end."""
+        return [self.tokens[i, :n] for i, n in enumerate(self.lengths)]
+
+
+def generate(
+    model: keras.Model,
+    prompts,
+    max_new_tokens: int,
+    *,
+    prompt_lengths=None,
+    max_length: int | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    end_token: int | None = None,
+) -> Generated:
+    """Generates continuations of `prompts` with one key/value cache per
+    SelfAttention layer, compiled on the model's backend.
+
+    Token models take integer ids and return logits `(batch, time,
+    vocabulary)`: each new token is chosen from the last position's logits
+    (greedy at `temperature=0`, else sampled with the optional `top_k` and
+    `top_p` filters) and fed back as the next input. Value models take
+    float `(batch, time, features)` and return the same shape: the output
+    at the last position is the next input (a forecaster). The model must
+    be one `SelfAttention` layers can decode (`export_decode_step`'s
+    models: Sequential or Functional, top-level causal layers, no padding
+    masks). Prompts of different lengths run in one batch; each row
+    computes what it would alone (rows are aligned at their last position,
+    which rotary embeddings do not see).
+
+    Sampling is reproducible: each row and step draws one uniform number
+    from a counter-based stream of `seed` (`random_stream`), which the
+    exported generators compute alike, so they return the same tokens.
+
+    Args:
+        model: A token or value model (above).
+        prompts: A list of 1-D id sequences (or `(time, features)` arrays),
+            or a right-padded `(batch, time)` array with `prompt_lengths`.
+        max_new_tokens: New positions per row, at most.
+        prompt_lengths: Each row's length in a padded `prompts` array
+            (default: all full).
+        max_length: The caches' length (default: the longest prompt plus
+            `max_new_tokens`).
+        temperature: 0 for greedy; else logits are divided by it before
+            sampling.
+        top_k: Sample among the `top_k` largest logits only.
+        top_p: Sample among the most probable tokens whose probabilities
+            add up to `top_p` (nucleus sampling), in (0, 1].
+        seed: Seeds the uniform stream (default: a random one).
+        end_token: A row ends after emitting this id.
+
+    Returns:
+        A `Generated` (tokens or values, and each row's length).
+
+    Raises:
+        ValueError: naming a bad argument: a prompt longer than
+            `max_length`, `max_new_tokens` beyond the cache, `top_k <= 0`,
+            `top_p` outside (0, 1], a negative or NaN temperature, an end
+            token outside the vocabulary, ids outside it; or a model that
+            cannot decode.
+
+    Example:
+
+    ```python
+    import keras
+    from keras_selfattn import SelfAttention, generate
+
+    tokens = keras.Input((None,), dtype="int32", name="tokens")
+    h = keras.layers.Embedding(20, 16)(tokens)
+    h = SelfAttention(num_heads=2, causal=True, rope_max_wavelength=100)(h)
+    model = keras.Model(tokens, keras.layers.Dense(20)(h))
+    result = generate(model, [[1, 2, 3], [4]], max_new_tokens=5)
+    print(result.tokens.shape, result.lengths)  # (2, 5) [5 5]
+    ```
+    """
+    read = arguments.read_model(model)
+    request = arguments.request(
+        read,
+        prompts,
+        max_new_tokens,
+        prompt_lengths=prompt_lengths,
+        max_length=max_length,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        end_token=end_token,
+    )
+    values, lengths = compiled.run(read, request)
+    return Generated(values, lengths)
