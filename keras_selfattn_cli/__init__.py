@@ -4,7 +4,7 @@
                    [--name NAME] [--version N] [--warmup]] [--onnx OUT.onnx
                    [--opset N] [--fuse-attention]] [--litert OUT.tflite
                    [--litert-shape B,T]] [--openvino OUT.xml] [--torch OUT.pt2]
-                   [--decode-step --max-length N]
+                   [--decode-step --max-length N] [--generate --max-length N]
     keras-selfattn [--verbose] verify MODEL.keras [--saved-model VERSION_DIR]
                    [--onnx PATH] [--litert PATH [--litert-shape B,T]]
                    [--openvino PATH [--openvino-precision f32|bf16]]
@@ -35,6 +35,8 @@ from keras_selfattn_cli import _process, _table
 from keras_selfattn_cli._process import CLIError
 
 PROG = "keras-selfattn"
+# The formats a generator is written in (keras_selfattn.export.generator).
+GENERATOR_FORMATS = ("saved_model", "onnx")
 TABLE = _table.load()
 
 
@@ -155,9 +157,16 @@ def _add_export_options(sub: argparse.ArgumentParser) -> None:
         "instead of the forward pass, verified step by step",
     )
     sub.add_argument(
+        "--generate",
+        action="store_true",
+        help="export the whole generation as one call (signature 'generate': "
+        "prompts in, tokens out; --saved-model and --onnx), verified against "
+        "keras_selfattn.generate",
+    )
+    sub.add_argument(
         "--max-length",
         type=_positive_int,
-        help="with --decode-step: the caches' length (longest sequence)",
+        help="with --decode-step or --generate: the caches' length (longest sequence)",
     )
 
 
@@ -238,12 +247,23 @@ def _check_export_options(args: argparse.Namespace) -> None:
         raise CLIError("--fuse-attention needs --onnx")
     if args.litert is None and args.litert_shape is not None:
         raise CLIError("--litert-shape needs --litert")
-    if args.decode_step and args.max_length is None:
-        raise CLIError("--decode-step needs --max-length N")
-    if not args.decode_step and args.max_length is not None:
-        raise CLIError("--max-length needs --decode-step")
+    if args.decode_step and args.generate:
+        raise CLIError("--decode-step and --generate export different things: pick one")
+    looping = "--decode-step" if args.decode_step else "--generate"
+    if (args.decode_step or args.generate) and args.max_length is None:
+        raise CLIError(f"{looping} needs --max-length N")
+    if not (args.decode_step or args.generate) and args.max_length is not None:
+        raise CLIError("--max-length needs --decode-step or --generate")
     if args.decode_step and (args.warmup or args.fuse_attention):
         raise CLIError("--warmup and --fuse-attention do not apply to --decode-step")
+    if args.generate and args.fuse_attention:
+        raise CLIError("--fuse-attention does not apply to --generate")
+    other = [row.option for row in _asked(args) if row.name not in GENERATOR_FORMATS]
+    if args.generate and other:
+        raise CLIError(
+            f"--generate writes --saved-model and --onnx only (the loop stays in "
+            f"the graph); not {', '.join(other)}"
+        )
 
 
 def _check_verify_options(args: argparse.Namespace) -> None:

@@ -20,8 +20,9 @@ from typing import Any
 import keras
 
 import keras_selfattn  # noqa: F401  (registers SelfAttention)
-from keras_selfattn.export import decode_step, formats, pipeline
+from keras_selfattn.export import decode_step, formats, generator, pipeline
 from keras_selfattn.export._endpoint import build_endpoint
+from keras_selfattn.export._target import SERVING_SIGNATURE
 from keras_selfattn.export.formats import table
 from keras_selfattn.export.verify import (
     DEFAULT_ATOL,
@@ -126,11 +127,13 @@ def _check_destinations(args: argparse.Namespace, name: str) -> dict:
     return destinations
 
 
-def _stage_label(destination: formats.Destination, decoding: bool) -> str:
+def _stage_label(destination: formats.Destination, signature_name: str) -> str:
     row = table.BY_NAME[destination.format]
     options = destination.options
     if row is table.SAVED_MODEL:
-        signature = " (signature 'decode_step')" if decoding else ""
+        signature = ""
+        if signature_name != SERVING_SIGNATURE:
+            signature = f" (signature {signature_name!r})"
         warmup = " with warmup requests" if options["warmup"] else ""
         return (
             f"Exporting SavedModel {options['name']!r}{signature} "
@@ -176,6 +179,13 @@ def run_export(args: argparse.Namespace) -> int:
             flush=True,
         )
         target = step.target()
+    elif args.generate:
+        target = generator.build_generator(model, args.max_length).target()
+        print(
+            f"  generator: inputs {', '.join(target.input_names)}; outputs "
+            f"{', '.join(target.output_names)} (max_length {args.max_length})",
+            flush=True,
+        )
     else:
         target = build_endpoint(model).target()
     # Files are linked in by the outer stack, after the inner one renamed
@@ -192,7 +202,7 @@ def run_export(args: argparse.Namespace) -> int:
                 stack = saved_model if fmt == table.SAVED_MODEL.name else files
                 try:
                     staged[fmt] = _step(
-                        _stage_label(destination, args.decode_step),
+                        _stage_label(destination, target.signature_name),
                         lambda d=destination, s=stack: s.enter_context(
                             pipeline.stage(target, d)
                         ),
@@ -210,6 +220,13 @@ def run_export(args: argparse.Namespace) -> int:
                     atol=args.atol,
                     rtol=args.rtol,
                     **paths,
+                ),
+            )
+        elif args.generate:
+            report = _step(
+                "Generating against keras_selfattn.generate",
+                lambda: generator.verify_generator(
+                    model, max_length=args.max_length, **paths
                 ),
             )
         else:

@@ -16,6 +16,7 @@ import onnx
 import onnxruntime
 import pytest
 
+from keras_selfattn import SelfAttention
 from keras_selfattn.export import ParityError, export_onnx
 from keras_selfattn.export._endpoint import build_endpoint
 from keras_selfattn.export.formats import onnx as onnx_module
@@ -149,6 +150,19 @@ def test_model_loaded_from_keras_file(tmp_path):
     arrays = model_zoo.sample_inputs(model, 2, 40, seed=2)
     (actual,) = _session(path).run(None, arrays)
     np.testing.assert_allclose(actual, _keras_outputs(model, arrays), atol=1e-5)
+
+
+def test_exact_gelu_exports(tmp_path):
+    """Keras's exact GELU is erfc on TensorFlow, which tf2onnx cannot
+    convert by itself (onnx_handlers); its tail rounds to 0 (inputs -6)."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((None, 8), name="x")
+    h = keras.layers.Dense(16, activation="gelu")(x)
+    model = keras.Model(x, SelfAttention(num_heads=2, output_dim=8)(h))
+    path = export_onnx(model, tmp_path / "gelu.onnx")
+    inputs = np.random.default_rng(0).normal(size=(2, 9, 8)).astype("float32") * 4
+    (actual,) = _session(path).run(None, {"x": inputs})
+    np.testing.assert_allclose(actual, model.predict(inputs, verbose=0), atol=1e-5)
 
 
 # ------------------------------------------------------------------- safety

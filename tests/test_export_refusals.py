@@ -121,3 +121,17 @@ def test_a_file_where_the_serving_folder_goes_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="`base_dir` must be a folder") as caught:
         _exporters(tmp_path)["saved_model"](tmp_path / "serving")
     assert len(str(caught.value).splitlines()) == 1
+
+
+def test_a_native_log_line_is_never_the_cause():
+    """TensorFlow's and XLA's native log (a CUDA probe's "error" on a CPU
+    machine) is printed on the side; the cause is the converter's own."""
+    from keras_selfattn.export.formats._base import cause
+
+    log = (
+        "E0000 00:00:1795609818.445214   21881 cuda_platform.cc:52] failed call "
+        "to cuInit: INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR\n"
+        "W0000 00:00:1795609818.5 x.cc:1] error: not this one either\n"
+    )
+    error = RuntimeError("Symbolic dimension comparison 'time' >= '0' is inconclusive")
+    assert cause(error, log) == str(error)

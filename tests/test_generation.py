@@ -243,3 +243,14 @@ def test_models_that_cannot_decode_are_refused(kind):
     model = keras.Model(tokens, keras.layers.Dense(10)(h))
     with pytest.raises(ValueError, match="Cannot generate with model"):
         generate(model, [[1, 2]], 2)
+
+
+def test_generator_export_off_tensorflow_names_the_route(model, tmp_path):
+    """One line naming the backend that exports a generator."""
+    if keras.backend.backend() == "tensorflow":
+        pytest.skip("TensorFlow exports generators (tests/test_export_generator.py)")
+    from keras_selfattn.export import export_generator
+
+    with pytest.raises(ValueError, match="KERAS_BACKEND=tensorflow") as caught:
+        export_generator(model, tmp_path / "lm.onnx", "onnx", max_length=16)
+    assert "\n" not in str(caught.value)

@@ -13,6 +13,9 @@
   positions + one key/value cache per causal SelfAttention + index ->
   output + updated caches), checked step by step over whole sequences
   (`keras_selfattn.export.decode_step`).
+- `export_generator`, `verify_generator`: the whole generation as one call
+  (prompts in, tokens out; SavedModel signature `generate`, ONNX `Loop`),
+  checked against `keras_selfattn.generate` (`keras_selfattn.export.generator`).
 - `verify`: compares any of these artifacts (Keras's own exports too) with
   Keras on several shapes, each in a fresh process running only its
   runtime, and returns a `ParityReport`, raising `ParityError` beyond
@@ -45,6 +48,7 @@ from keras_selfattn.export.exporters import (
     export_torch,
 )
 from keras_selfattn.export.formats import ExportError
+from keras_selfattn.export.generator import export_generator, verify_generator
 from keras_selfattn.export.verify import ParityError, ParityReport, ParityRow, verify
 
 __all__ = [
@@ -55,6 +59,7 @@ __all__ = [
     "export_decode_step",
     "export_decode_step_onnx",
     "export_decode_step_saved_model",
+    "export_generator",
     "export_litert",
     "export_onnx",
     "export_openvino",
@@ -62,4 +67,5 @@ __all__ = [
     "export_torch",
     "verify",
     "verify_decode_step",
+    "verify_generator",
 ]

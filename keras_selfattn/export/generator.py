@@ -21,12 +21,16 @@ end (value models: `values`), and `lengths` int32 (batch,). The caches
 
 Bad arguments: the SavedModel (TensorFlow backend) raises InvalidArgument
 naming the argument, which TF Serving returns to the client; runtimes that
-cannot raise (ONNX Runtime, a SavedModel written on JAX) return lengths 0
+cannot raise (ONNX Runtime) return lengths 0
 and tokens -1 (values NaN) for every row, never tokens they did not
 compute. A prompt longer than the cache fails in every runtime.
 
 Formats: SavedModel (TF Serving's layout, warmup and `models.config`) and
-ONNX (the loop as an ONNX `Loop`) from TensorFlow, SavedModel from JAX.
+ONNX (the loop as an ONNX `Loop`), from TensorFlow. JAX's exporters cannot
+bound the prompt's symbolic length by the cache's (jax2tf: "symbolic
+dimension comparison '- time + max_length' >= '0' is inconclusive") and
+torch.export cannot trace the loop: on those backends the refusal names
+the route that works (the same `.keras` file, exported on TensorFlow).
 Each generator is staged and checked in a fresh process of its runtime
 against `keras_selfattn.generate` on the same prompts and seeds: greedy
 and seeded top-k/top-p tokens must be identical.
@@ -62,7 +66,7 @@ GENERATE_SIGNATURE = "generate"
 CONTROLS = ("temperature", "top_k", "top_p", "seed", "end_token")
 _CONTROL_DTYPES = ("float32", "int32", "float32", "int32", "int32")
 # Formats a generator can be written in, per backend.
-FORMATS = {"tensorflow": ("saved_model", "onnx"), "jax": ("saved_model",)}
+FORMATS = {"tensorflow": ("saved_model", "onnx")}
 # The checks' generations: greedy, then seeded top-k / top-p with an end.
 _SAMPLED = {"temperature": 0.9, "top_k": 12, "top_p": 0.9, "seed": 1234}
 
@@ -305,10 +309,11 @@ def build_generator(model: keras.Model, max_length: int) -> Generator:
     backend = keras.backend.backend()
     if backend not in FORMATS:
         raise ValueError(
-            f"A generator exports from TensorFlow (SavedModel, ONNX) or JAX "
-            f"(SavedModel): its loop runs inside the graph, which torch.export "
-            f"cannot trace. Load the .keras file with KERAS_BACKEND=tensorflow "
-            f"and export there. Received: KERAS_BACKEND={backend!r}"
+            "A generator exports from TensorFlow (SavedModel, ONNX): its loop "
+            "stays in the graph, which jax2tf cannot bound by the cache and "
+            "torch.export cannot trace. Load the .keras file with "
+            "KERAS_BACKEND=tensorflow and export there. Received: "
+            f"KERAS_BACKEND={backend!r}"
         )
     return Generator(read, max_length)
 
@@ -427,8 +432,7 @@ def export_generator(
             caches can decode (`keras_selfattn.generate`).
         path: The SavedModel base dir ("saved_model": `path/name/VERSION/`,
             signature "generate") or the ONNX file.
-        export_format: "saved_model" or "onnx" (TensorFlow), "saved_model"
-            (JAX).
+        export_format: "saved_model" or "onnx" (TensorFlow backend).
         max_length: The caches' length: the longest prompt plus new tokens.
         name, version, warmup, models_config: The SavedModel's (as in
             `export_saved_model`); `name` is required there.
@@ -462,13 +466,16 @@ def export_generator(
     """
     backend = keras.backend.backend()
     allowed = FORMATS.get(backend, ())
-    if export_format in table.NAMES and export_format not in allowed:
+    if (
+        backend in FORMATS
+        and export_format in table.NAMES
+        and export_format not in allowed
+    ):
         raise ValueError(
-            f"A generator exports as {', '.join(FORMATS['tensorflow'])} from "
-            f"TensorFlow and saved_model from JAX (the loop stays in the "
-            f"graph); load the .keras file with KERAS_BACKEND=tensorflow and "
-            f"export there. Received: export_format={export_format!r} on "
-            f"KERAS_BACKEND={backend!r}"
+            f"A generator exports as {' or '.join(allowed)} (the loop stays in "
+            "the graph; LiteRT, OpenVINO and .pt2 get the decoding step: "
+            "export_decode_step). Received: export_format="
+            f"{export_format!r}"
         )
     options = {}
     if export_format == table.SAVED_MODEL.name:

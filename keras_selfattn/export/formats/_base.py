@@ -133,6 +133,12 @@ _CAUSES = (
 )
 
 
+# A native (absl) log line of TensorFlow or XLA, such as "E0000 00:00:... ]
+# failed call to cuInit: ... CUDA error": what the process printed on the
+# side, never why a conversion failed.
+_NATIVE_LOG = re.compile(r"^\s*[IWEF]\d{4} \d\d:\d\d:\d\d")
+
+
 def cause(error: BaseException, log: str) -> str:
     """The line that says why a converter failed.
 
@@ -144,7 +150,7 @@ def cause(error: BaseException, log: str) -> str:
     lines = [
         line.strip()
         for line in (str(error) + "\n" + log).splitlines()
-        if line.strip() and "Traceback" not in line
+        if line.strip() and "Traceback" not in line and not _NATIVE_LOG.match(line)
     ]
     for pattern in _CAUSES:
         for line in lines:

@@ -62,11 +62,11 @@ def convert_to_onnx(target: ExportTarget, opset: int) -> onnx.ModelProto:
     Inputs keep the target's input names (through named TensorSpecs) and
     outputs get its output names (the keys of the returned dict). The key/
     value cache write of a decoding step converts through
-    `onnx_xla_update_slice.CUSTOM_OP_HANDLERS`.
+    `onnx_handlers.CUSTOM_OP_HANDLERS`.
     """
     import tf2onnx
 
-    from keras_selfattn.export.formats.onnx_xla_update_slice import (
+    from keras_selfattn.export.formats.onnx_handlers import (
         CUSTOM_OP_HANDLERS,
     )
 

@@ -1,8 +1,14 @@
-"""tf2onnx handler of XlaDynamicUpdateSlice, the key/value cache write on TF.
+"""tf2onnx handlers of TensorFlow ops it has no conversion for.
 
-tf2onnx has no conversion of its own for XlaDynamicUpdateSlice; the
-converter (`onnx.convert_to_onnx`, used by the decode step) passes
-`CUSTOM_OP_HANDLERS` to `tf2onnx.convert.from_function`.
+- XlaDynamicUpdateSlice: the key/value cache write on TensorFlow (decoding
+  steps, generators).
+- Erfc: Keras's exact GELU on TensorFlow (`0.5 x erfc(-x / sqrt 2)`), as
+  1 - Erf(x). 1 - erf(x) rounds erfc's tail below float32's epsilon to 0
+  (erfc(4) = 1.5e-8): GELU of x < -5.6 gives exactly 0 instead of about
+  -1e-8, an absolute error far below the float32 tolerance.
+
+The converter (`onnx.convert_to_onnx`) passes `CUSTOM_OP_HANDLERS` to
+`tf2onnx.convert.from_function`.
 """
 
 from __future__ import annotations
@@ -43,5 +49,23 @@ def dynamic_update_slice(ctx, node, name: str, args: list) -> None:
     ctx.replace_inputs(node, [mask.output[0], padded.output[0], operand])
 
 
+def complementary_error_function(ctx, node, name: str, args: list) -> None:
+    """Rewrites an Erfc node into Sub(1, Erf(x)) in place."""
+    (x,) = node.input
+    dtype = ctx.get_dtype(x)
+    from onnx import helper
+
+    one = ctx.make_const(
+        f"{name}_one", np.ones((), helper.tensor_dtype_to_np_dtype(dtype))
+    )
+    erf = ctx.make_node("Erf", [x])
+    node.type = "Sub"
+    node.attr.clear()
+    ctx.replace_inputs(node, [one.output[0], erf.output[0]])
+
+
 # tf2onnx's `custom_op_handlers`: op type -> (handler, extra args).
-CUSTOM_OP_HANDLERS = {"XlaDynamicUpdateSlice": (dynamic_update_slice, [])}
+CUSTOM_OP_HANDLERS = {
+    "XlaDynamicUpdateSlice": (dynamic_update_slice, []),
+    "Erfc": (complementary_error_function, []),
+}

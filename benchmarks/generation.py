@@ -1,0 +1,412 @@
+"""Generation: tokens per second of `generate`, the exported generators, and
+the exported decoding step driven token by token.
+
+Usage:
+    python -m benchmarks.generation [--quick] [--out DIR] [--rounds N]
+
+Two causal token models (greedy, prompts of PROMPT tokens, NEW_TOKENS new
+ones, batch 1 and 8): "example", the size of examples/text_generation.py
+(width 64, 4 heads over 2 key/value heads, 2 blocks, 96 characters), and
+"d256" (4 blocks, D=256, 8 heads x key_dim 32, vocabulary 256); blocks are
+rotary causal SelfAttention + residual + LayerNorm, then a Dense MLP +
+residual + LayerNorm. On TensorFlow, in this process and interleaved
+(A B C ..., C B A ...): `keras_selfattn.generate`, the SavedModel
+generator's `generate` signature, the ONNX generator (ONNX Runtime), and
+the same generation driven from Python one token per call through the
+exported decoding step (SavedModel `decode_step` signature and ONNX), numpy
+arrays in and out as a serving client would send them (every layer's cache
+both ways), the next token chosen in numpy. Every candidate must return the
+same tokens as `generate`. Then `generate` on JAX and PyTorch, each timed
+in a child process of its own (`KERAS_BACKEND` fixed there). Writes
+DIR/generation.json and DIR/generation.md (default DIR: benchmarks/results).
+Nothing here asserts a target: the run reports each with its value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+
+import numpy as np
+
+from benchmarks import machine, report
+from benchmarks.timing import interleave
+
+# The issue's target: the SavedModel generator against its step driven from
+# Python, at least this many times faster.
+GENERATOR_SPEEDUP = 3.0
+PROMPT = 32
+NEW_TOKENS = 256
+BATCHES = (1, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """One model size."""
+
+    name: str
+    vocabulary: int
+    width: int
+    heads: int
+    kv_heads: int
+    blocks: int
+
+
+SIZES = (
+    Size("example", 96, 64, 4, 2, 2),
+    Size("d256", 256, 256, 8, 8, 4),
+)
+QUICK_SIZES = (Size("tiny", 16, 16, 2, 1, 1),)
+
+
+def build_model(size: Size, seed: int = 0):
+    """The causal token model of `size` (module docstring)."""
+    import keras
+
+    from keras_selfattn import SelfAttention
+
+    keras.utils.set_random_seed(seed)
+    tokens = keras.Input((None,), dtype="int32", name="tokens")
+    h = keras.layers.Embedding(size.vocabulary, size.width)(tokens)
+    for block in range(size.blocks):
+        attended = SelfAttention(
+            num_heads=size.heads,
+            num_key_value_heads=size.kv_heads,
+            causal=True,
+            rope_max_wavelength=10000,
+            output_dim=size.width,
+            use_bias=True,
+            name=f"attention_{block}",
+        )(h)
+        h = keras.layers.LayerNormalization()(keras.layers.Add()([h, attended]))
+        mlp = keras.layers.Dense(4 * size.width, activation="gelu")(h)
+        mlp = keras.layers.Dense(size.width)(mlp)
+        h = keras.layers.LayerNormalization()(keras.layers.Add()([h, mlp]))
+    return keras.Model(tokens, keras.layers.Dense(size.vocabulary, name="logits")(h))
+
+
+def prompts(size: Size, batch: int, length: int) -> np.ndarray:
+    rng = np.random.default_rng(batch)
+    return rng.integers(1, size.vocabulary, size=(batch, length)).astype("int32")
+
+
+def _generator_request(batch_prompts: np.ndarray, new: int, vocabulary: int) -> dict:
+    return {
+        "prompt_tokens": batch_prompts,
+        "prompt_lengths": np.full(len(batch_prompts), batch_prompts.shape[1], "int32"),
+        "max_new_tokens": np.array(new, "int32"),
+        "temperature": np.array(0.0, "float32"),
+        "top_k": np.array(vocabulary, "int32"),
+        "top_p": np.array(1.0, "float32"),
+        "seed": np.array(0, "int32"),
+        "end_token": np.array(-1, "int32"),
+    }
+
+
+def _stepped(step_call: Callable, caches: dict, batch_prompts: np.ndarray, new: int):
+    """Greedy generation through a decoding step, one call per token."""
+    arrays = {"tokens": batch_prompts, **caches, "cache_update_index": np.int32(0)}
+    generated = []
+    index = 0
+    for _ in range(new):
+        outputs = step_call(arrays)
+        token = np.argmax(outputs["logits"][:, -1], axis=-1).astype("int32")
+        generated.append(token)
+        index += arrays["tokens"].shape[1]
+        arrays = {
+            "tokens": token[:, None],
+            "cache_update_index": np.array(index, "int32"),
+            **{
+                name[len("updated_") :]: value
+                for name, value in outputs.items()
+                if name.startswith("updated_cache_")
+            },
+        }
+    return np.stack(generated, axis=1)
+
+
+def _saved_model_signature(directory: str, name: str) -> Callable[[dict], dict]:
+    import tensorflow as tf
+
+    signature = tf.saved_model.load(directory).signatures[name]
+
+    def call(arrays: dict) -> dict:
+        outputs = signature(**{k: tf.constant(v) for k, v in arrays.items()})
+        return {k: v.numpy() for k, v in outputs.items()}
+
+    return call
+
+
+def _onnx_session(path: str) -> Callable[[dict], dict]:
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    # No spinning between calls: it would take the cores from the next
+    # candidate timed.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = onnxruntime.InferenceSession(
+        path, options, providers=["CPUExecutionProvider"]
+    )
+    names = [o.name for o in session.get_outputs()]
+
+    def call(arrays: dict) -> dict:
+        feed = {k: np.asarray(v) for k, v in arrays.items()}
+        return dict(zip(names, session.run(None, feed), strict=True))
+
+    return call
+
+
+def _export_all(model, directory: str, max_length: int) -> dict[str, str]:
+    from keras_selfattn.export import export_decode_step
+    from keras_selfattn.export.generator import export_generator
+
+    return {
+        "saved_model_generator": export_generator(
+            model,
+            os.path.join(directory, "generator"),
+            "saved_model",
+            max_length=max_length,
+            name="lm",
+        ),
+        "onnx_generator": export_generator(
+            model,
+            os.path.join(directory, "generator.onnx"),
+            "onnx",
+            max_length=max_length,
+        ),
+        "saved_model_step": export_decode_step(
+            model,
+            os.path.join(directory, "step"),
+            "saved_model",
+            max_length=max_length,
+            name="lm",
+        ),
+        "onnx_step": export_decode_step(
+            model, os.path.join(directory, "step.onnx"), "onnx", max_length=max_length
+        ),
+    }
+
+
+def measure_size(size: Size, plan: dict, rounds: int) -> list[dict]:
+    """Every TensorFlow candidate at each batch, interleaved; one row each."""
+    import keras
+
+    from keras_selfattn import generate
+
+    model = build_model(size)
+    new, prompt = plan["new_tokens"], plan["prompt"]
+    max_length = prompt + new
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_generation_") as directory:
+        paths = _export_all(model, directory, max_length)
+        generators = {
+            "saved_model_generator": _saved_model_signature(
+                paths["saved_model_generator"], "generate"
+            ),
+            "onnx_generator": _onnx_session(paths["onnx_generator"]),
+        }
+        steps = {
+            "saved_model_step": _saved_model_signature(
+                paths["saved_model_step"], "decode_step"
+            ),
+            "onnx_step": _onnx_session(paths["onnx_step"]),
+        }
+        layers = [layer for layer in model.layers if hasattr(layer, "empty_cache")]
+        for batch in plan["batches"]:
+            batch_prompts = prompts(size, batch, prompt)
+            caches = {
+                f"cache_{layer.name}": keras.ops.convert_to_numpy(
+                    layer.empty_cache(batch, max_length)
+                )
+                for layer in layers
+            }
+            request = _generator_request(batch_prompts, new, size.vocabulary)
+            candidates = {
+                "generate": lambda p=batch_prompts: generate(model, p, new).tokens,
+                **{
+                    name: (lambda c=call, r=request: c(r)["tokens"])
+                    for name, call in generators.items()
+                },
+                **{
+                    name: (
+                        lambda c=call, p=batch_prompts, k=caches: _stepped(c, k, p, new)
+                    )
+                    for name, call in steps.items()
+                },
+            }
+            reference = candidates["generate"]()
+            same = {
+                name: bool(np.array_equal(fn(), reference))
+                for name, fn in candidates.items()
+            }
+            timing = interleave(candidates, rounds=rounds, warmup=1, min_round_s=0.0)
+            for name in candidates:
+                seconds = timing.median(name)
+                rows.append(
+                    {
+                        "model": size.name,
+                        "batch": batch,
+                        "backend": "tensorflow",
+                        "candidate": name,
+                        "tokens_per_s": batch * new / seconds,
+                        "seconds": seconds,
+                        "vs_saved_model_step": timing.speedup("saved_model_step", name),
+                        "same_tokens": same[name],
+                    }
+                )
+    return rows
+
+
+_CHILD = """
+import json, sys, time
+import numpy as np
+from benchmarks import generation
+from keras_selfattn import generate
+plan = json.loads(sys.argv[1])
+rows = []
+for fields in plan["sizes"]:
+    size = generation.Size(**fields)
+    model = generation.build_model(size)
+    for batch in plan["batches"]:
+        p = generation.prompts(size, batch, plan["prompt"])
+        generate(model, p, plan["new_tokens"])  # compiles
+        times = []
+        for _ in range(plan["rounds"]):
+            start = time.perf_counter()
+            generate(model, p, plan["new_tokens"])
+            times.append(time.perf_counter() - start)
+        seconds = float(np.median(times))
+        rows.append({"model": size.name, "batch": batch, "candidate": "generate",
+                     "tokens_per_s": batch * plan["new_tokens"] / seconds,
+                     "seconds": seconds})
+print("ROWS " + json.dumps(rows))
+"""
+
+
+def measure_backend(backend: str, plan: dict, sizes, rounds: int) -> list[dict]:
+    """`generate` on another backend, in a child process; its rows."""
+    child_plan = {
+        **plan,
+        "rounds": rounds,
+        "sizes": [dataclasses.asdict(size) for size in sizes],
+    }
+    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps(child_plan)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("ROWS ")]
+    if done.returncode != 0 or not lines:
+        why = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return [{"backend": backend, "candidate": "generate", "status": why}]
+    return [{**row, "backend": backend} for row in json.loads(lines[-1][5:])]
+
+
+def run(quick: bool = False, rounds: int | None = None) -> dict:
+    sizes = QUICK_SIZES if quick else SIZES
+    plan = {
+        "prompt": 4 if quick else PROMPT,
+        "new_tokens": 6 if quick else NEW_TOKENS,
+        "batches": [2] if quick else list(BATCHES),
+    }
+    rounds = rounds or (1 if quick else 3)
+    start = datetime.datetime.now()
+    rows = []
+    for size in sizes:
+        rows += measure_size(size, plan, rounds)
+    for backend in ("jax", "torch"):
+        rows += measure_backend(backend, plan, sizes, rounds)
+    return {
+        "machine": machine.describe(),
+        "mode": "quick" if quick else "full",
+        "plan": {**plan, "rounds": rounds, "sizes": [s.name for s in sizes]},
+        "rows": rows,
+        "targets": targets(rows),
+        "seconds": (datetime.datetime.now() - start).total_seconds(),
+    }
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The SavedModel generator against its step driven from Python."""
+    return [
+        {
+            "target": (
+                f"SavedModel generator >= {GENERATOR_SPEEDUP}x the step driven "
+                f"token by token ({row['model']}, batch {row['batch']})"
+            ),
+            "value": row["vs_saved_model_step"],
+            "met": row["vs_saved_model_step"] >= GENERATOR_SPEEDUP,
+        }
+        for row in rows
+        if row.get("candidate") == "saved_model_generator"
+    ]
+
+
+COLUMNS = [
+    ("model", "model"),
+    ("batch", "batch"),
+    ("backend", "backend"),
+    ("candidate", "candidate"),
+    (lambda r: f"{r['tokens_per_s']:.0f}" if "tokens_per_s" in r else "", "tokens/s"),
+    (
+        lambda r: (
+            f"{r['vs_saved_model_step']:.2f}x" if "vs_saved_model_step" in r else ""
+        ),
+        "speedup vs the step driven per token",
+    ),
+    (lambda r: {True: "yes", False: "NO"}.get(r.get("same_tokens"), ""), "same tokens"),
+    ("status", "note"),
+]
+
+
+def to_markdown(results: dict) -> str:
+    m, plan = results["machine"], results["plan"]
+    vnni = "yes" if m.get("vnni") else "no"
+    lines = [
+        "# Generation: tokens per second",
+        "",
+        f"- Machine: {m['cpu']}, VNNI: {vnni}, {m['cores']} cores, "
+        f"{m['memory_gib']} GiB (load average {m['load_average_1_5_15min']}), "
+        f"{m['os']}",
+        f"- Date: {m['date_utc']}, commit {m['git_commit']}; mode: "
+        f"{results['mode']}; {plan['rounds']} rounds; total "
+        f"{results['seconds']:.0f} s",
+        f"- Greedy, prompts of {plan['prompt']} tokens, {plan['new_tokens']} new "
+        "tokens. TensorFlow candidates interleaved in one process; JAX and "
+        "PyTorch `generate` each in a child process of its own (medians of "
+        "their rounds). Step candidates: the exported decoding step called "
+        "once per token from Python, numpy in and out (caches included).",
+        "",
+    ]
+    lines += report.table(COLUMNS, results["rows"])
+    lines += ["", "## Targets (reported, not asserted)", ""]
+    for target in results["targets"]:
+        verdict = "met" if target["met"] else "NOT met"
+        lines.append(f"- {target['target']}: {target['value']:.2f}x ({verdict})")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 round")
+    parser.add_argument("--out", default=report.RESULTS_DIR, help="output folder")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds per batch")
+    args = parser.parse_args(argv)
+    results = run(quick=args.quick, rounds=args.rounds)
+    paths = report.write(results, args.out, "generation", to_markdown)
+    print(to_markdown(results))
+    print(f"Wrote {paths[0]} and {paths[1]} at {datetime.datetime.now()}")
+
+
+if __name__ == "__main__":
+    main()
