@@ -1,7 +1,8 @@
-"""A character-level language model that decodes with a key/value cache.
+"""A character-level language model: generation with its key/value caches,
+exported as one TF Serving call.
 
-The model: `Embedding` -> decoder blocks -> `Dense(vocabulary)`, each block
-`SelfAttention(causal=True, rope_max_wavelength=10000,
+The model (Functional): `Embedding` -> decoder blocks -> `Dense(vocabulary)`,
+each block `SelfAttention(causal=True, rope_max_wavelength=10000,
 num_key_value_heads=HEADS // 2, output_dim=WIDTH, use_bias=True)` + residual +
 LayerNorm, then a Dense MLP + residual + LayerNorm. It is trained briefly on
 text that ships with an installed package (Keras's own LICENSE file, read
@@ -14,19 +15,23 @@ layers and weights:
   sequence so far (right-padded to a multiple of BUCKET positions, so a
   compiled forward sees a few shapes; causal attention keeps the padding
   from changing the last real position) and keeps that position's logits;
-- cached: the prompt runs once into one cache per attention layer
-  (`layer.empty_cache(batch, max_length)`), then each step runs only the new
-  position, `layer(x, cache=cache, cache_update_index=position)`.
+- cached: `keras_selfattn.generate`, the prompt once into one cache per
+  attention layer, then one position per step, the loop compiled on the
+  backend.
 
 It checks that both produce the same tokens, prints tokens/s of each and
-the speedup, and writes `text_generation.json`. Both run through
-`predict_on_batch`, so Keras compiles them alike: `jax.jit` on JAX,
-`tf.function` on TensorFlow, eager on PyTorch. Each generation runs once
+the speedup, and writes `text_generation.json`. Each generation runs once
 untimed first (compilation of every shape), then 3 times (1 with `--fast`)
 in alternating order; the speedup is the median of the per-round ratios.
-The model is tiny, so per-call overhead is most of a step's time and the
-speedup is modest; `python -m benchmarks.decode` measures it at contexts
-512 and 2048.
+
+On TensorFlow it then exports the generator for TF Serving
+(`export_generator`: `serving/char_lm/1/`, signature "generate", prompts
+in, tokens out, checked against `generate` first) and queries it as a
+client would: it writes the REST request body (`generate_request.json`,
+TF Serving's columnar "inputs" format) and the inputs file of
+`export/serving/query.py` (`generate_inputs.json`), answers the request
+with the SavedModel's signature as TF Serving would, reads the answer with
+the REST client's parser, and prints the commands for a live server.
 
 Run: `.venv/bin/python examples/text_generation.py [--fast] [--out DIR]`.
 """
@@ -36,16 +41,17 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import _common
 import keras
 import numpy as np
-from keras import ops
 
-from keras_selfattn import SelfAttention
+from keras_selfattn import SelfAttention, generate
 
 TEXT_PACKAGE = "keras"
 WIDTH = 64
@@ -56,139 +62,38 @@ SEQUENCE = 64
 BATCH = 32
 PROMPT = "Licensed under the Apache License"
 BUCKET = 64
+SERVED_NAME = "char_lm"
+REPO = Path(__file__).resolve().parent.parent
 
 
-@keras.saving.register_keras_serializable(package="examples")
-class DecoderBlock(keras.layers.Layer):
-    """Causal self-attention + residual + LayerNorm, then an MLP + the same.
-
-    Called as `block(x)` on a whole sequence, or as
-    `block(x, cache=cache, cache_update_index=index)` on the positions
-    `index ..` of a sequence whose earlier keys and values are in `cache`;
-    then it returns `(outputs, updated cache)`.
-
-    Args:
-        width: Features in and out.
-        num_heads: Query heads of the attention.
-        num_key_value_heads: Key/value heads (grouped-query attention).
-        **kwargs: Base layer arguments.
-    """
-
-    def __init__(self, width: int, num_heads: int, num_key_value_heads: int, **kwargs):
-        super().__init__(**kwargs)
-        self.width = width
-        self.num_heads = num_heads
-        self.num_key_value_heads = num_key_value_heads
-        self.attention = SelfAttention(
-            num_heads=num_heads,
+def language_model(vocabulary_size: int) -> keras.Model:
+    """Next-character logits `(batch, time, vocabulary)` from character ids
+    `(batch, time)`: the module docstring's blocks, every layer top-level
+    (what `generate` and `export_generator` decode)."""
+    tokens = keras.Input((None,), dtype="int32", name="tokens")
+    h = keras.layers.Embedding(vocabulary_size, WIDTH, name="embed")(tokens)
+    for block in range(BLOCKS):
+        attended = SelfAttention(
+            num_heads=HEADS,
             causal=True,
-            num_key_value_heads=num_key_value_heads,
+            num_key_value_heads=KEY_VALUE_HEADS,
             rope_max_wavelength=10000,
-            output_dim=width,
+            output_dim=WIDTH,
             use_bias=True,
-            name="attention",
+            name=f"attention_{block}",
+        )(h)
+        h = keras.layers.LayerNormalization(name=f"norm_{block}_1")(
+            keras.layers.Add()([h, attended])
         )
-        self.norm_1 = keras.layers.LayerNormalization(name="norm_1")
-        self.mlp_in = keras.layers.Dense(4 * width, activation="gelu", name="mlp_in")
-        self.mlp_out = keras.layers.Dense(width, name="mlp_out")
-        self.norm_2 = keras.layers.LayerNormalization(name="norm_2")
-
-    def build(self, input_shape):
-        self.attention.build(input_shape)
-        self.norm_1.build(input_shape)
-        self.mlp_in.build(input_shape)
-        self.mlp_out.build((*input_shape[:-1], 4 * self.width))
-        self.norm_2.build(input_shape)
-
-    def call(self, x, cache=None, cache_update_index=None):
-        if cache is None:
-            attended = self.attention(x)
-        else:
-            attended, cache = self.attention(
-                x, cache=cache, cache_update_index=cache_update_index
-            )
-        h = self.norm_1(ops.add(x, attended))
-        h = self.norm_2(ops.add(h, self.mlp_out(self.mlp_in(h))))
-        return h if cache is None else (h, cache)
-
-    def get_config(self) -> dict:
-        return {
-            **super().get_config(),
-            "width": self.width,
-            "num_heads": self.num_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-        }
-
-
-@keras.saving.register_keras_serializable(package="examples")
-class CharLanguageModel(keras.Model):
-    """Next-character logits from character ids, with or without caches.
-
-    `model(tokens)` runs the full causal forward: (batch, time) ids ->
-    (batch, time, vocabulary) logits; `fit` trains it. `model(tokens,
-    caches=caches, cache_update_index=index)` runs the positions `index ..`
-    only and returns `(logits, updated caches)`, one cache per block from
-    `empty_caches`.
-
-    Args:
-        vocabulary_size: Number of distinct characters.
-        width: Embedding and block width.
-        num_heads: Query heads per attention layer.
-        num_key_value_heads: Key/value heads per attention layer.
-        blocks: Number of decoder blocks.
-        **kwargs: Base model arguments.
-    """
-
-    def __init__(
-        self,
-        vocabulary_size: int,
-        width: int = WIDTH,
-        num_heads: int = HEADS,
-        num_key_value_heads: int = KEY_VALUE_HEADS,
-        blocks: int = BLOCKS,
-        **kwargs,
-    ):
-        super().__init__(**kwargs)
-        self.vocabulary_size = vocabulary_size
-        self.width = width
-        self.num_heads = num_heads
-        self.num_key_value_heads = num_key_value_heads
-        self.blocks = blocks
-        self.embed = keras.layers.Embedding(vocabulary_size, width, name="embed")
-        self.decoder_blocks = [
-            DecoderBlock(width, num_heads, num_key_value_heads, name=f"block_{i}")
-            for i in range(blocks)
-        ]
-        self.next_character = keras.layers.Dense(vocabulary_size, name="logits")
-
-    def call(self, tokens, caches=None, cache_update_index=None):
-        h = self.embed(tokens)
-        if caches is None:
-            for block in self.decoder_blocks:
-                h = block(h)
-            return self.next_character(h)
-        updated = []
-        for block, cache in zip(self.decoder_blocks, caches, strict=True):
-            h, cache = block(h, cache=cache, cache_update_index=cache_update_index)
-            updated.append(cache)
-        return self.next_character(h), updated
-
-    def empty_caches(self, batch_size: int, max_length: int) -> list:
-        """One zero cache per attention layer, for `max_length` positions."""
-        return [
-            block.attention.empty_cache(batch_size, max_length)
-            for block in self.decoder_blocks
-        ]
-
-    def get_config(self) -> dict:
-        return {
-            **super().get_config(),
-            "vocabulary_size": self.vocabulary_size,
-            "width": self.width,
-            "num_heads": self.num_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "blocks": self.blocks,
-        }
+        mlp = keras.layers.Dense(4 * WIDTH, activation="gelu", name=f"mlp_{block}_in")(
+            h
+        )
+        mlp = keras.layers.Dense(WIDTH, name=f"mlp_{block}_out")(mlp)
+        h = keras.layers.LayerNormalization(name=f"norm_{block}_2")(
+            keras.layers.Add()([h, mlp])
+        )
+    logits = keras.layers.Dense(vocabulary_size, name="logits")(h)
+    return keras.Model(tokens, logits, name="char_lm")
 
 
 @dataclass(frozen=True)
@@ -268,7 +173,7 @@ def windows(
 
 
 def train(
-    model: CharLanguageModel, ids: np.ndarray, steps: int, rng: np.random.Generator
+    model: keras.Model, ids: np.ndarray, steps: int, rng: np.random.Generator
 ) -> keras.callbacks.History:
     """Fits next-character prediction on `steps` batches of random windows."""
     x, y = windows(ids, steps * BATCH, rng)
@@ -279,33 +184,7 @@ def train(
     return model.fit(x, y, batch_size=BATCH, epochs=1, verbose=2)
 
 
-class CachedStep(keras.Model):
-    """The cached call of a `CharLanguageModel` as a model of its own.
-
-    `step.predict_on_batch((tokens, caches, index))` returns `(logits,
-    caches)` as numpy arrays; `predict_on_batch` compiles the call where
-    Keras does (JAX: `jax.jit`; TensorFlow: `tf.function`; PyTorch: eager),
-    once per input shape: the prompt, then one token.
-
-    Args:
-        language_model: The model whose layers and weights it runs.
-        **kwargs: Base model arguments.
-    """
-
-    def __init__(self, language_model: CharLanguageModel, **kwargs):
-        super().__init__(**kwargs)
-        self.language_model = language_model
-
-    def call(self, inputs):
-        tokens, caches, index = inputs
-        return self.language_model(
-            tokens, caches=caches, cache_update_index=index, training=False
-        )
-
-
-def generate_uncached(
-    model: CharLanguageModel, prompt: np.ndarray, steps: int
-) -> Generation:
+def generate_uncached(model: keras.Model, prompt: np.ndarray, steps: int) -> Generation:
     """Greedy decoding that re-runs the full causal forward on the sequence
     so far at every step.
 
@@ -324,36 +203,22 @@ def generate_uncached(
     return Generation(sequence[len(prompt) :], time.perf_counter() - start)
 
 
-def generate_cached(step: CachedStep, prompt: np.ndarray, steps: int) -> Generation:
-    """Greedy decoding with one key/value cache per attention layer: the
-    prompt runs once into the caches, then each step runs only the newest
-    position."""
+def generate_cached(model: keras.Model, prompt: np.ndarray, steps: int) -> Generation:
+    """Greedy decoding with one key/value cache per attention layer
+    (`keras_selfattn.generate`: the loop compiled on the backend)."""
     start = time.perf_counter()
-    caches = [
-        ops.convert_to_numpy(cache)
-        for cache in step.language_model.empty_caches(1, len(prompt) + steps)
-    ]
-    logits, caches = step.predict_on_batch(
-        (prompt[None, :], caches, np.array(0, dtype="int32"))
-    )
-    generated = [int(np.argmax(logits[0, -1]))]
-    for position in range(len(prompt), len(prompt) + steps - 1):
-        token = np.array([[generated[-1]]], dtype="int32")
-        index = np.array(position, dtype="int32")
-        logits, caches = step.predict_on_batch((token, caches, index))
-        generated.append(int(np.argmax(logits[0, -1])))
-    return Generation(generated, time.perf_counter() - start)
+    result = generate(model, [prompt], steps)
+    return Generation(result.tokens[0].tolist(), time.perf_counter() - start)
 
 
 def compare(
-    model: CharLanguageModel, prompt: np.ndarray, new_tokens: int, rounds: int
+    model: keras.Model, prompt: np.ndarray, new_tokens: int, rounds: int
 ) -> Comparison:
     """Runs each generation once untimed (compiling every shape), then
     `rounds` timed runs of both, alternating which goes first."""
-    step = CachedStep(model)
     runs = {
         "uncached": lambda: generate_uncached(model, prompt, new_tokens),
-        "cached": lambda: generate_cached(step, prompt, new_tokens),
+        "cached": lambda: generate_cached(model, prompt, new_tokens),
     }
     for run in runs.values():
         run()
@@ -400,6 +265,78 @@ def report(comparison: Comparison, vocabulary: Vocabulary) -> dict:
     }
 
 
+def serve_generator(
+    model: keras.Model, vocabulary: Vocabulary, new_tokens: int, out
+) -> dict:
+    """Exports the generator for TF Serving and queries it as a client would
+    (module docstring); returns what the answer held."""
+    from keras_selfattn.export import export_generator
+    from keras_selfattn.serving.rest_client import (
+        build_rest_request,
+        parse_rest_response,
+    )
+
+    prompts = [PROMPT, PROMPT[:12]]  # two lengths in one request
+    max_length = len(PROMPT) + new_tokens
+    serving = out / "serving"
+    version_dir = export_generator(
+        model, serving, "saved_model", max_length=max_length, name=SERVED_NAME
+    )
+    print(f"exported the generator: {version_dir} (signature 'generate')")
+    padded = np.zeros((len(prompts), len(PROMPT)), "int32")
+    for row, prompt in enumerate(prompts):
+        padded[row, : len(prompt)] = vocabulary.encode(prompt)
+    inputs = {
+        "prompt_tokens": padded,
+        "prompt_lengths": np.array([len(p) for p in prompts], "int32"),
+        "max_new_tokens": np.array(new_tokens, "int32"),
+        "temperature": np.array(0.0, "float32"),  # greedy; > 0 samples
+        "top_k": np.array(len(vocabulary), "int32"),  # the vocabulary: keep all
+        "top_p": np.array(1.0, "float32"),
+        "seed": np.array(0, "int32"),
+        "end_token": np.array(-1, "int32"),  # none
+    }
+    body = build_rest_request(inputs, format="inputs", signature_name="generate")
+    request_path = _common.write_replacing(
+        out / "generate_request.json", lambda tmp: tmp.write_text(json.dumps(body))
+    )
+    inputs_path = _common.write_replacing(
+        out / "generate_inputs.json",
+        lambda tmp: tmp.write_text(json.dumps(body["inputs"])),
+    )
+    answer = {"outputs": answer_as_tf_serving(version_dir, inputs)}
+    outputs = parse_rest_response(answer)
+    texts = [
+        vocabulary.decode(row[:length])
+        for row, length in zip(outputs["tokens"], outputs["lengths"], strict=True)
+    ]
+    expected = generate(model, [vocabulary.encode(p) for p in prompts], new_tokens)
+    same = bool((outputs["tokens"] == expected.tokens).all())
+    print(f"served answer == generate: {same}")
+    for prompt, text in zip(prompts, texts, strict=True):
+        print(f"  {prompt!r} -> {text!r}")
+    query = f"{sys.executable} {REPO / 'export' / 'serving' / 'query.py'}"
+    print(
+        "with TF Serving running on the export (tensorflow_model_server "
+        f"--rest_api_port=8501 --model_config_file={serving / 'models.config'}):\n"
+        f"  curl -d @{request_path} "
+        f"http://localhost:8501/v1/models/{SERVED_NAME}:predict\n"
+        f"  {query} {inputs_path} --model {SERVED_NAME} --signature generate "
+        "--format inputs"
+    )
+    return {"tokens_equal_generate": same, "texts": texts}
+
+
+def answer_as_tf_serving(version_dir: str, inputs: dict) -> dict:
+    """The "outputs" TF Serving's REST API would return: the SavedModel's
+    `generate` signature run on the request's tensors, as JSON lists."""
+    import tensorflow as tf
+
+    signature = tf.saved_model.load(version_dir).signatures["generate"]
+    outputs = signature(**{k: tf.constant(v) for k, v in inputs.items()})
+    return {name: value.numpy().tolist() for name, value in outputs.items()}
+
+
 def main() -> None:
     args = _common.parse_args(
         __doc__.splitlines()[0],
@@ -413,7 +350,7 @@ def main() -> None:
         f"training text: {source}, {len(text)} characters, {len(vocabulary)} distinct"
     )
     steps, new_tokens, rounds = (20, 24, 1) if args.fast else (600, 200, 3)
-    model = CharLanguageModel(len(vocabulary))
+    model = language_model(len(vocabulary))
     start = time.perf_counter()
     history = train(model, vocabulary.encode(text), steps, rng)
     loss = history.history["loss"][-1]
@@ -431,6 +368,13 @@ def main() -> None:
         "final_loss": loss,
         **report(comparison, vocabulary),
     }
+    if keras.backend.backend() == "tensorflow":
+        results["served"] = serve_generator(model, vocabulary, new_tokens, args.out)
+    else:
+        print(
+            "export: a generator exports on TensorFlow; save the model and "
+            "load it there (KERAS_BACKEND=tensorflow) to export it"
+        )
     path = _common.write_replacing(
         args.out / "text_generation.json",
         lambda tmp: tmp.write_text(json.dumps(results, indent=2) + "\n"),

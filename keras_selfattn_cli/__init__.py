@@ -36,7 +36,7 @@ from keras_selfattn_cli._process import CLIError
 
 PROG = "keras-selfattn"
 # The formats a generator is written in (keras_selfattn.export.generator).
-GENERATOR_FORMATS = ("saved_model", "onnx")
+GENERATOR_FORMATS = ("saved_model", "onnx", "litert")
 TABLE = _table.load()
 
 
@@ -160,8 +160,8 @@ def _add_export_options(sub: argparse.ArgumentParser) -> None:
         "--generate",
         action="store_true",
         help="export the whole generation as one call (signature 'generate': "
-        "prompts in, tokens out; --saved-model and --onnx), verified against "
-        "keras_selfattn.generate",
+        "prompts in, tokens out; --saved-model, --onnx, --litert), verified "
+        "against keras_selfattn.generate",
     )
     sub.add_argument(
         "--max-length",
@@ -261,8 +261,8 @@ def _check_export_options(args: argparse.Namespace) -> None:
     other = [row.option for row in _asked(args) if row.name not in GENERATOR_FORMATS]
     if args.generate and other:
         raise CLIError(
-            f"--generate writes --saved-model and --onnx only (the loop stays in "
-            f"the graph); not {', '.join(other)}"
+            "--generate writes --saved-model, --onnx and --litert (the loop "
+            f"stays in the graph); not {', '.join(other)}"
         )
 
 

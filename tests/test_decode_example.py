@@ -103,6 +103,22 @@ def test_example_prints_its_lines(example):
     assert len(generated) == 24 and f"generated: {generated!r}" in stdout
 
 
+@pytest.mark.tensorflow_only("the generator exports on TensorFlow")
+def test_example_serves_its_generator_as_generate_does(example, tmp_path):
+    """The exported generator's answer, read by the REST client's parser,
+    is `generate`'s tokens; the request body and query.py's inputs file are
+    what TF Serving and query.py read."""
+    stdout, report = example
+    assert report["served"]["tokens_equal_generate"] is True
+    assert "served answer == generate: True" in stdout
+    request = re.search(r"curl -d @(\S+) ", stdout).group(1)
+    body = json.loads(Path(request).read_text())
+    assert body["signature_name"] == "generate"
+    assert body["inputs"]["prompt_lengths"] == [33, 12]
+    inputs = re.search(r"query\.py (\S+) --model char_lm", stdout).group(1)
+    assert json.loads(Path(inputs).read_text()) == body["inputs"]
+
+
 # The benchmark's smoke run, in the slow suite: cached decoding is checked on
 # every backend in `make test` by the example above and tests/test_kv_cache.py.
 @pytest.mark.slow

@@ -1,9 +1,10 @@
 """Exported generators (`export_generator`): the SavedModel (its signature
-"generate", as TF Serving calls it) and the ONNX file (the loop as an ONNX
-`Loop`) return the tokens of the uncached reference
+"generate", as TF Serving calls it), the ONNX file (the loop as an ONNX
+`Loop`) and the LiteRT file (its WHILE op) return the tokens of the uncached
+reference
 (tests/generation_reference.py) for prompts of mixed lengths, greedy and
 seeded; bad arguments are InvalidArgument naming them in the SavedModel and
-an empty result in ONNX Runtime, which cannot raise."""
+an empty result in ONNX Runtime and LiteRT, which cannot raise."""
 
 from __future__ import annotations
 
@@ -39,7 +40,10 @@ def exported(tmp_path_factory):
     onnx_path = export_generator(
         model, root / "lm.onnx", "onnx", max_length=MAX_LENGTH, check=False
     )
-    return model, saved, onnx_path
+    litert_path = export_generator(
+        model, root / "lm.tflite", "litert", max_length=MAX_LENGTH, check=False
+    )
+    return model, saved, onnx_path, litert_path
 
 
 def _request(controls=None, steps=STEPS):
@@ -67,8 +71,10 @@ def _request(controls=None, steps=STEPS):
 def runners(exported):
     import onnxruntime
     import tensorflow as tf
+    from ai_edge_litert.interpreter import Interpreter
 
-    _, saved, onnx_path = exported
+    _, saved, onnx_path, litert_path = exported
+    runner = Interpreter(model_path=str(litert_path)).get_signature_runner()
     signature = tf.saved_model.load(saved).signatures["generate"]
     session = onnxruntime.InferenceSession(
         onnx_path, providers=["CPUExecutionProvider"]
@@ -81,7 +87,11 @@ def runners(exported):
     def onnx(request):
         return tuple(session.run(["tokens", "lengths"], request))
 
-    return {"saved_model": saved_model, "onnx": onnx}
+    def litert(request):
+        out = runner(**request)  # Keras's LiteRT export names outputs output_N
+        return out["output_0"], out["output_1"]
+
+    return {"saved_model": saved_model, "onnx": onnx, "litert": litert}
 
 
 CASES = {
@@ -91,7 +101,7 @@ CASES = {
 
 
 @exports
-@pytest.mark.parametrize("runtime", ["saved_model", "onnx"])
+@pytest.mark.parametrize("runtime", ["saved_model", "onnx", "litert"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_generator_equals_the_uncached_reference(exported, runners, runtime, case):
     model = exported[0]
@@ -106,7 +116,7 @@ def test_generator_equals_the_uncached_reference(exported, runners, runtime, cas
 
 
 @exports
-@pytest.mark.parametrize("runtime", ["saved_model", "onnx"])
+@pytest.mark.parametrize("runtime", ["saved_model", "onnx", "litert"])
 def test_end_token_and_fewer_tokens(exported, runners, runtime):
     model = exported[0]
     greedy, _ = runners[runtime](_request())
@@ -145,12 +155,13 @@ def test_bad_arguments_in_the_saved_model_name_themselves(runners, argument):
 
 
 @exports
+@pytest.mark.parametrize("runtime", ["onnx", "litert"])
 @pytest.mark.parametrize("argument", list(BAD))
-def test_bad_arguments_in_onnx_return_nothing_generated(runners, argument):
+def test_bad_arguments_elsewhere_return_nothing_generated(runners, runtime, argument):
     request = _request()
     for name, value in BAD[argument].items():
         request[name] = np.asarray(value, request[name].dtype)
-    tokens, lengths = runners["onnx"](request)
+    tokens, lengths = runners[runtime](request)
     assert (lengths == 0).all() and (tokens == -1).all()
 
 
@@ -160,7 +171,7 @@ def test_the_saved_model_has_a_served_layout_and_warmup(exported):
 
     from keras_selfattn.serving import layout
 
-    _, saved, _ = exported
+    _, saved, _, _ = exported
     assert os.path.isfile(os.path.join(saved, layout.WARMUP_PATH))
     assert os.path.isfile(
         os.path.join(os.path.dirname(os.path.dirname(saved)), "models.config")
@@ -170,5 +181,5 @@ def test_the_saved_model_has_a_served_layout_and_warmup(exported):
 def test_other_formats_are_refused_in_one_line(tmp_path):
     model = token_model()
     with pytest.raises(ValueError, match="export_decode_step") as caught:
-        export_generator(model, tmp_path / "lm.tflite", "litert", max_length=8)
+        export_generator(model, tmp_path / "lm.xml", "openvino", max_length=8)
     assert "\n" not in str(caught.value)

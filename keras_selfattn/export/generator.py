@@ -19,14 +19,16 @@ and returns `tokens` int32 (batch, max_new_tokens), -1 after each row's
 end (value models: `values`), and `lengths` int32 (batch,). The caches
 (`max_length` positions, fixed at export) never leave the artifact.
 
-Bad arguments: the SavedModel (TensorFlow backend) raises InvalidArgument
-naming the argument, which TF Serving returns to the client; runtimes that
-cannot raise (ONNX Runtime) return lengths 0
-and tokens -1 (values NaN) for every row, never tokens they did not
-compute. A prompt longer than the cache fails in every runtime.
+Bad arguments: the SavedModel raises InvalidArgument naming the argument,
+which TF Serving returns to the client; runtimes that cannot raise inside
+a graph (ONNX Runtime, LiteRT: their converters drop TensorFlow's asserts)
+return lengths 0 and tokens -1 (values NaN) for every row, never tokens
+they did not compute. A prompt longer than the cache fails in every
+runtime.
 
-Formats: SavedModel (TF Serving's layout, warmup and `models.config`) and
-ONNX (the loop as an ONNX `Loop`), from TensorFlow. JAX's exporters cannot
+Formats: SavedModel (TF Serving's layout, warmup and `models.config`),
+ONNX (the loop as an ONNX `Loop`) and LiteRT (the loop as its `WHILE` op,
+builtin ops only, one signature), from TensorFlow. JAX's exporters cannot
 bound the prompt's symbolic length by the cache's (jax2tf: "symbolic
 dimension comparison '- time + max_length' >= '0' is inconclusive") and
 torch.export cannot trace the loop: on those backends the refusal names
@@ -66,7 +68,7 @@ GENERATE_SIGNATURE = "generate"
 CONTROLS = ("temperature", "top_k", "top_p", "seed", "end_token")
 _CONTROL_DTYPES = ("float32", "int32", "float32", "int32", "int32")
 # Formats a generator can be written in, per backend.
-FORMATS = {"tensorflow": ("saved_model", "onnx")}
+FORMATS = {"tensorflow": ("saved_model", "onnx", "litert")}
 # The checks' generations: greedy, then seeded top-k / top-p with an end.
 _SAMPLED = {"temperature": 0.9, "top_k": 12, "top_p": 0.9, "seed": 1234}
 
@@ -309,7 +311,7 @@ def build_generator(model: keras.Model, max_length: int) -> Generator:
     backend = keras.backend.backend()
     if backend not in FORMATS:
         raise ValueError(
-            "A generator exports from TensorFlow (SavedModel, ONNX): its loop "
+            "A generator exports from TensorFlow (SavedModel, ONNX, LiteRT): its loop "
             "stays in the graph, which jax2tf cannot bound by the cache and "
             "torch.export cannot trace. Load the .keras file with "
             "KERAS_BACKEND=tensorflow and export there. Received: "
@@ -377,6 +379,7 @@ def verify_generator(
     onnx_path: str | os.PathLike | None = None,
     *,
     max_length: int,
+    litert_path: str | os.PathLike | None = None,
     seed: int = 0,
 ) -> ParityReport:
     """Runs exported generators in fresh processes of their runtimes and
@@ -391,7 +394,7 @@ def verify_generator(
         ParityError: if any output differs, or an export's names differ.
     """
     generator = build_generator(model, max_length)
-    paths = artifact_paths(saved_model_dir, onnx_path, None, None, None)
+    paths = artifact_paths(saved_model_dir, onnx_path, litert_path, None, None)
     artifacts = collect_artifacts(paths)
     labelled = requests(generator, seed)
     labels = [label for label, _ in labelled]
@@ -431,8 +434,8 @@ def export_generator(
             (float input, its output the next input) that SelfAttention's
             caches can decode (`keras_selfattn.generate`).
         path: The SavedModel base dir ("saved_model": `path/name/VERSION/`,
-            signature "generate") or the ONNX file.
-        export_format: "saved_model" or "onnx" (TensorFlow backend).
+            signature "generate") or the ONNX or LiteRT file.
+        export_format: "saved_model", "onnx" or "litert" (TensorFlow backend).
         max_length: The caches' length: the longest prompt plus new tokens.
         name, version, warmup, models_config: The SavedModel's (as in
             `export_saved_model`); `name` is required there.
@@ -473,7 +476,7 @@ def export_generator(
     ):
         raise ValueError(
             f"A generator exports as {' or '.join(allowed)} (the loop stays in "
-            "the graph; LiteRT, OpenVINO and .pt2 get the decoding step: "
+            "the graph; OpenVINO and .pt2 get the decoding step: "
             "export_decode_step). Received: export_format="
             f"{export_format!r}"
         )
