@@ -4,7 +4,8 @@
                    [--name NAME] [--version N] [--warmup]] [--onnx OUT.onnx
                    [--opset N] [--fuse-attention]] [--litert OUT.tflite
                    [--litert-shape B,T]] [--openvino OUT.xml] [--torch OUT.pt2]
-                   [--decode-step --max-length N] [--generate --max-length N]
+                   [--decode-step --max-length N]
+                   [--generate --max-length N [--jit-compile]]
     keras-selfattn [--verbose] verify MODEL.keras [--saved-model VERSION_DIR]
                    [--onnx PATH] [--litert PATH [--litert-shape B,T]]
                    [--openvino PATH [--openvino-precision f32|bf16]]
@@ -164,6 +165,12 @@ def _add_export_options(sub: argparse.ArgumentParser) -> None:
         "against keras_selfattn.generate",
     )
     sub.add_argument(
+        "--jit-compile",
+        action="store_true",
+        help="with --generate and --saved-model: compile the loop with XLA "
+        "(faster; TF Serving on a CPU then needs --xla_cpu_compilation_enabled)",
+    )
+    sub.add_argument(
         "--max-length",
         type=_positive_int,
         help="with --decode-step or --generate: the caches' length (longest sequence)",
@@ -256,6 +263,13 @@ def _check_export_options(args: argparse.Namespace) -> None:
         raise CLIError("--max-length needs --decode-step or --generate")
     if args.decode_step and (args.warmup or args.fuse_attention):
         raise CLIError("--warmup and --fuse-attention do not apply to --decode-step")
+    if args.jit_compile and not (args.generate and args.saved_model):
+        raise CLIError("--jit-compile needs --generate and --saved-model")
+    if args.jit_compile and len(_asked(args)) > 1:
+        raise CLIError(
+            "--jit-compile compiles the SavedModel's loop: export --onnx and "
+            "--litert in a command of their own"
+        )
     if args.generate and args.fuse_attention:
         raise CLIError("--fuse-attention does not apply to --generate")
     other = [row.option for row in _asked(args) if row.name not in GENERATOR_FORMATS]

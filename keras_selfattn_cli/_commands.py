@@ -180,7 +180,9 @@ def run_export(args: argparse.Namespace) -> int:
         )
         target = step.target()
     elif args.generate:
-        target = generator.build_generator(model, args.max_length).target()
+        target = generator.build_generator(
+            model, args.max_length, args.jit_compile
+        ).target()
         print(
             f"  generator: inputs {', '.join(target.input_names)}; outputs "
             f"{', '.join(target.output_names)} (max_length {args.max_length})",

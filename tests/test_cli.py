@@ -277,6 +277,51 @@ def bad_files(work):
             ["export", "{root}/clf.keras", "--onnx", "{tmp}/m.onnx", "--warmup"],
             ["need --saved-model"],
         ),
+        (
+            ["export", "{root}/clf.keras", "--saved-model", "{tmp}", "--generate"],
+            ["--generate needs --max-length N"],
+        ),
+        (
+            [
+                "export",
+                "{root}/clf.keras",
+                "--openvino",
+                "{tmp}/m.xml",
+                "--generate",
+                "--max-length",
+                "8",
+            ],
+            ["--generate writes --saved-model, --onnx and --litert", "--openvino"],
+        ),
+        (
+            [
+                "export",
+                "{root}/clf.keras",
+                "--saved-model",
+                "{tmp}",
+                "--generate",
+                "--decode-step",
+                "--max-length",
+                "8",
+            ],
+            ["pick one"],
+        ),
+        (
+            ["export", "{root}/clf.keras", "--saved-model", "{tmp}", "--jit-compile"],
+            ["--jit-compile needs --generate and --saved-model"],
+        ),
+        (
+            [
+                "export",
+                "{root}/clf.keras",
+                "--saved-model",
+                "{tmp}",
+                "--generate",
+                "--max-length",
+                "8",
+            ],
+            ["Cannot generate with model", "masked_classifier"],
+        ),
         (["verify", "{root}/clf.keras"], ["verify needs"]),
         (
             ["verify", "{root}/clf.keras", "--onnx", "{tmp}/none.onnx"],

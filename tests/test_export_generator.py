@@ -183,3 +183,39 @@ def test_other_formats_are_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="export_decode_step") as caught:
         export_generator(model, tmp_path / "lm.xml", "openvino", max_length=8)
     assert "\n" not in str(caught.value)
+
+
+@exports
+def test_xla_compiled_saved_model_generator_equals_generate(tmp_path):
+    """`jit_compile=True`: the SavedModel's loop compiled by XLA; its own
+    check (a fresh TensorFlow process) found generate's tokens, and its
+    bad arguments are still InvalidArgument."""
+    import tensorflow as tf
+
+    model = token_model()
+    saved = export_generator(
+        model,
+        tmp_path,
+        "saved_model",
+        max_length=MAX_LENGTH,
+        name="lm",
+        jit_compile=True,
+    )
+    signature = tf.saved_model.load(saved).signatures["generate"]
+    request = {k: tf.constant(v) for k, v in _request(CASES["sampled"]).items()}
+    out = signature(**request)
+    want, lengths = reference.uncached(
+        model, PROMPTS, STEPS, seed=99, temperature=1.2, top_k=9, top_p=0.9
+    )
+    np.testing.assert_array_equal(out["tokens"].numpy(), want)
+    np.testing.assert_array_equal(out["lengths"].numpy(), lengths)
+    request["top_k"] = tf.constant(0, tf.int32)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="`top_k`"):
+        signature(**request)
+
+
+def test_jit_compile_is_for_the_saved_model_only(tmp_path):
+    with pytest.raises(ValueError, match="jit_compile"):
+        export_generator(
+            token_model(), tmp_path / "lm.onnx", "onnx", max_length=8, jit_compile=True
+        )
