@@ -81,7 +81,8 @@ lock:
 		--output-file $(LOCK) pyproject.toml
 
 bench: install
-	$(PY) -m benchmarks.cpu && $(PY) -m benchmarks.runtimes && $(PY) -m benchmarks.quantized
+	$(PY) -m benchmarks.cpu && $(PY) -m benchmarks.runtimes && $(PY) -m benchmarks.quantized \
+		&& $(PY) -m benchmarks.generation
 
 clean:
 	rm -rf $(VENV) $(LATEST_VENV) $(TOOLS_VENV) artifacts .pytest_cache .ruff_cache

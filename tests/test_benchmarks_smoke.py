@@ -619,3 +619,43 @@ def test_decode_records_the_model_it_measured(decode_quick):
         assert row["cache_shape"] == [1, 2, row["context"], kv, model["key_dim"]]
         # one float32 cache per layer
         assert row["cache_bytes"] == settings.layers * 4 * math.prod(row["cache_shape"])
+
+
+@pytest.mark.slow  # seven checked exports and three backends: about 2 minutes
+@pytest.mark.one_suite(
+    "benchmarks.generation runs TensorFlow here and children per backend"
+)
+def test_generation_times_every_candidate_with_the_same_tokens(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.generation", "--quick", "--out", tmp_path],
+        cwd=ROOT,
+        env={**os.environ, "KERAS_BACKEND": "tensorflow"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = json.loads((tmp_path / "generation.json").read_text(encoding="utf-8"))
+    markdown = (tmp_path / "generation.md").read_text(encoding="utf-8")
+    assert markdown in done.stdout
+    rows = loaded["rows"]
+    tensorflow = [row for row in rows if row["backend"] == "tensorflow"]
+    assert [row["candidate"] for row in tensorflow] == [
+        "generate",
+        "saved_model_generator",
+        "saved_model_generator_xla",
+        "onnx_generator",
+        "saved_model_step",
+        "onnx_step",
+    ]
+    for row in tensorflow:
+        assert row["same_tokens"] is True, row
+        assert row["tokens_per_s"] > 0 and row["vs_saved_model_step"] > 0, row
+    for backend in ("jax", "torch"):
+        (row,) = [row for row in rows if row["backend"] == backend]
+        assert row.get("tokens_per_s", 0) > 0, row
+    assert [t["target"].split()[0] for t in loaded["targets"]] == [
+        "saved_model_generator",
+        "saved_model_generator_xla",
+    ]

@@ -4,10 +4,11 @@ One interpreter per backend (its KERAS_BACKEND fixed, so the module means
 the same in every suite and runs in one) builds the models, exports each to
 every format the backend writes, each through its exporter's own check, then
 `verify` runs every artifact in a fresh process of its runtime on shapes the
-exporters did not check (with another seed). The fast suite's model holds
-one of each kind: a `mixed_bfloat16` policy, a chunked layer, a layer with
-unequal key and value sizes, one key/value head, rotary, a gate, causal and
-a sliding window returning its scores, and dict outputs. The slow suite
+exporters did not check (with another seed). The fast suite's model (on
+TensorFlow; on JAX and PyTorch in the slow suite) holds one of each kind:
+a `mixed_bfloat16` policy, a chunked layer, a layer with unequal key and
+value sizes, one key/value head, rotary, a gate, causal and a sliding
+window returning its scores, and dict outputs. The slow suite
 adds `mixed_float16` with half precision kept, the torch causal classifier,
 three list outputs, `attention_outputs`, and int8 models.
 """
@@ -190,7 +191,19 @@ def _check(result: dict, backend: str, names) -> None:
             assert ok, (name, runtime, shape, error)
 
 
-@pytest.mark.parametrize("backend", sorted(CELLS))
+# The zoo model on TensorFlow, whose four formats take every kind of model
+# (each backend x format cell is also exported in `make test` by
+# tests/test_export_formats.py); on JAX and PyTorch, about 5 minutes of CPU
+# together: the slow suite.
+ZOO_BACKENDS = [
+    backend
+    if backend == "tensorflow"
+    else pytest.param(backend, marks=pytest.mark.slow)
+    for backend in sorted(CELLS)
+]
+
+
+@pytest.mark.parametrize("backend", ZOO_BACKENDS)
 def test_the_zoo_model_exports_everywhere(backend, tmp_path):
     names = ("zoo",)
     result = _run(backend, names, str(tmp_path))
