@@ -465,7 +465,7 @@ def export_generator(
         name, version, warmup, models_config: The SavedModel's (as in
             `export_saved_model`); `name` is required there.
         opset: ONNX opset, 13 to 18 (ONNX only). Defaults to 17.
-        jit_compile: SavedModel only: compile the loop with XLA (3 to 10
+        jit_compile: SavedModel only: compile the loop with XLA (2 to 15
             times the tokens per second measured on a CPU; TF Serving then
             needs `--xla_cpu_compilation_enabled=true` on a CPU, without
             which it answers every request with an error). Default False:
