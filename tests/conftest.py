@@ -8,7 +8,9 @@ backends they are skipped with that reason.
 Tests marked `one_suite("why")` start their own interpreters for fixed
 backends, so their result does not depend on the suite's backend: they run in
 the KERAS_BACKEND=torch suite only (the lightest of the three), or wherever
-KERAS_SELFATTN_ONE_SUITE=1 is set.
+KERAS_SELFATTN_ONE_SUITE=1 is set. `one_suite("why", slow_suite="jax")` runs
+the test's slow cases in that backend's slow suite instead, to balance the
+three slow suites, which run in parallel.
 
 Tests (or parameters) marked `slow_on("jax", "why")` are `slow` (run by `make
 test-slow`) on the backends named, fast on the others: for checks that cost
@@ -42,14 +44,21 @@ def _reason(item, marker) -> str:
 
 
 def _skip_off_the_one_suite(items) -> None:
-    if BACKEND == ONE_SUITE_BACKEND or os.environ.get("KERAS_SELFATTN_ONE_SUITE"):
+    if os.environ.get("KERAS_SELFATTN_ONE_SUITE"):
         return
     for item in items:
         marker = item.get_closest_marker("one_suite")
-        if marker is not None:
+        if marker is None:
+            continue
+        suite = ONE_SUITE_BACKEND
+        if item.get_closest_marker("slow") is not None:
+            suite = marker.kwargs.get("slow_suite", ONE_SUITE_BACKEND)
+        if suite not in BACKENDS:
+            raise pytest.UsageError(f"{item.nodeid}: slow_suite={suite!r}")
+        if BACKEND != suite:
             item.add_marker(
                 pytest.mark.skip(
-                    reason=f"runs in the KERAS_BACKEND={ONE_SUITE_BACKEND} suite "
+                    reason=f"runs in the KERAS_BACKEND={suite} suite "
                     f"only (its own interpreters): {_reason(item, marker)}"
                 )
             )

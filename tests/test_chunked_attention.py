@@ -201,6 +201,7 @@ def test_functional_model_with_dynamic_batch_and_time(kwargs, chunk_size):
         )
 
 
+@pytest.mark.slow_on("jax", "Keras's layer harness compiles each check")
 def test_layer_harness_chunked(tmp_path):
     """Config round trip, symbolic/eager calls, gradients, mixed precision, .keras."""
     layer_harness.run_layer_test(
@@ -319,15 +320,17 @@ def test_model_fit_trains_every_weight():
         assert np.any(old != new), f"{weight.path} did not change in training"
 
 
-# torch.compile's first compile takes minutes: the torch cases are slow tests.
-_TORCH_COMPILE_IS_SLOW = [pytest.mark.slow] if BACKEND == "torch" else []
+# torch.compile's first compile takes minutes, TensorFlow's XLA compile
+# (the sliding window case) tens of seconds: slow tests there.
+_TORCH_COMPILE = pytest.mark.slow_on("torch", "torch.compile's first compile")
+_XLA_COMPILE = pytest.mark.slow_on("torch", "tensorflow", "a first compile")
 
 
 @pytest.mark.parametrize(
     "kwargs",
     [
-        pytest.param({"sliding_window": 3}, marks=_TORCH_COMPILE_IS_SLOW),
-        pytest.param({"causal": True}, marks=_TORCH_COMPILE_IS_SLOW),
+        pytest.param({"sliding_window": 3}, marks=_XLA_COMPILE),
+        pytest.param({"causal": True}, marks=_TORCH_COMPILE),
     ],
 )
 def test_fit_with_jit_compile(kwargs):

@@ -424,6 +424,7 @@ def test_a_failed_export_step_leaves_no_export_at_all(
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow  # two CLI exports racing
 def test_a_lost_version_race_leaves_no_secondary_export(
     work, tmp_path, capsys, monkeypatch
 ):

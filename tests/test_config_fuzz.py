@@ -148,16 +148,16 @@ _SETTINGS = {
 }
 
 
-# 300 configurations in `make test`, 100 on JAX (its eager calls compile
-# every new shape); 2000 in the slow suite.
-@settings(max_examples=100 if BACKEND == "jax" else 300, **_SETTINGS)
+# 300 configurations in `make test`, 40 on JAX (its eager calls compile
+# every new shape); in the slow suite 1000, 200 on JAX.
+@settings(max_examples=40 if BACKEND == "jax" else 300, **_SETTINGS)
 @given(configs())
 def test_from_config_contract(config):
     _check_contract(config)
 
 
 @pytest.mark.slow
-@settings(max_examples=2000, **_SETTINGS)
+@settings(max_examples=200 if BACKEND == "jax" else 1000, **_SETTINGS)
 @given(configs())
 def test_from_config_contract_long(config):
     _check_contract(config)

@@ -60,12 +60,14 @@ def benchmark(tmp_path_factory) -> tuple[str, dict]:
     return stdout, json.loads(path.read_text())
 
 
-# JAX trains and generates op by op, each new shape compiled: minutes; the
-# example runs on JAX in `make test-slow`.
-SLOW_ON_JAX = pytest.mark.slow_on("jax", "the text generation example")
+# JAX trains and generates op by op, each new shape compiled: minutes; on
+# TensorFlow the example also exports and checks its generator (a minute and
+# a half on 2 shared cores). `make test` runs it on PyTorch, `make test-slow`
+# on the other two.
+SLOW_OFF_TORCH = pytest.mark.slow_on("jax", "tensorflow", "the text generation example")
 
 
-@SLOW_ON_JAX
+@SLOW_OFF_TORCH
 def test_example_cached_and_uncached_tokens_are_equal(example):
     stdout, report = example
     assert report["backend"] == BACKEND
@@ -77,7 +79,7 @@ def test_example_cached_and_uncached_tokens_are_equal(example):
     assert "cached tokens == uncached tokens: True" in stdout
 
 
-@SLOW_ON_JAX
+@SLOW_OFF_TORCH
 def test_example_prints_its_lines(example):
     stdout, report = example
     assert re.search(
@@ -103,6 +105,7 @@ def test_example_prints_its_lines(example):
     assert len(generated) == 24 and f"generated: {generated!r}" in stdout
 
 
+@SLOW_OFF_TORCH
 @pytest.mark.tensorflow_only("the generator exports on TensorFlow")
 def test_example_serves_its_generator_as_generate_does(example, tmp_path):
     """The exported generator's answer, read by the REST client's parser,

@@ -129,6 +129,7 @@ def _assert_same_training(weights, single_device) -> None:
     assert moved > 1000 * ATOL
 
 
+@pytest.mark.slow  # a second interpreter with two logical devices
 def test_mirrored_two_devices_matches_single_device(tmp_path, single_device):
     out, log = tmp_path / "mirrored.npz", tmp_path / "mirrored.log"
     with _processes() as started:

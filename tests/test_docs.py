@@ -19,7 +19,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted(REPO.glob("docs/*.md"))]
 
-pytestmark = pytest.mark.one_suite("each block runs in its own interpreter")
+pytestmark = pytest.mark.one_suite(
+    "each block runs in its own interpreter", slow_suite="tensorflow"
+)
 
 
 def _python_blocks(page: Path) -> list[str]:
@@ -56,7 +58,19 @@ def test_the_readme_has_an_example():
     assert _python_blocks(REPO / "README.md"), "the README has no Python example"
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+# Pages whose examples export and verify several artifacts (a minute or
+# more each on 2 shared cores): the slow suite.
+EXPORTING = {"decoding.md", "export.md", "quantization.md"}
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        pytest.param(page, marks=pytest.mark.slow) if page.name in EXPORTING else page
+        for page in PAGES
+    ],
+    ids=lambda page: page.name,
+)
 def test_python_examples_run_and_print_the_commented_results(page, tmp_path):
     for block in _python_blocks(page):
         _run_block(block, tmp_path)

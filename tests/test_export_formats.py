@@ -45,7 +45,10 @@ FAST_SHAPES = ((2, 7), (3, 33))
 SLOW_SHAPES = ((1, 1), (2, 7), (3, 33), (2, 128))
 MAX_ERROR = 1e-4
 
-pytestmark = pytest.mark.one_suite("starts one interpreter per Keras backend")
+# Its slow cases run in the JAX slow suite (balance: see tests/conftest.py).
+pytestmark = pytest.mark.one_suite(
+    "starts one interpreter per Keras backend", slow_suite="jax"
+)
 
 _SCRIPT = """
 import json, os, sys
@@ -263,6 +266,7 @@ def test_the_runtime_process_imports_neither_keras_nor_the_package(
     )
 
 
+@pytest.mark.slow  # a CLI export on torch in its own interpreter
 def test_cli_exports_pt2_on_torch_and_refuses_a_saved_model(model_files, tmp_path):
     """torch backend: a .pt2 written, verified, moved in; the SavedModel
     refused in one line before the model is loaded."""

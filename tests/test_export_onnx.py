@@ -110,6 +110,7 @@ def test_file_passes_onnx_checker(exports):
         onnx.checker.check_model(onnx.load(path), full_check=True)
 
 
+@pytest.mark.slow  # two more ONNX exports
 @pytest.mark.parametrize("opset", [13, 18])
 def test_opset_range_ends(tmp_path, opset):
     model = model_zoo.causal_multihead(seed=2)

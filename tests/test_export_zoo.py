@@ -10,7 +10,8 @@ a `mixed_bfloat16` policy, a chunked layer, a layer with unequal key and
 value sizes, one key/value head, rotary, a gate, causal and a sliding
 window returning its scores, and dict outputs. The slow suite
 adds `mixed_float16` with half precision kept, the torch causal classifier,
-three list outputs, `attention_outputs`, and int8 models.
+three list outputs, `attention_outputs`, and int8 models (on JAX the first
+and the last).
 """
 
 from __future__ import annotations
@@ -213,15 +214,21 @@ def test_the_zoo_model_exports_everywhere(backend, tmp_path):
     assert labels <= seen, labels
 
 
+# On JAX (jax2tf and jax2onnx: about 5 minutes for all five) the two whose
+# export depends on the backend's own arithmetic, half precision kept and
+# int8; output structure is the zoo model's on JAX.
+MORE_MODELS = (
+    "fp16_kept",
+    "causal_classifier",
+    "three_outputs",
+    "attention_outputs",
+    "int8",
+)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", sorted(CELLS))
 def test_more_models_export_everywhere(backend, tmp_path):
-    names = (
-        "fp16_kept",
-        "causal_classifier",
-        "three_outputs",
-        "attention_outputs",
-        "int8",
-    )
+    names = ("fp16_kept", "int8") if backend == "jax" else MORE_MODELS
     result = _run(backend, names, str(tmp_path))
     _check(result, backend, names)

@@ -219,6 +219,7 @@ def test_shared_and_nested_layers_fuse_every_call(tmp_path):
     assert verify(model, onnx_path=path, atol=ATOL, rtol=0.0).ok
 
 
+@pytest.mark.slow  # an export of a chunked model
 def test_chunked_layer_falls_back_and_still_matches(tmp_path, caplog):
     model = chunked_then_plain(seed=1)
     path = str(tmp_path / "chunked.onnx")

@@ -188,6 +188,7 @@ def test_padded_array_with_lengths_equals_the_list(model):
     )
 
 
+@pytest.mark.slow_on("jax", "a second model compiled op by op")
 def test_value_model_feeds_its_output_back():
     """A causal forecaster: each new position is the last output."""
     keras.utils.set_random_seed(2)

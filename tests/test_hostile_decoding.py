@@ -76,6 +76,7 @@ INTEGER_INDICES = {
 
 
 # -------------------------------------------------------------- eager calls
+@pytest.mark.slow_on("jax", "a decode compiled per index type")
 @pytest.mark.parametrize("kind", list(INTEGER_INDICES))
 def test_every_integer_index_type_decodes_alike(kind):
     layer = _layer(rope_max_wavelength=100.0)

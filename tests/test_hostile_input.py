@@ -300,6 +300,7 @@ def test_broken_model_files_give_one_line_errors(
     _assert_untouched(tmp_path, digest)
 
 
+@pytest.mark.slow  # an export, then a crafted archive
 def test_path_traversal_members_are_not_extracted(work, tmp_path, capsys):
     """A .keras archive with a '../../' member loads (Keras skips the member)
     and nothing is written outside the targets."""
@@ -403,6 +404,7 @@ def _namespace(script: str, *args: str) -> list[str]:
     ]
 
 
+@pytest.mark.slow  # an export in a read-only namespace
 @needs_unshare
 def test_read_only_target(work, earlier, tmp_path):
     _, model_file, _, _ = work
@@ -443,6 +445,7 @@ def _file_size_limit(limit: int):
     return apply
 
 
+@pytest.mark.slow  # an export under a file size limit
 def test_file_size_limit_fails_cleanly(work, earlier, tmp_path):
     """RLIMIT_FSIZE makes the kernel refuse writes past 20 KB (EFBIG), as a
     nearly full disk would; the SavedModel's files are larger."""

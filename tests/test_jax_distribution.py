@@ -230,6 +230,7 @@ def workers() -> dict[str, Future]:
         }
 
 
+@pytest.mark.slow  # two JAX worker interpreters
 def test_data_parallel_step_gives_the_one_device_loss(workers):
     result = workers["data_parallel"].result()
     assert result["devices"] == ["cpu:0", "cpu:1"]

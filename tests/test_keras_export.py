@@ -32,7 +32,9 @@ from pathlib import Path
 import pytest
 
 pytestmark = [
-    pytest.mark.one_suite("exports from every backend in interpreters of its own"),
+    pytest.mark.one_suite(
+        "exports from every backend in interpreters of its own", slow_suite="jax"
+    ),
     pytest.mark.slow,
 ]
 

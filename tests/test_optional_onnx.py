@@ -23,6 +23,7 @@ sys.meta_path.insert(0, _NoOnnx())
 """
 
 
+@pytest.mark.slow  # a SavedModel export and check in a second interpreter
 def test_saved_model_export_without_onnx_packages(tmp_path):
     model_path = tmp_path / "model.keras"
     keras.Sequential([keras.Input((None, 4), name="x"), SelfAttention()]).save(

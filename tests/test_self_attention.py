@@ -45,7 +45,20 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+# On JAX (every new shape compiled, 15-25 s a configuration) two of them run
+# in `make test`, all four in the slow suite.
+SLOW_ON_JAX = pytest.mark.slow_on("jax", "Keras's layer harness compiles each check")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=SLOW_ON_JAX)
+        if name in ("defaults", "causal_window_scale")
+        else name
+        for name in sorted(CONFIGS)
+    ],
+)
 def test_layer_harness(name, tmp_path):
     init_kwargs, input_shape, width, weight_shapes = CONFIGS[name]
     layer_harness.run_layer_test(

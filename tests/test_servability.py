@@ -215,6 +215,7 @@ def test_signature_names_dtypes_and_dynamic_dims(served):
 # --- (a) saved_model_cli ---------------------------------------------------
 
 
+@pytest.mark.slow  # saved_model_cli in its own interpreter
 def test_saved_model_cli_show_all(served):
     _, exports = served
     result = subprocess.run(
