@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import subprocess
@@ -172,46 +173,27 @@ def _export_all(model, directory: str, max_length: int, check: bool) -> dict[str
     from keras_selfattn.export import export_decode_step
     from keras_selfattn.export.generator import export_generator
 
+    common = {"max_length": max_length, "check": check}
+    path = functools.partial(os.path.join, directory)
     return {
         "saved_model_generator": export_generator(
-            model,
-            os.path.join(directory, "generator"),
-            "saved_model",
-            max_length=max_length,
-            name="lm",
-            check=check,
+            model, path("generator"), "saved_model", name="lm", **common
         ),
         "saved_model_generator_xla": export_generator(
             model,
-            os.path.join(directory, "generator_xla"),
+            path("generator_xla"),
             "saved_model",
-            max_length=max_length,
             name="lm",
             jit_compile=True,
-            check=check,
+            **common,
         ),
         "onnx_generator": export_generator(
-            model,
-            os.path.join(directory, "generator.onnx"),
-            "onnx",
-            max_length=max_length,
-            check=check,
+            model, path("generator.onnx"), "onnx", **common
         ),
         "saved_model_step": export_decode_step(
-            model,
-            os.path.join(directory, "step"),
-            "saved_model",
-            max_length=max_length,
-            name="lm",
-            check=check,
+            model, path("step"), "saved_model", name="lm", **common
         ),
-        "onnx_step": export_decode_step(
-            model,
-            os.path.join(directory, "step.onnx"),
-            "onnx",
-            max_length=max_length,
-            check=check,
-        ),
+        "onnx_step": export_decode_step(model, path("step.onnx"), "onnx", **common),
     }
 
 

@@ -215,10 +215,6 @@ def test_memory_probe_runs_in_a_fresh_process():
     assert result["seconds"] > 0
 
 
-# Checked exports in every format: the slow suite.
-SLOW_RUNTIMES = pytest.mark.slow
-
-
 @pytest.fixture(scope="module")
 def runtimes_results(tmp_path_factory):
     """`python -m benchmarks.runtimes --quick` in a fresh TensorFlow interpreter."""
@@ -248,7 +244,7 @@ def runtimes_results(tmp_path_factory):
     return loaded, markdown
 
 
-@SLOW_RUNTIMES
+@pytest.mark.slow  # checked exports in every format
 @one_suite
 def test_runtimes_time_every_runtime_at_every_shape(runtimes_results):
     loaded, markdown = runtimes_results
@@ -270,7 +266,7 @@ def test_runtimes_time_every_runtime_at_every_shape(runtimes_results):
     assert machine["cpu"] and machine["load_average_1_5_15min"]
 
 
-@SLOW_RUNTIMES
+@pytest.mark.slow
 @one_suite
 def test_runtimes_agree_with_keras(runtimes_results):
     loaded, _ = runtimes_results
