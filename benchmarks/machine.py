@@ -39,7 +39,7 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def _vnni_flags() -> list[str] | None:
+def vnni_flags() -> list[str] | None:
     """The CPU's VNNI flags (`avx512_vnni`, `avx_vnni`, ...): the int8
     dot-product instructions integer matmul kernels use; [] for none, None
     when /proc/cpuinfo has no x86 flags line."""
@@ -128,7 +128,7 @@ def describe(backend=None) -> dict:
     layer_sha256, layer_files, modified = _layer_sources()
     result = {
         "cpu": _cpu_model(),
-        "vnni": _vnni_flags(),
+        "vnni": vnni_flags(),
         "cores": os.cpu_count(),
         "memory_gib": _memory_gib(),
         "load_average_1_5_15min": _load_average(),

@@ -2,7 +2,8 @@
 
     keras-selfattn [--verbose] export MODEL.keras [--saved-model BASE_DIR
                    [--name NAME] [--version N] [--warmup]] [--onnx OUT.onnx
-                   [--opset N] [--fuse-attention]] [--litert OUT.tflite
+                   [--opset N] [--fuse-attention] [--int8-matmul KERNEL]]
+                   [--litert OUT.tflite
                    [--litert-shape B,T]] [--openvino OUT.xml] [--torch OUT.pt2]
                    [--decode-step --max-length N]
                    [--generate --max-length N [--jit-compile]]
@@ -146,6 +147,12 @@ def _add_export_options(sub: argparse.ArgumentParser) -> None:
         "opset 23; TensorFlow)",
     )
     sub.add_argument(
+        "--int8-matmul",
+        metavar="KERNEL",
+        help="ONNX Runtime's kernel for int8 layers: any_cpu (default, exact "
+        "on every CPU) or vnni (faster, exact only on CPUs with VNNI)",
+    )
+    sub.add_argument(
         "--litert-shape",
         type=_shape,
         metavar="BATCH,TIME",
@@ -252,6 +259,8 @@ def _check_export_options(args: argparse.Namespace) -> None:
         raise CLIError("--opset needs --onnx")
     if args.onnx is None and args.fuse_attention:
         raise CLIError("--fuse-attention needs --onnx")
+    if args.onnx is None and args.int8_matmul is not None:
+        raise CLIError("--int8-matmul needs --onnx")
     if args.litert is None and args.litert_shape is not None:
         raise CLIError("--litert-shape needs --litert")
     if args.decode_step and args.generate:

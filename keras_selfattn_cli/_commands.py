@@ -93,7 +93,11 @@ def _options(row: table.FormatRow, args: argparse.Namespace, name: str) -> dict:
             "warmup": args.warmup,
         }
     if row is table.ONNX:
-        return {"opset": args.opset, "fuse_attention": args.fuse_attention}
+        return {
+            "opset": args.opset,
+            "fuse_attention": args.fuse_attention,
+            "int8_matmul": args.int8_matmul,
+        }
     if row is table.LITERT:
         return {"shape": args.litert_shape}
     return {}
@@ -114,8 +118,9 @@ def _check_destinations(args: argparse.Namespace, name: str) -> dict:
         path = getattr(args, row.name)
         if path is None:
             continue
+        check = generator.check_destination if args.generate else None
         try:
-            destinations[row.name] = pipeline.check_destination(
+            destinations[row.name] = (check or pipeline.check_destination)(
                 row.name, path, argument=row.option, **_options(row, args, name)
             )
         except VersionExistsError as error:
@@ -148,6 +153,8 @@ def _stage_label(destination: formats.Destination, signature_name: str) -> str:
             detail = detail.replace(
                 ")", f" -> {onnx_fused.FUSED_OPSET}, fused Attention)"
             )
+        if options.get("int8_matmul") == "vnni":
+            detail = detail.replace(")", ", int8 layers for VNNI CPUs)")
     if options.get("shape"):
         shape = options["shape"]
         detail = f" (fixed shape {shape[0]}x{shape[1]})"
@@ -171,6 +178,7 @@ def run_export(args: argparse.Namespace) -> int:
 
     model = _load_model(args.model)
     _describe(model)
+    writers: dict[str, formats.Writer | None] = {}
     if args.decode_step:
         step = decode_step.build_decode_step(model, args.max_length)
         print(
@@ -180,9 +188,10 @@ def run_export(args: argparse.Namespace) -> int:
         )
         target = step.target()
     elif args.generate:
-        target = generator.build_generator(
-            model, args.max_length, args.jit_compile
-        ).target()
+        built = generator.build_generator(model, args.max_length, args.jit_compile)
+        target = built.target()
+        model_path = os.path.abspath(args.model)
+        writers = {f: generator.writer(built, model_path, f) for f in destinations}
         print(
             f"  generator: inputs {', '.join(target.input_names)}; outputs "
             f"{', '.join(target.output_names)} (max_length {args.max_length})",
@@ -202,11 +211,12 @@ def run_export(args: argparse.Namespace) -> int:
 
                     fusion_log = logging.enter_context(onnx_fused.collect_log())
                 stack = saved_model if fmt == table.SAVED_MODEL.name else files
+                writer = writers.get(fmt)
                 try:
                     staged[fmt] = _step(
                         _stage_label(destination, target.signature_name),
-                        lambda d=destination, s=stack: s.enter_context(
-                            pipeline.stage(target, d)
+                        lambda d=destination, s=stack, w=writer: s.enter_context(
+                            pipeline.stage(target, d, w)
                         ),
                     )
                 finally:  # which layers were fused, also when the export failed

@@ -102,6 +102,37 @@ def attention_with_mask_input(seed: int = 0) -> keras.Model:
     )
 
 
+def decoder_language_model(vocab: int = VOCAB, normalized: bool = True) -> keras.Model:
+    """Two causal SelfAttention layers a decoding step can cache: rotary
+    positions and grouped key/value heads, then a gated layer; residual Adds
+    and (`normalized`) a LayerNormalization between them (Keras's
+    LayerNormalization does not convert to ONNX on torch).
+
+    Input "tokens" (int32, (batch, time)); output "logits" (batch, time,
+    vocab).
+    """
+    keras.utils.set_random_seed(3)
+    tokens = keras.Input((None,), dtype="int32", name="tokens")
+    x = keras.layers.Embedding(vocab, 16)(tokens)
+    h = SelfAttention(
+        num_heads=4,
+        key_dim=4,
+        num_key_value_heads=2,
+        causal=True,
+        rope_max_wavelength=100.0,
+        name="attn1",
+    )(x)
+    x = keras.layers.Add()([x, h])
+    if normalized:
+        x = keras.layers.LayerNormalization()(x)
+    h = SelfAttention(
+        num_heads=2, key_dim=8, causal=True, output_dim=16, use_gate=True, name="attn2"
+    )(x)
+    x = keras.layers.Add()([x, h])
+    logits = keras.layers.Dense(vocab, name="logits")(x)
+    return keras.Model(tokens, logits)
+
+
 ALL = {
     "attention_only": attention_only,
     "masked_classifier": masked_classifier,

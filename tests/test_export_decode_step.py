@@ -23,33 +23,13 @@ import keras_selfattn_cli as cli
 from keras_selfattn import SelfAttention
 from keras_selfattn.export import decode_step as ds
 from keras_selfattn.export.verify import ParityError
+from tests import model_zoo
 from tests.decode_step_runtimes import PRELUDE
 
 pytestmark = pytest.mark.tensorflow_only("decode-step export is a tf.function")
 
 MAX_LENGTH = 10
 VOCAB = 40
-
-
-def _language_model() -> keras.Model:
-    keras.utils.set_random_seed(3)
-    tokens = keras.Input((None,), dtype="int32", name="tokens")
-    x = keras.layers.Embedding(VOCAB, 16)(tokens)
-    h = SelfAttention(
-        num_heads=4,
-        key_dim=4,
-        num_key_value_heads=2,
-        causal=True,
-        rope_max_wavelength=100.0,
-        name="attn1",
-    )(x)
-    x = keras.layers.LayerNormalization()(keras.layers.Add()([x, h]))
-    h = SelfAttention(
-        num_heads=2, key_dim=8, causal=True, output_dim=16, use_gate=True, name="attn2"
-    )(x)
-    x = keras.layers.Add()([x, h])
-    logits = keras.layers.Dense(VOCAB, name="logits")(x)
-    return keras.Model(tokens, logits)
 
 
 _FRESH = (
@@ -90,7 +70,7 @@ def cli_export(tmp_path_factory) -> dict:
     """The language model saved and exported once by the CLI (SavedModel, ONNX,
     LiteRT decode steps): {model, status, out, err, folder}."""
     folder = tmp_path_factory.mktemp("decode_step")
-    model = _language_model()
+    model = model_zoo.decoder_language_model(VOCAB)
     model.save(folder / "lm.keras")
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -301,3 +301,10 @@ def test_cli_fuse_attention_needs_onnx(tmp_path, capsys):
     argv = ["export", model_path, "--saved-model", str(tmp_path), "--fuse-attention"]
     assert cli_main(argv) == 1
     assert "--fuse-attention needs --onnx" in capsys.readouterr().err
+
+
+def test_cli_int8_matmul_needs_onnx(tmp_path, capsys):
+    model_path = str(tmp_path / "model.keras")
+    argv = ["export", model_path, "--saved-model", str(tmp_path)]
+    assert cli_main([*argv, "--int8-matmul", "vnni"]) == 1
+    assert "--int8-matmul needs --onnx" in capsys.readouterr().err

@@ -4,6 +4,8 @@ numpy, and generation by the uncached full forward of each row alone."""
 
 from __future__ import annotations
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -246,12 +248,50 @@ def test_models_that_cannot_decode_are_refused(kind):
         generate(model, [[1, 2]], 2)
 
 
-def test_generator_export_off_tensorflow_names_the_route(model, tmp_path):
-    """One line naming the backend that exports a generator."""
-    if keras.backend.backend() == "tensorflow":
-        pytest.skip("TensorFlow exports generators (tests/test_export_generator.py)")
+# The formats each backend's slow suite exports a generator in: the writer
+# is the same for all three, so each format once and ONNX on both.
+GENERATOR_FORMATS = {"jax": ("saved_model", "onnx"), "torch": ("onnx", "litert")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("export_format", ["saved_model", "onnx", "litert"])
+def test_generator_exports_from_jax_and_torch(model, export_format, tmp_path):
+    """Off TensorFlow a TensorFlow process writes the generator from the
+    model's .keras file; the exporter's own check runs it in its runtime
+    against this backend's `generate` (8 prompts, greedy and seeded). The
+    ONNX file, run here, also equals the uncached reference."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        pytest.skip("TensorFlow's own generators: tests/test_export_generator.py")
+    if export_format not in GENERATOR_FORMATS[backend]:
+        pytest.skip(f"{export_format} from {backend}: the other backend's suite")
     from keras_selfattn.export import export_generator
 
-    with pytest.raises(ValueError, match="KERAS_BACKEND=tensorflow") as caught:
-        export_generator(model, tmp_path / "lm.onnx", "onnx", max_length=16)
-    assert "\n" not in str(caught.value)
+    options = {"name": "lm"} if export_format == "saved_model" else {}
+    suffix = {"saved_model": "", "onnx": ".onnx", "litert": ".tflite"}
+    path = tmp_path / f"lm{suffix[export_format]}"
+    written = export_generator(model, path, export_format, max_length=16, **options)
+    if export_format != "onnx":
+        assert os.path.isdir(written) or os.path.isfile(written)
+        return
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(written, providers=["CPUExecutionProvider"])
+    padded = np.zeros((len(PROMPTS), max(map(len, PROMPTS))), np.int32)
+    for row, prompt in enumerate(PROMPTS):
+        padded[row, : len(prompt)] = prompt
+    controls = {"temperature": 1.5, "top_k": 8, "top_p": 0.95, "seed": 7}
+    request = {
+        "prompt_tokens": padded,
+        "prompt_lengths": np.array([len(p) for p in PROMPTS], np.int32),
+        "max_new_tokens": np.array(STEPS, np.int32),
+        "end_token": np.array(-1, np.int32),
+        **{
+            k: np.array(v, "float32" if isinstance(v, float) else "int32")
+            for k, v in controls.items()
+        },
+    }
+    tokens, lengths = session.run(["tokens", "lengths"], request)
+    expected, expected_lengths = reference.uncached(model, PROMPTS, STEPS, **controls)
+    np.testing.assert_array_equal(tokens, expected)
+    np.testing.assert_array_equal(lengths, expected_lengths)

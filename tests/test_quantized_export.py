@@ -209,6 +209,65 @@ def test_onnx_integer_matmuls_are_uint8_by_uint8(int8):
         assert arrays[node.input[4]].dtype == np.uint8, node.name  # activations
 
 
+def _cpu_has_vnni() -> bool | None:
+    """Whether this CPU has VNNI (`avx512_vnni`, `avx_vnni`, AMX's
+    `amx_int8`); None where /proc/cpuinfo does not say."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            flags = next(line for line in info if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return None
+    return any("vnni" in flag or flag == "amx_int8" for flag in flags)
+
+
+def test_vnni_files_are_exact_with_vnni_and_refused_without(int8, tmp_path):
+    """`int8_matmul="vnni"` stores Keras's int8 integers as they are, for
+    ONNX Runtime's uint8 x int8 kernel. With VNNI the default check passes
+    (Keras's exact scheme); without it the kernel saturates its pair sums,
+    the check refuses the file, and nothing is left at the path."""
+    import onnx
+    from onnx import numpy_helper
+
+    has_vnni = _cpu_has_vnni()
+    if has_vnni is None:
+        pytest.skip("/proc/cpuinfo does not say whether this CPU has VNNI")
+    model, _, _ = int8
+    path = tmp_path / "vnni.onnx"
+    if not has_vnni:
+        with pytest.raises(ParityError):
+            export_onnx(model, path, int8_matmul="vnni")
+        assert not path.exists()
+        return
+    export_onnx(model, path, int8_matmul="vnni")
+    proto = onnx.load(path)
+    arrays = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    matmuls = [n for n in proto.graph.node if n.op_type == "MatMulIntegerToFloat"]
+    assert matmuls
+    for node in matmuls:
+        assert arrays[node.input[1]].dtype == np.int8, node.name
+        assert arrays[node.input[4]].dtype == np.uint8, node.name
+    blocks = [block for m in _onnx_kernels(proto, numpy_helper) for block in _blocks(m)]
+    for name, kernel in _keras_integers(model).items():
+        assert kernel.tobytes() in blocks, name
+    description = json.loads(
+        next(
+            p.value
+            for p in proto.metadata_props
+            if p.key == "keras_selfattn.quantization"
+        )
+    )
+    schemes = description["layers"].values()
+    assert description["exact"] and all("VNNI" in scheme for scheme in schemes)
+
+
+def test_an_unknown_int8_matmul_is_refused_before_any_work(int8, tmp_path):
+    model, _, _ = int8
+    refusal = r"`int8_matmul`.*Received: int8_matmul='avx2'"
+    with pytest.raises(ValueError, match=refusal):
+        export_onnx(model, tmp_path / "m.onnx", int8_matmul="avx2")
+    assert not (tmp_path / "m.onnx").exists()
+
+
 def test_every_runtime_within_the_rule_on_unchecked_shapes(int8):
     """All four files on shapes the exporters did not check: each is within
     1.25x Keras's own quantization error of the dequantized-float model, the

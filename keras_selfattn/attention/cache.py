@@ -26,7 +26,7 @@ import numpy as np
 from keras import ops
 
 from keras_selfattn._checks import positive_int
-from keras_selfattn.attention import nan_safe
+from keras_selfattn.attention import masks, nan_safe
 
 
 def shape(batch_size: int, max_length: int, num_heads: int, head_dim: int) -> tuple:
@@ -100,7 +100,13 @@ def _known_value(index) -> int | None:
     if backend == "torch":
         import torch
 
-        if torch.compiler.is_compiling() or index.device.type == "meta":
+        # Under torch.jit.trace (Keras's ONNX and OpenVINO exports) the value
+        # would be baked into the trace as a constant.
+        if (
+            torch.compiler.is_compiling()
+            or torch.jit.is_tracing()
+            or index.device.type == "meta"
+        ):
             return None
         return int(index.item())
     return None
@@ -167,6 +173,19 @@ def _static(x) -> bool:
     return isinstance(x, int)
 
 
+def _size(x, axis: int):
+    """`ops.shape(x)[axis]` for Keras's ops: a symbolic torch size (under
+    torch.export) as an int64 tensor, since Keras converts one with
+    `torch.as_tensor`, which specializes it to the example's size."""
+    size = ops.shape(x)[axis]
+    if keras.backend.backend() == "torch":
+        import torch
+
+        if isinstance(size, torch.SymInt):
+            return torch.scalar_tensor(size, dtype=torch.int64, device=x.device)
+    return size
+
+
 @dataclasses.dataclass(frozen=True)
 class Guard:
     """The run-time checks of one cached call whose values are not all known
@@ -192,11 +211,11 @@ class Guard:
         max_length = cache_shape[2]
         conditions = []
         if not (_static(batch) and _static(cache_shape[0])):
-            conditions.append(ops.equal(ops.shape(inputs)[0], ops.shape(cache)[0]))
+            conditions.append(ops.equal(_size(inputs, 0), _size(cache, 0)))
         if not (_static(index) and _static(new) and _static(max_length)):
-            end = ops.add(index, ops.shape(inputs)[1])
+            end = ops.add(index, _size(inputs, 1))
             conditions.append(ops.greater_equal(index, 0))
-            conditions.append(ops.less_equal(end, ops.shape(cache)[2]))
+            conditions.append(ops.less_equal(end, _size(cache, 2)))
         valid = None
         for condition in conditions:
             valid = condition if valid is None else ops.logical_and(valid, condition)
@@ -266,6 +285,25 @@ def _shapes_may_vary() -> bool:
     )
 
 
+def _gather_write(cache, new, start, valid):
+    """`cache` with `new` written from position `start`, as one gather from
+    both: JAX's shape-polymorphic export (jax2tf, jax2onnx) cannot slice by a
+    symbolic number of new positions, as it cannot prove that they fit the
+    cache. Where `valid` is False the cache is left as it was."""
+    max_length = ops.shape(cache)[2]
+    positions = masks.positions(max_length)
+    offset = ops.subtract(positions, start)
+    written = ops.logical_and(
+        ops.greater_equal(offset, 0), ops.less(offset, ops.shape(new)[2])
+    )
+    if valid is not None:
+        written = ops.logical_and(written, valid)
+    # Position p reads `new` at p - start (behind the cache), or the cache at
+    # p. The concatenation, unlike a select, refuses a batch of other size.
+    source = ops.where(written, ops.add(offset, max_length), positions)
+    return ops.take(ops.concatenate([cache, new], axis=2), source, axis=2)
+
+
 def update(cache, key, value, index, valid=None, padding=None):
     """Writes the new positions' keys and values into the cache.
 
@@ -275,7 +313,8 @@ def update(cache, key, value, index, valid=None, padding=None):
         value: `(B, Tn, G, K)`, their values.
         index: The first new position (an int or a scalar int32 tensor).
         valid: None, or a bool scalar: where False the cache is left as it
-            was (the write is clamped into range and writes the old values).
+            was (the write is clamped into range and writes the old values,
+            or on torch is not selected).
         padding: None, or bool `(B, L)`, False at padded positions.
 
     Returns:
@@ -287,20 +326,37 @@ def update(cache, key, value, index, valid=None, padding=None):
         holds there, so their values (NaN, inf) change no output.
     """
     new = ops.cast(ops.stack([key, value], axis=1), cache.dtype)
-    zero = ops.zeros((), "int32")
-    start = ops.cast(index, "int32")
-    if valid is not None:
-        last = ops.subtract(ops.shape(cache)[2], ops.shape(new)[2])
-        start = ops.minimum(ops.maximum(start, 0), ops.maximum(last, 0))
-        old = ops.slice(cache, (zero, zero, start, zero, zero), ops.shape(new))
-        new = nan_safe.where(valid, new, old)
-    cache = ops.slice_update(cache, (zero, zero, start, zero, zero), new)
+    backend = keras.backend.backend()
+    # int64 on torch: Keras's slice_update indexes with the starts' own
+    # dtype there, and torch.onnx writes int32 indices into an invalid
+    # ScatterND.
+    index_dtype = "int64" if backend == "torch" else "int32"
+    zero = ops.zeros((), index_dtype)
+    start = ops.cast(index, index_dtype)
+    if backend == "jax" and not _static(ops.shape(new)[2]):
+        cache = _gather_write(cache, new, start, valid)
+    else:
+        if valid is not None:
+            last = ops.subtract(_size(cache, 2), _size(new, 2))
+            start = ops.minimum(ops.maximum(start, 0), ops.maximum(last, 0))
+        starts = (zero, zero, start, zero, zero)
+        if valid is None:
+            cache = ops.slice_update(cache, starts, new)
+        elif backend == "torch":
+            # Keras's torch slice narrows by tensor sizes, which torch.export
+            # cannot trace (data-dependent shapes): the whole updated cache
+            # is selected instead (the update copies it anyway).
+            updated = ops.slice_update(cache, starts, new)
+            cache = nan_safe.where(valid, updated, cache)
+        else:
+            old = ops.slice(cache, starts, ops.shape(new))
+            cache = ops.slice_update(cache, starts, nan_safe.where(valid, new, old))
     max_length = ops.shape(cache)[2]
     new_length = ops.shape(new)[2]
     if _static(index) and _static(new_length):
         end = index + new_length
     else:
-        end = ops.add(index, new_length)
+        end = ops.add(index, _size(new, 2))
     length, visible = None, None
     if all(_static(size) for size in (end, max_length)):
         length = end if end < max_length else None
@@ -308,7 +364,7 @@ def update(cache, key, value, index, valid=None, padding=None):
         # At least one key: an index out of range returns NaN (`Guard`).
         length = ops.minimum(ops.maximum(end, 1), max_length)
     else:
-        positions = ops.arange(max_length, dtype="int32")
+        positions = masks.positions(max_length)
         visible = ops.expand_dims(ops.less(positions, end), 0)
     keys, values = cache[:, 0, :length], cache[:, 1, :length]
     if padding is not None:

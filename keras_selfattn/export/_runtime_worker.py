@@ -246,8 +246,10 @@ class _Torch:
 
     def __call__(self, arrays):
         torch = self._torch
+        # A copy in C order that keeps 0-d inputs (cache_update_index) 0-d:
+        # np.ascontiguousarray makes them 1-d.
         flat = [
-            torch.from_numpy(np.ascontiguousarray(arrays[n])) for n in self.input_names
+            torch.from_numpy(np.array(arrays[n], order="C")) for n in self.input_names
         ]
         args, kwargs = self._pytree.tree_unflatten(flat, self._spec)
         with torch.no_grad():

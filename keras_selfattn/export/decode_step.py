@@ -366,6 +366,14 @@ def export_decode_step(
         FileExistsError: if the target exists.
         ParityError: if the check fails (nothing is left on disk).
     """
+    if export_format == table.LITERT.name and keras.backend.backend() == "torch":
+        raise ValueError(
+            "A decoding step exports to LiteRT from TensorFlow: litert-torch "
+            "fixes every input's shape, and a step's number of new positions "
+            "changes from prefill to decode. Save the model as .keras, load it "
+            "under KERAS_BACKEND=tensorflow and export there. Received: "
+            "export_format='litert' on the torch backend"
+        )
     options = {}
     if export_format == table.SAVED_MODEL.name:
         options = {"name": name, "version": version, "models_config": models_config}

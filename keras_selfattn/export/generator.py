@@ -28,14 +28,15 @@ runtime.
 
 Formats: SavedModel (TF Serving's layout, warmup and `models.config`),
 ONNX (the loop as an ONNX `Loop`) and LiteRT (the loop as its `WHILE` op,
-builtin ops only, one signature), from TensorFlow. JAX's exporters cannot
-bound the prompt's symbolic length by the cache's (jax2tf: "symbolic
-dimension comparison '- time + max_length' >= '0' is inconclusive") and
-torch.export cannot trace the loop: on those backends the refusal names
-the route that works (the same `.keras` file, exported on TensorFlow).
-Each generator is staged and checked in a fresh process of its runtime
-against `keras_selfattn.generate` on the same prompts and seeds: greedy
-and seeded top-k/top-p tokens must be identical.
+builtin ops only, one signature), from every backend. TensorFlow traces
+the loop: JAX's exporters cannot bound the prompt's symbolic length by the
+cache's (jax2tf: "symbolic dimension comparison '- time + max_length' >=
+'0' is inconclusive") and torch.export cannot trace the loop, so on JAX
+and torch a TensorFlow process writes the artifact from the model's .keras
+file (`_tf_writer`). Each generator is staged and checked in a fresh
+process of its runtime against `keras_selfattn.generate` on the caller's
+backend, on the same prompts and seeds: greedy and seeded top-k/top-p
+tokens must be identical.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from keras import ops
 
 from keras_selfattn import _checks
 from keras_selfattn.attention import nan_safe
-from keras_selfattn.export import pipeline
+from keras_selfattn.export import _tf_writer, formats, pipeline
 from keras_selfattn.export._runtimes import Run
 from keras_selfattn.export._target import ExportTarget, NamedInput
 from keras_selfattn.export.formats import table
@@ -67,8 +68,8 @@ from keras_selfattn.generation import arguments, generate, loop
 GENERATE_SIGNATURE = "generate"
 CONTROLS = ("temperature", "top_k", "top_p", "seed", "end_token")
 _CONTROL_DTYPES = ("float32", "int32", "float32", "int32", "int32")
-# Formats a generator can be written in, per backend.
-FORMATS = {"tensorflow": ("saved_model", "onnx", "litert")}
+# Formats a generator can be written in (by TensorFlow, from every backend).
+FORMATS = ("saved_model", "onnx", "litert")
 # The checks' generations: greedy, then seeded top-k / top-p with an end.
 _SAMPLED = {"temperature": 0.9, "top_k": 12, "top_p": 0.9, "seed": 1234}
 
@@ -332,15 +333,6 @@ def build_generator(
             f"Received: max_length={max_length}"
         )
     read = arguments.read_model(model)
-    backend = keras.backend.backend()
-    if backend not in FORMATS:
-        raise ValueError(
-            "A generator exports from TensorFlow (SavedModel, ONNX, LiteRT): its loop "
-            "stays in the graph, which jax2tf cannot bound by the cache and "
-            "torch.export cannot trace. Load the .keras file with "
-            "KERAS_BACKEND=tensorflow and export there. Received: "
-            f"KERAS_BACKEND={backend!r}"
-        )
     return Generator(read, max_length, _checks.boolean("jit_compile", jit_compile))
 
 
@@ -460,7 +452,10 @@ def export_generator(
             caches can decode (`keras_selfattn.generate`).
         path: The SavedModel base dir ("saved_model": `path/name/VERSION/`,
             signature "generate") or the ONNX or LiteRT file.
-        export_format: "saved_model", "onnx" or "litert" (TensorFlow backend).
+        export_format: "saved_model", "onnx" or "litert" (written by
+            TensorFlow: on JAX and torch, by a TensorFlow process from the
+            model's .keras file, then checked against this backend's
+            `generate`).
         max_length: The caches' length: the longest prompt plus new tokens.
         name, version, warmup, models_config: The SavedModel's (as in
             `export_saved_model`); `name` is required there.
@@ -477,9 +472,9 @@ def export_generator(
         The version folder or the file.
 
     Raises:
-        ValueError: for a backend or format that cannot hold the loop (one
-            line naming the one that can), a model that cannot generate, or
-            an invalid argument.
+        ValueError: for a format that cannot hold the loop (one line naming
+            the ones that can), a model that cannot generate (or, off
+            TensorFlow, cannot be saved as .keras), or an invalid argument.
         FileExistsError: if the target exists.
         ParityError: if the check fails (nothing is left on disk).
 
@@ -497,15 +492,9 @@ def export_generator(
     export_generator(model, "serving", "saved_model", max_length=32, name="lm")
     ```
     """
-    backend = keras.backend.backend()
-    allowed = FORMATS.get(backend, ())
-    if (
-        backend in FORMATS
-        and export_format in table.NAMES
-        and export_format not in allowed
-    ):
+    if export_format in table.NAMES and export_format not in FORMATS:
         raise ValueError(
-            f"A generator exports as {' or '.join(allowed)} (the loop stays in "
+            f"A generator exports as {' or '.join(FORMATS)} (the loop stays in "
             "the graph; OpenVINO and .pt2 get the decoding step: "
             "export_decode_step). Received: export_format="
             f"{export_format!r}"
@@ -526,7 +515,7 @@ def export_generator(
             "LiteRT runtimes run their own graphs. Received: jit_compile=True, "
             f"export_format={export_format!r}"
         )
-    destination = pipeline.check_destination(export_format, path, **options)
+    destination = check_destination(export_format, path, **options)
     generator = build_generator(model, max_length, jit_compile)
 
     def checked(staged: str) -> None:
@@ -534,4 +523,32 @@ def export_generator(
             model, max_length=max_length, **{PATH_ARGUMENT[export_format]: staged}
         )
 
-    return pipeline.export(generator.target(), destination, checked if check else None)
+    target, check_staged = generator.target(), checked if check else None
+    if keras.backend.backend() == _tf_writer.WRITER_BACKEND:
+        return pipeline.export(target, destination, check_staged)
+    with _tf_writer.keras_file(model) as keras_path:
+        write = writer(generator, keras_path, export_format)
+        return pipeline.export(target, destination, check_staged, write)
+
+
+def writer(
+    generator: Generator, keras_path: str, export_format: str
+) -> formats.Writer | None:
+    """Who writes `generator`'s artifact on this backend: None (the format's
+    own writer) on TensorFlow, else a TensorFlow process that loads the
+    model from `keras_path` (`_tf_writer`)."""
+    if keras.backend.backend() == _tf_writer.WRITER_BACKEND:
+        return None
+    return _tf_writer.writer(
+        keras_path, export_format, generator.max_length, generator.jit_compile
+    )
+
+
+def check_destination(
+    export_format: str, path: str | os.PathLike, **options: object
+) -> formats.Destination:
+    """`pipeline.check_destination` for a generator: checked for TensorFlow,
+    which writes it from every backend."""
+    return pipeline.check_destination(
+        export_format, path, backend=_tf_writer.WRITER_BACKEND, **options
+    )

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 from keras_selfattn.export import _files, formats
 from keras_selfattn.export._target import ExportTarget
-from keras_selfattn.export.formats import Destination
+from keras_selfattn.export.formats import Destination, Writer
 
 
 def check_destination(
@@ -25,6 +25,7 @@ def check_destination(
     path: str | os.PathLike,
     *,
     argument: str | None = None,
+    backend: str | None = None,
     **options: object,
 ) -> Destination:
     """Checks a destination before any work (backend, path, options).
@@ -34,6 +35,8 @@ def check_destination(
         path: SavedModel base dir, or the file to create.
         argument: How the caller names `path` in errors (default
             "base_dir" for a SavedModel, else "path").
+        backend: The backend that writes the artifact, when another
+            process writes it (`export._tf_writer`); default this process's.
         **options: The format's options (`name`, `version`, `warmup`,
             `models_config` for a SavedModel; `opset`, `fuse_attention` for
             ONNX; `shape` for LiteRT).
@@ -47,21 +50,26 @@ def check_destination(
     export = formats.get(export_format)
     if argument is None:
         argument = "path" if export.row.suffix else "base_dir"
-    return export.destination(path, argument, options)
+    return export.destination(path, argument, options, backend)
 
 
 @contextlib.contextmanager
-def stage(target: ExportTarget, destination: Destination) -> Iterator[_files.Staged]:
+def stage(
+    target: ExportTarget, destination: Destination, writer: Writer | None = None
+) -> Iterator[_files.Staged]:
     """Writes `target` beside its destination; moves it in after the block.
 
     Args:
         target: What to export (`Endpoint.target()`, `DecodeStep.target()`).
         destination: From `check_destination`.
+        writer: Writes the staged artifact instead of the format's own
+            `write` (`export._tf_writer`).
 
     Yields:
         The `_files.Staged` export (verify `staged.path` in the block).
     """
-    with formats.get(destination.format).stage(target, destination) as staged:
+    export_format = formats.get(destination.format)
+    with export_format.stage(target, destination, writer) as staged:
         yield staged
 
 
@@ -69,14 +77,16 @@ def export(
     target: ExportTarget,
     destination: Destination,
     check: Callable[[str], object] | None,
+    writer: Writer | None = None,
 ) -> str:
-    """Stages `target`, runs `check` on the staged artifact (if given), and
-    moves it into place; returns where it is.
+    """Stages `target` (written by `writer`, default the format's), runs
+    `check` on the staged artifact (if given), and moves it into place;
+    returns where it is.
 
     Raises:
         Whatever `check` raises (ParityError): nothing is then left.
     """
-    with stage(target, destination) as staged:
+    with stage(target, destination, writer) as staged:
         if check is not None:
             check(staged.path)
     return staged.target

@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import importlib
 
-from keras_selfattn.export.formats._base import Destination, ExportError, Format
+from keras_selfattn.export.formats._base import (
+    Destination,
+    ExportError,
+    Format,
+    Writer,
+)
 from keras_selfattn.export.formats.table import BY_NAME, NAMES, ROWS
 
-__all__ = ["Destination", "ExportError", "Format", "NAMES", "ROWS", "get"]
+__all__ = ["Destination", "ExportError", "Format", "NAMES", "ROWS", "Writer", "get"]
 
 
 def get(name: str) -> Format:

@@ -26,13 +26,17 @@ import re
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import keras
 
 from keras_selfattn.export import _files
 from keras_selfattn.export._target import ExportTarget
 from keras_selfattn.export.formats.table import FormatRow
+
+# Writes a target's artifact at a staged path with the format's options:
+# `Format.write`, or another process's writer (`export._tf_writer`).
+Writer = Callable[[ExportTarget, str, Mapping[str, object]], None]
 
 
 class ExportError(RuntimeError):
@@ -184,14 +188,18 @@ class Format:
     def name(self) -> str:
         return self.row.name
 
-    def require(self) -> None:
+    def require(self, backend: str | None = None) -> None:
         """Refuses a backend Keras has no route on, or a missing package.
+
+        Args:
+            backend: The backend that writes the artifact (default: this
+                process's).
 
         Raises:
             ValueError: one line naming the backend and the way that works.
             ImportError: one line naming the missing package and its extra.
         """
-        backend = keras.backend.backend()
+        backend = backend or keras.backend.backend()
         refusal = self.row.refusal(backend)
         if refusal is not None:
             raise ValueError(refusal)
@@ -205,8 +213,11 @@ class Format:
                     f"Install it with: pip install 'keras_selfattn[{self.row.extra}]'"
                 ) from error
 
-    def check_options(self, options: Mapping[str, object]) -> dict[str, object]:
-        """The format's options, checked (none by default).
+    def check_options(
+        self, options: Mapping[str, object], backend: str | None = None
+    ) -> dict[str, object]:
+        """The format's options, checked (none by default) for the backend
+        that writes the artifact (`require`'s `backend`).
 
         Raises:
             ValueError: for an option the format does not take.
@@ -247,23 +258,32 @@ class Format:
         return path
 
     def destination(
-        self, path: object, argument: str, options: Mapping[str, object]
+        self,
+        path: object,
+        argument: str,
+        options: Mapping[str, object],
+        backend: str | None = None,
     ) -> Destination:
-        """A checked destination (path and options), before any work."""
-        self.require()
-        checked = self.check_options(options)
+        """A checked destination (path and options), before any work;
+        `backend` as in `require`."""
+        self.require(backend)
+        checked = self.check_options(options, backend)
         return Destination(self.name, self.check_path(path, argument), checked)
 
     @contextlib.contextmanager
     def stage(
-        self, target: ExportTarget, destination: Destination
+        self,
+        target: ExportTarget,
+        destination: Destination,
+        writer: Writer | None = None,
     ) -> Iterator[_files.Staged]:
-        """Writes the artifact beside its destination; moves it in after the
-        block (nothing is left if the block raises)."""
+        """Writes the artifact beside its destination (with `writer`, default
+        `write`); moves it in after the block (nothing is left if the block
+        raises)."""
         path = destination.path
         with _files.atomic_files(self.files(path)) as folder:
             staged = os.path.join(folder, os.path.basename(path))
-            self.write(target, staged, destination.options)
+            (writer or self.write)(target, staged, destination.options)
             yield _files.Staged(staged, path)
 
     def write(

@@ -135,13 +135,15 @@ class LiteRTFormat(Format):
     quantized_form = quantization.CONSTANTS
     advice = "export ONNX or OpenVINO instead"
 
-    def check_options(self, options: Mapping[str, object]) -> dict[str, object]:
+    def check_options(
+        self, options: Mapping[str, object], backend: str | None = None
+    ) -> dict[str, object]:
         """`shape`: the fixed (batch, time), required on torch."""
         unknown = sorted(set(options) - {"shape"})
         if unknown:
             super().check_options({k: options[k] for k in unknown})
         shape = check_shape(options.get("shape"))
-        if shape is None and keras.backend.backend() == "torch":
+        if shape is None and (backend or keras.backend.backend()) == "torch":
             raise ValueError(
                 "LiteRT export on the torch backend has fixed input shapes "
                 "(litert-torch): pass shape=(batch, time) (CLI: --litert-shape "

@@ -22,7 +22,12 @@ from keras_selfattn.export import _files, quantization
 from keras_selfattn.export._inputs import example_inputs
 from keras_selfattn.export._target import ExportTarget
 from keras_selfattn.export.formats import table
-from keras_selfattn.export.formats._base import Destination, Format, converting
+from keras_selfattn.export.formats._base import (
+    Destination,
+    Format,
+    Writer,
+    converting,
+)
 from keras_selfattn.serving import layout
 
 # Warmup requests: batch 1 and a few short lengths, the traces TF Serving
@@ -106,7 +111,9 @@ class SavedModelFormat(Format):
     quantized_form = quantization.VARIABLES
     advice = "export ONNX instead, or report the model's layers"
 
-    def check_options(self, options: Mapping[str, object]) -> dict[str, object]:
+    def check_options(
+        self, options: Mapping[str, object], backend: str | None = None
+    ) -> dict[str, object]:
         """`name` (required), `version`, `warmup`, `models_config`."""
         unknown = sorted(set(options) - {"name", "version", "warmup", "models_config"})
         if unknown:
@@ -123,17 +130,22 @@ class SavedModelFormat(Format):
         }
 
     def destination(
-        self, path: object, argument: str, options: Mapping[str, object]
+        self,
+        path: object,
+        argument: str,
+        options: Mapping[str, object],
+        backend: str | None = None,
     ) -> Destination:
-        """The version folder `base_dir/name/VERSION` an export would write now.
+        """The version folder `base_dir/name/VERSION` an export would write now
+        (`backend` as in `require`).
 
         Raises:
             ValueError: for a backend that cannot export a SavedModel, or an
                 invalid name, version or base dir.
             layout.VersionExistsError: if the explicit `version` is taken.
         """
-        self.require()
-        checked = self.check_options(options)
+        self.require(backend)
+        checked = self.check_options(options, backend)
         base_dir = _files.check_path(argument, path)
         if os.path.lexists(base_dir) and not os.path.isdir(base_dir):
             raise ValueError(
@@ -148,13 +160,17 @@ class SavedModelFormat(Format):
 
     @contextlib.contextmanager
     def stage(
-        self, target: ExportTarget, destination: Destination
+        self,
+        target: ExportTarget,
+        destination: Destination,
+        writer: Writer | None = None,
     ) -> Iterator[_files.Staged]:
-        """The version folder, written hidden and renamed in after the block;
-        then `models.config` is rewritten (option `models_config`)."""
+        """The version folder, written hidden (with `writer`, default
+        `write`) and renamed in after the block; then `models.config` is
+        rewritten (option `models_config`)."""
         options = destination.options
         with _files.atomic_directory(destination.version_dir) as directory:
-            self.write(target, directory, options)
+            (writer or self.write)(target, directory, options)
             yield _files.Staged(directory, destination.version_dir)
         if options["models_config"]:
             from keras_selfattn.serving.model_config import write_models_config

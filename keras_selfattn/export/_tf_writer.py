@@ -1,0 +1,125 @@
+"""Writes a generator in a TensorFlow-backend process, from the model's .keras file.
+
+A generator keeps its loop in the graph, which only TensorFlow can trace:
+jax2tf cannot bound the prompt's symbolic length by the cache's ("symbolic
+dimension comparison '- time + max_length' >= '0' is inconclusive") and
+torch.export cannot trace the loop. On JAX and torch, `export_generator`
+saves the model as .keras (`keras_file`), and the pipeline stages the
+artifact with `writer`: `python -m keras_selfattn.export._tf_writer` under
+KERAS_BACKEND=tensorflow loads that file (the saved weights, bit for bit),
+rebuilds the generator and writes the format's artifact at the staged path.
+The caller's pipeline then checks it against `keras_selfattn.generate` on
+the caller's own backend and moves it into place; a failure leaves nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping
+
+import keras
+
+from keras_selfattn.export._target import ExportTarget
+from keras_selfattn.export.formats import ExportError, Writer
+from keras_selfattn.export.formats._base import one_line
+
+WRITER_BACKEND = "tensorflow"
+# A generator's conversion takes seconds to a few minutes; a hung one fails.
+_TIMEOUT_S = 1800
+
+
+@contextlib.contextmanager
+def keras_file(model: keras.Model) -> Iterator[str]:
+    """`model` saved as .keras in a temporary folder, removed after the block.
+
+    Raises:
+        ValueError: if the model cannot be saved (one line saying why).
+    """
+    with tempfile.TemporaryDirectory(prefix="keras_selfattn_writer_") as folder:
+        path = os.path.join(folder, "model.keras")
+        try:
+            model.save(path)
+        except Exception as error:
+            raise ValueError(
+                f"A generator exports from {keras.backend.backend()} through a "
+                f"{WRITER_BACKEND} process that loads the model's .keras file, "
+                f"and saving it failed ({one_line(error)}): register custom "
+                "layers with keras.saving.register_keras_serializable, or "
+                f"export under KERAS_BACKEND={WRITER_BACKEND}"
+            ) from error
+        yield path
+
+
+def writer(path: str, export_format: str, max_length: int, jit_compile: bool) -> Writer:
+    """A `formats.Writer` that writes the generator of the .keras file at
+    `path` as `export_format` (`max_length`, `jit_compile` as in
+    `export_generator`) in a TensorFlow-backend process."""
+
+    def write(target: ExportTarget, staged: str, options: Mapping[str, object]):
+        del target  # rebuilt from the .keras file by the TensorFlow process
+        request = {
+            "keras_file": path,
+            "max_length": max_length,
+            "jit_compile": jit_compile,
+            "format": export_format,
+            "path": staged,
+            "options": dict(options),
+        }
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+        search = [package_root, os.environ.get("PYTHONPATH", "")]
+        env = {
+            **os.environ,
+            "KERAS_BACKEND": WRITER_BACKEND,
+            "TF_CPP_MIN_LOG_LEVEL": "3",
+            "PYTHONPATH": os.pathsep.join(p for p in search if p),
+        }
+        completed = subprocess.run(
+            [sys.executable, "-m", __name__, json.dumps(request)],
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            timeout=_TIMEOUT_S,
+            check=False,
+        )
+        if completed.returncode != 0:
+            lines = completed.stderr.strip().splitlines() or ["no output"]
+            raise ExportError(
+                f"The {WRITER_BACKEND} process writing the generator failed "
+                f"(exit status {completed.returncode}): {lines[-1]}",
+                completed.stderr,
+            )
+
+    return write
+
+
+def main(argv: list[str]) -> None:
+    """Writes the generator the JSON request in `argv[0]` describes; a
+    failure is one line on stderr and exit status 1."""
+    request = json.loads(argv[0])
+    try:
+        from keras_selfattn.export import formats
+        from keras_selfattn.export.generator import build_generator
+
+        model = keras.saving.load_model(request["keras_file"])
+        generator = build_generator(
+            model, request["max_length"], request["jit_compile"]
+        )
+        options = dict(request["options"])
+        if options.get("shape") is not None:
+            options["shape"] = tuple(options["shape"])
+        formats.get(request["format"]).write(
+            generator.target(), request["path"], options
+        )
+    except Exception as error:
+        print(f"{type(error).__name__}: {one_line(error)}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
