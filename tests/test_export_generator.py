@@ -4,14 +4,20 @@
 reference
 (tests/generation_reference.py) for prompts of mixed lengths, greedy and
 seeded; bad arguments are InvalidArgument naming them in the SavedModel and
-an empty result in ONNX Runtime and LiteRT, which cannot raise."""
+an empty result in ONNX Runtime and LiteRT, which cannot raise. The LiteRT
+file's "prefill" and "decode" signatures, driven token by token, give the
+reference's greedy tokens too."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from keras_selfattn.export.generator import export_generator
+from keras_selfattn.export.generator import (
+    PAIR_RUNTIME,
+    export_generator,
+    verify_generator,
+)
 from tests import generation_reference as reference
 from tests.test_generation import PROMPTS, VOCABULARY, token_model
 
@@ -74,7 +80,7 @@ def runners(exported):
     from ai_edge_litert.interpreter import Interpreter
 
     _, saved, onnx_path, litert_path = exported
-    runner = Interpreter(model_path=str(litert_path)).get_signature_runner()
+    runner = Interpreter(model_path=str(litert_path)).get_signature_runner("generate")
     signature = tf.saved_model.load(saved).signatures["generate"]
     session = onnxruntime.InferenceSession(
         onnx_path, providers=["CPUExecutionProvider"]
@@ -88,8 +94,8 @@ def runners(exported):
         return tuple(session.run(["tokens", "lengths"], request))
 
     def litert(request):
-        out = runner(**request)  # Keras's LiteRT export names outputs output_N
-        return out["output_0"], out["output_1"]
+        out = runner(**request)
+        return out["tokens"], out["lengths"]
 
     return {"saved_model": saved_model, "onnx": onnx, "litert": litert}
 
@@ -163,6 +169,73 @@ def test_bad_arguments_elsewhere_return_nothing_generated(runners, runtime, argu
         request[name] = np.asarray(value, request[name].dtype)
     tokens, lengths = runners[runtime](request)
     assert (lengths == 0).all() and (tokens == -1).all()
+
+
+# The token model's SelfAttention layers (tests/test_generation.py).
+CACHES = ("cache_first", "cache_second")
+
+
+@exports
+def test_the_litert_file_has_generate_prefill_and_decode(exported):
+    from ai_edge_litert.interpreter import Interpreter
+
+    interpreter = Interpreter(model_path=str(exported[3]))
+    signatures = interpreter.get_signature_list()
+    assert set(signatures) == {"generate", "prefill", "decode"}
+    assert set(signatures["generate"]["outputs"]) == {"tokens", "lengths"}
+    for name, time in (("prefill", -1), ("decode", 1)):
+        runner = interpreter.get_signature_runner(name)
+        inputs = runner.get_input_details()
+        assert set(inputs) == {"tokens", *CACHES, "cache_update_index"}
+        assert list(inputs["tokens"]["shape_signature"]) == [-1, time]
+        assert set(runner.get_output_details()) == {
+            "logits",
+            *(f"updated_{cache}" for cache in CACHES),
+        }
+
+
+@exports
+def test_litert_prefill_then_decode_equals_the_uncached_reference(exported):
+    """Each prompt through "prefill", then one "decode" call per new token
+    (the argmax of the last logits, the caches fed back), as an app drives
+    the pair; prompts of other lengths go in calls of their own."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    model, _, _, litert_path = exported
+    interpreter = Interpreter(model_path=str(litert_path))
+    prefill = interpreter.get_signature_runner("prefill")
+    decode = interpreter.get_signature_runner("decode")
+    details = prefill.get_input_details()
+    tokens = np.zeros((len(PROMPTS), STEPS), np.int32)
+    for row, prompt in enumerate(PROMPTS):
+        out = prefill(
+            tokens=np.array([prompt], np.int32),
+            cache_update_index=np.array(0, np.int32),
+            **{
+                name: np.zeros((1, *details[name]["shape_signature"][1:]), np.float32)
+                for name in CACHES
+            },
+        )
+        for step in range(STEPS):
+            tokens[row, step] = np.argmax(out["logits"][0, -1])
+            if step + 1 < STEPS:
+                out = decode(
+                    tokens=tokens[row : row + 1, step : step + 1],
+                    cache_update_index=np.array(len(prompt) + step, np.int32),
+                    **{name: out[f"updated_{name}"] for name in CACHES},
+                )
+    want, _ = reference.uncached(model, PROMPTS, STEPS)
+    np.testing.assert_array_equal(tokens, want)
+
+
+@exports
+def test_the_litert_check_generates_through_prefill_and_decode(exported):
+    """`verify_generator` (the exporter's check) runs the pair in a fresh
+    LiteRT process: its greedy tokens are a row of the report."""
+    model, _, _, litert_path = exported
+    report = verify_generator(model, litert_path=litert_path, max_length=MAX_LENGTH)
+    pair = [row for row in report.rows if row.runtime == PAIR_RUNTIME]
+    assert len(pair) == 1 and pair[0].ok and pair[0].max_abs_err == 0.0
 
 
 @exports

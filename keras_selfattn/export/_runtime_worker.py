@@ -9,14 +9,17 @@ keras_selfattn, so a check through it proves the artifact stands alone.
 The request (JSON) names the artifact's format and path and a list of runs.
 A run is a list of steps, each an `.npz` of inputs keyed by the exporter's
 input names; `feedback` maps output names to input names fed into the next
-step (a decoding step's caches). The worker writes each step's outputs,
-keyed by the artifact's own output names, to `<step file>.out.npz`, and the
-reply (JSON) lists the artifact's input and output names, which of keras
-and keras_selfattn were imported (TensorFlow imports keras itself), and
-how the artifact computes a quantized model ("description": its scheme and
-whether that is Keras's own), as the artifact says (the exporters write it:
-ONNX metadata, the SavedModel's assets.extra, OpenVINO's rt_info) or as its
-runtime shows (LiteRT's int8 weights, ONNX Runtime's quantizer ops).
+step (a decoding step's caches), `generated` output names to the input
+their last position feeds, chosen as a generation chooses (`_generated`),
+and `signatures` names each step's signature (the request's own when
+empty; each is opened and bound by itself). The worker writes each step's
+outputs, keyed by the artifact's own output names, to `<step file>.out.npz`,
+and the reply (JSON) lists the artifact's input and output names, which of
+keras and keras_selfattn were imported (TensorFlow imports keras itself),
+and how the artifact computes a quantized model ("description": its scheme
+and whether that is Keras's own), as the artifact says (the exporters write
+it: ONNX metadata, the SavedModel's assets.extra, OpenVINO's rt_info) or as
+its runtime shows (LiteRT's int8 weights, ONNX Runtime's quantizer ops).
 """
 
 from __future__ import annotations
@@ -153,7 +156,9 @@ class _LiteRT:
         interpreter = Interpreter(model_path=path)
         self.description = self._describe(interpreter)
         signatures = interpreter.get_signature_list()
-        if signatures:
+        if len(signatures) > 1 and signature not in signatures:
+            raise ValueError(f"no {signature!r} signature; it has {sorted(signatures)}")
+        if signatures:  # Keras's export names its one "serving_default"
             key = signature if signature in signatures else next(iter(signatures))
             self._runner = interpreter.get_signature_runner(key)
             details = self._runner.get_input_details()
@@ -270,8 +275,18 @@ def _plain(value) -> np.ndarray:
     return array
 
 
-def _open(request: dict):
-    fmt, path, signature = request["format"], request["path"], request["signature"]
+def _generated(output: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """The next input from an output's last position: its argmax over the
+    last axis for an integer input (greedy: the first largest), else the
+    output itself, (batch, 1, ...) in the input's dtype."""
+    last = output[:, -1:]
+    if np.issubdtype(dtype, np.integer):
+        return np.argmax(last, axis=-1).astype(dtype)
+    return last.astype(dtype)
+
+
+def _open(request: dict, signature: str):
+    fmt, path = request["format"], request["path"]
     if fmt == "saved_model":
         return _SavedModel(path, signature)
     if fmt == "onnx":
@@ -292,33 +307,39 @@ def serve(request: dict) -> dict:
     cannot open the artifact), "bind" (its names are not the exported
     ones) or "run" (with the run's index).
     """
-    try:
-        artifact = _open(request)
-    except Exception as error:
-        return _failure("load", error)
-    owner = request["owner"]
-    positional = artifact.positional_inputs
-    try:
-        inputs = _bind(
-            request["input_names"], artifact.input_names, "inputs", owner, positional
-        )
-        outputs = _bind(
-            request["output_names"], artifact.output_names, "outputs", owner, False
-        )
-    except BindError as error:
-        return _failure("bind", error)
+    default, owner = request["signature"], request["owner"]
+    names = [default] + [s for run in request["runs"] for s in run["signatures"]]
+    opened = {}  # signature: (artifact, its input names, its output names)
+    for signature in dict.fromkeys(names):
+        try:
+            artifact = _open(request, signature)
+        except Exception as error:
+            return _failure("load", error)
+        wanted_in, wanted_out = request["input_names"], request["output_names"]
+        positional = artifact.positional_inputs
+        try:
+            inputs = _bind(wanted_in, artifact.input_names, "inputs", owner, positional)
+            outputs = _bind(wanted_out, artifact.output_names, "outputs", owner, False)
+        except BindError as error:
+            return _failure("bind", error)
+        opened[signature] = (artifact, inputs, outputs)
     for index, run in enumerate(request["runs"]):
         state: dict[str, np.ndarray] = {}
+        signatures = run["signatures"] or [default] * len(run["steps"])
         try:
-            for step in run["steps"]:
+            for step, signature in zip(run["steps"], signatures, strict=True):
+                artifact, inputs, outputs = opened[signature]
                 with np.load(step) as loaded:
                     arrays = {**{k: loaded[k] for k in loaded.files}, **state}
                 produced = artifact({inputs[k]: v for k, v in arrays.items()})
                 result = {name: _plain(produced[outputs[name]]) for name in outputs}
                 np.savez(step + ".out.npz", **result)
                 state = {inp: result[out] for out, inp in run["feedback"].items()}
+                for out, inp in run["generated"].items():
+                    state[inp] = _generated(result[out], arrays[inp].dtype)
         except Exception as error:
             return {**_failure("run", error), "run": index}
+    artifact = opened[default][0]
     return {
         "ok": True,
         "input_names": artifact.input_names,

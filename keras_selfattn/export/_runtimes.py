@@ -52,10 +52,18 @@ class Run:
         steps: Each step's inputs keyed by input name (fed-back inputs left
             out after the first step).
         feedback: {output name: input name} carried into the next step.
+        signatures: Each step's signature (a LiteRT generator's "prefill",
+            then "decode"); empty: the export target's, for every step.
+        generated: {output name: input name}: the output's last position
+            becomes the next step's input, as a generation chooses it: its
+            argmax over the last axis for an integer input (a token model's
+            greedy token), else as it is (a value model's output).
     """
 
     steps: tuple[Mapping[str, np.ndarray], ...]
     feedback: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    signatures: tuple[str, ...] = ()
+    generated: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +139,8 @@ def run_artifacts(
                             os.path.join(folder, os.path.basename(f)) for f in files
                         ],
                         "feedback": dict(run.feedback),
+                        "signatures": list(run.signatures),
+                        "generated": dict(run.generated),
                     }
                     for files, run in zip(step_files, runs, strict=True)
                 ],

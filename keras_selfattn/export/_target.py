@@ -64,6 +64,12 @@ class ExportTarget:
             array}` for targets whose inputs are not a model's (a
             generator's controls); None: `_inputs.example_inputs`' random
             ones.
+        extra_signatures: Builds more targets over the same model that a
+            LiteRT file holds beside this one, each under its own
+            `signature_name` (a generator's "prefill" and "decode"); the
+            other formats write this target alone. Called only when a LiteRT
+            file is written, so a model whose extra targets cannot be built
+            still exports elsewhere. None: this target alone.
     """
 
     model: keras.Model
@@ -75,6 +81,7 @@ class ExportTarget:
     quantized: tuple[quantization.QuantizedDense, ...] = ()
     embeddings: tuple[keras.layers.Embedding, ...] = ()
     examples: Callable[[int, int, int], dict] | None = None
+    extra_signatures: Callable[[], tuple[ExportTarget, ...]] | None = None
 
     @contextlib.contextmanager
     def traced(self, form: str) -> Iterator[None]:

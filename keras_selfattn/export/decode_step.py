@@ -126,8 +126,16 @@ class DecodeStep:
         """Runs the step with Keras; returns (output, [updated caches])."""
         return cached_model.run_cached(self.model, self.layers, inputs, caches, index)
 
-    def target(self) -> ExportTarget:
-        """The step as an `ExportTarget`: signature "decode_step"."""
+    def target(
+        self, signature_name: str = STEP_SIGNATURE, new: int | None = None
+    ) -> ExportTarget:
+        """The step as an `ExportTarget`.
+
+        Args:
+            signature_name: Its signature. Defaults to "decode_step".
+            new: The new positions a call takes, fixed (a generator's
+                LiteRT "decode": 1), or None for any number.
+        """
         caches = tuple(
             NamedInput(
                 name,
@@ -137,7 +145,7 @@ class DecodeStep:
             for name, layer in zip(self.cache_names, self.layers, strict=True)
         )
         step_input = NamedInput(
-            self.input.name, (None, None, *self.input.shape[2:]), self.input.dtype
+            self.input.name, (None, new, *self.input.shape[2:]), self.input.dtype
         )
 
         def function(tensors):
@@ -150,7 +158,7 @@ class DecodeStep:
             (step_input, *caches, NamedInput(INDEX_NAME, (), "int32")),
             self.output_names,
             function,
-            signature_name=STEP_SIGNATURE,
+            signature_name=signature_name,
             what="decode step",
         )
 

@@ -28,15 +28,32 @@ runtime.
 
 Formats: SavedModel (TF Serving's layout, warmup and `models.config`),
 ONNX (the loop as an ONNX `Loop`) and LiteRT (the loop as its `WHILE` op,
-builtin ops only, one signature), from every backend. TensorFlow traces
-the loop: JAX's exporters cannot bound the prompt's symbolic length by the
-cache's (jax2tf: "symbolic dimension comparison '- time + max_length' >=
-'0' is inconclusive") and torch.export cannot trace the loop, so on JAX
-and torch a TensorFlow process writes the artifact from the model's .keras
-file (`_tf_writer`). Each generator is staged and checked in a fresh
-process of its runtime against `keras_selfattn.generate` on the caller's
-backend, on the same prompts and seeds: greedy and seeded top-k/top-p
-tokens must be identical.
+builtin ops only), from every backend. TensorFlow traces the loop: JAX's
+exporters cannot bound the prompt's symbolic length by the cache's
+(jax2tf: "symbolic dimension comparison '- time + max_length' >= '0' is
+inconclusive") and torch.export cannot trace the loop, so on JAX and torch
+a TensorFlow process writes the artifact from the model's .keras file
+(`_tf_writer`).
+
+The LiteRT file has two more signatures, for runtimes that drive the loop
+themselves: "prefill" and "decode", the model's decoding step
+(`decode_step`) with the caches as inputs and outputs,
+
+    inputs:  <model input>          (batch, time): prompts; decode: (batch, 1)
+             cache_<layer>          (batch, 2, max_length, kv_heads, key_dim)
+             cache_update_index     int32 (): the first new position
+    outputs: <model output>         the new positions' logits (or values)
+             updated_cache_<layer>  the caches the next call takes
+
+"prefill" takes prompts of one length (zero caches, index 0); each
+"decode" call the token chosen from the last position's logits, the caches
+the call before returned and the number of positions so far.
+
+Each generator is staged and checked in a fresh process of its runtime
+against `keras_selfattn.generate` on the caller's backend, on the same
+prompts and seeds: greedy and seeded top-k/top-p tokens must be identical,
+and so must the greedy tokens the LiteRT pair decodes one "decode" call at
+a time (`pair_run`).
 """
 
 from __future__ import annotations
@@ -52,20 +69,29 @@ from keras import ops
 from keras_selfattn import _checks
 from keras_selfattn.attention import nan_safe
 from keras_selfattn.export import _tf_writer, formats, pipeline
-from keras_selfattn.export._runtimes import Run
+from keras_selfattn.export._runtimes import Artifact, Run
 from keras_selfattn.export._target import ExportTarget, NamedInput
+from keras_selfattn.export.decode_step import INDEX_NAME, DecodeStep, build_decode_step
 from keras_selfattn.export.formats import table
 from keras_selfattn.export.verify import (
     PATH_ARGUMENT,
     ParityReport,
+    ParityRow,
     artifact_paths,
     check_artifacts,
     collect_artifacts,
     finish_report,
+    parity_row,
+    run_checked,
 )
 from keras_selfattn.generation import arguments, generate, loop
 
 GENERATE_SIGNATURE = "generate"
+# The LiteRT file's decoding step: the prompt, then one new token a call.
+PREFILL_SIGNATURE = "prefill"
+DECODE_SIGNATURE = "decode"
+# The check's report row of the LiteRT pair generating.
+PAIR_RUNTIME = "litert prefill/decode"
 CONTROLS = ("temperature", "top_k", "top_p", "seed", "end_token")
 _CONTROL_DTYPES = ("float32", "int32", "float32", "int32", "int32")
 # Formats a generator can be written in (by TensorFlow, from every backend).
@@ -246,7 +272,8 @@ class Generator:
         return tf.function(run, jit_compile=True)
 
     def target(self) -> ExportTarget:
-        """The generator as an `ExportTarget`: signature "generate"."""
+        """The generator as an `ExportTarget`: signature "generate" (LiteRT:
+        with "prefill" and "decode" beside it, `pair`)."""
         return ExportTarget(
             self.read.model,
             self.inputs(),
@@ -255,7 +282,19 @@ class Generator:
             signature_name=GENERATE_SIGNATURE,
             what="generator",
             examples=self.example,
+            extra_signatures=self.pair,
         )
+
+    def pair(self) -> tuple[ExportTarget, ExportTarget]:
+        """The model's decoding step as the LiteRT signatures "prefill" (any
+        number of new positions: the prompts) and "decode" (one).
+
+        Raises:
+            ValueError: for a model whose decoding step cannot be exported
+                (`decode_step.build_decode_step`: an input named by Keras).
+        """
+        step = build_decode_step(self.read.model, self.max_length)
+        return (step.target(PREFILL_SIGNATURE), step.target(DECODE_SIGNATURE, new=1))
 
     def example(self, batch: int, time: int, seed: int = 0) -> dict[str, np.ndarray]:
         """A valid greedy request (warmup): `batch` prompts of up to `time`
@@ -289,10 +328,15 @@ def _asserted(prompts, rules):
         return tf.identity(prompts)
 
 
-def _prompts(read: arguments.Model, batch: int, width: int, seed: int):
-    """Right-padded random prompts of lengths in [1, width] (the first full)."""
+def _prompts(
+    read: arguments.Model, batch: int, width: int, seed: int, mixed: bool = True
+):
+    """Right-padded random prompts of lengths in [1, width] (the first full),
+    or all `width` long when not `mixed`."""
     rng = np.random.default_rng(seed)
-    lengths = np.concatenate([[width], rng.integers(1, width + 1, size=batch - 1)])
+    lengths = np.full(batch, width)
+    if mixed:
+        lengths[1:] = rng.integers(1, width + 1, size=batch - 1)
     if read.tokens:
         prompts = rng.integers(1, read.vocabulary, size=(batch, width))
     else:
@@ -336,11 +380,16 @@ def build_generator(
     return Generator(read, max_length, _checks.boolean("jit_compile", jit_compile))
 
 
+def _sizes(generator: Generator) -> tuple[int, int]:
+    """The checks' (prompt width, new tokens): up to 9 and 12 that fit."""
+    width = max(1, min(9, generator.max_length // 2))
+    return width, min(12, generator.max_length - width)
+
+
 def requests(generator: Generator, seed: int = 0) -> list[tuple[str, dict]]:
     """The checks' requests: 8 prompts of mixed lengths, greedy and (token
     models) seeded top-k / top-p with an end token; (label, inputs)."""
-    width = max(1, min(9, generator.max_length // 2))
-    steps = min(12, generator.max_length - width)
+    width, steps = _sizes(generator)
     prompts, lengths = _prompts(generator.read, 8, width, seed)
     base = {
         generator.prompt_name: prompts,
@@ -389,6 +438,66 @@ def keras_generate(generator: Generator, request: dict) -> dict[str, np.ndarray]
     )
 
 
+def pair_run(
+    generator: Generator, step: DecodeStep, seed: int = 0
+) -> tuple[str, Run, dict]:
+    """The greedy generation the LiteRT pair is checked on: 4 prompts of one
+    length through "prefill", then one "decode" call per new token, each
+    fed the argmax of the last logits (value models: the last output) and
+    the caches the call before returned.
+
+    Returns:
+        (label, the `Run`, the generator request whose tokens it must give).
+    """
+    width, steps = _sizes(generator)
+    prompts, lengths = _prompts(generator.read, 4, width, seed, mixed=False)
+    request = {
+        generator.prompt_name: prompts,
+        "prompt_lengths": lengths,
+        "max_new_tokens": np.int32(steps),
+    }
+    if generator.read.tokens:
+        request.update(_controls({}, generator.read))
+    prefill = {
+        step.input.name: prompts,
+        **step.empty_caches(len(prompts)),
+        INDEX_NAME: np.asarray(0, np.int32),
+    }
+    decode = [{INDEX_NAME: np.asarray(width + k, np.int32)} for k in range(steps - 1)]
+    run = Run(
+        (prefill, *decode),
+        dict(zip(step.updated_cache_names, step.cache_names, strict=True)),
+        signatures=(PREFILL_SIGNATURE,) + (DECODE_SIGNATURE,) * (steps - 1),
+        generated={step.output_name: step.input.name},
+    )
+    label = f"4x{width} +{steps}" + (" greedy" if generator.read.tokens else "")
+    return label, run, request
+
+
+def _pair_row(
+    generator: Generator, artifact: Artifact, tolerance: float, seed: int
+) -> ParityRow:
+    """The LiteRT file's "prefill" and "decode" generating `pair_run` in a
+    fresh process, against `keras_selfattn.generate`."""
+    step = build_decode_step(generator.read.model, generator.max_length)
+    label, run, request = pair_run(generator, step, seed)
+    outcome = run_checked(
+        step.target(PREFILL_SIGNATURE),
+        {PAIR_RUNTIME: artifact},
+        [run],
+        [label],
+        "generating {label} through prefill and decode",
+        tolerance,
+        tolerance,
+    )[PAIR_RUNTIME]
+    last = np.concatenate(
+        [outputs[step.output_name][:, -1:] for outputs in outcome.outputs[0]], axis=1
+    )
+    produced = np.argmax(last, axis=-1) if generator.read.tokens else last
+    wanted = keras_generate(generator, request)[generator.output_names[0]]
+    return parity_row(PAIR_RUNTIME, label, [(wanted, produced)], tolerance, tolerance)
+
+
 def verify_generator(
     model: keras.Model,
     saved_model_dir: str | os.PathLike | None = None,
@@ -401,7 +510,10 @@ def verify_generator(
     """Runs exported generators in fresh processes of their runtimes and
     compares their outputs with `keras_selfattn.generate` on the same
     requests (`requests`): tokens and lengths must be identical (value
-    models: values within float32 rounding, 1e-5).
+    models: values within float32 rounding, 1e-5). A LiteRT file also
+    generates through its "prefill" and "decode" signatures (`pair_run`;
+    report row "litert prefill/decode"), whose greedy tokens must be
+    generate's.
 
     Returns:
         The `ParityReport`.
@@ -427,6 +539,9 @@ def verify_generator(
         tolerance,
         action="generating {label}",
     )
+    litert = artifacts.get(table.LITERT.name)
+    if litert is not None:
+        rows += (_pair_row(generator, litert, tolerance, seed),)
     return finish_report(list(rows), tolerance, tolerance, "generations differ", "")
 
 

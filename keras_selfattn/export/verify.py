@@ -74,7 +74,9 @@ class ParityRow:
     Attributes:
         runtime: "saved_model", "onnx", "litert", "openvino" (at f32;
             "openvino_bf16" at bf16) or "torch"; for decoding steps also
-            "keras_cache" (Keras's cached decode against its full forward).
+            "keras_cache" (Keras's cached decode against its full forward);
+            for a LiteRT generator also "litert prefill/decode" (its greedy
+            tokens through those signatures).
         shape: Input shape label, "BATCHxTIME", with " padded" when rows
             carry padding.
         max_abs_err: Largest |runtime - keras| over all outputs.
@@ -430,6 +432,55 @@ def artifact(
     return _runtimes.Artifact(export_format, path, openvino_precision)
 
 
+def run_checked(
+    target: ExportTarget,
+    artifacts: Mapping[str, _runtimes.Artifact],
+    runs: Sequence[_runtimes.Run],
+    labels: Sequence[str],
+    action: str = "on {label} inputs",
+    atol: float = 0.0,
+    rtol: float = 0.0,
+) -> dict[str, _runtimes.Outcome]:
+    """Runs each artifact in a fresh process; returns what each computed.
+
+    Args:
+        target: The export target the artifacts were made from.
+        artifacts: {runtime label: artifact}.
+        runs: The calls (`_runtimes.Run`).
+        labels: Each run's label, for errors.
+        action: How a failing run is described ("{label}" is filled in).
+        atol, rtol: The tolerances the (empty) report of a failure states.
+
+    Returns:
+        {runtime label: `_runtimes.Outcome`}, each with every run's outputs.
+
+    Raises:
+        ValueError: if a runtime cannot load its artifact.
+        ParityError: if an artifact's names differ or it fails on a run.
+        RuntimeError: if a runtime process imported keras_selfattn (or keras,
+            outside TensorFlow's runtime).
+    """
+    outcomes = _runtimes.run_artifacts(target, artifacts, runs)
+    for runtime, outcome in outcomes.items():
+        row_of_format = table.BY_NAME[artifacts[runtime].format]
+        what = f"{row_of_format.artifact} {artifacts[runtime].path}"
+        if outcome.stage in ("load", "process"):
+            raise ValueError(f"Cannot load {what}: {brief(outcome.error)}")
+        if outcome.stage == "bind":
+            raise ParityError(f"{what} {outcome.error}", ParityReport((), 0.0, 0.0))
+        allowed = ("keras",) if row_of_format is table.SAVED_MODEL else ()
+        foreign = [name for name in outcome.imported if name not in allowed]
+        if foreign:  # the check would not prove that the artifact stands alone
+            raise RuntimeError(f"the runtime process of {what} imported {foreign}")
+        if outcome.stage == "run":
+            raise ParityError(
+                f"{runtime} failed {action.format(label=labels[outcome.run])} "
+                f"where Keras runs: {brief(outcome.error)}",
+                ParityReport((), atol, rtol),
+            )
+    return outcomes
+
+
 def check_artifacts(
     target: ExportTarget,
     artifacts: Mapping[str, _runtimes.Artifact],
@@ -467,29 +518,10 @@ def check_artifacts(
         ValueError: if a runtime cannot load its artifact.
         ParityError: if an artifact's names differ or it fails on a run.
     """
-    outcomes = _runtimes.run_artifacts(target, artifacts, runs)
+    outcomes = run_checked(target, artifacts, runs, labels, action, atol, rtol)
     rows = {}
     runs_triples: dict[str, list] = {}  # quantized: per runtime, per run
     for runtime, outcome in outcomes.items():
-        row_of_format = table.BY_NAME[artifacts[runtime].format]
-        what = f"{row_of_format.artifact} {artifacts[runtime].path}"
-        if outcome.stage in ("load", "process"):
-            raise ValueError(f"Cannot load {what}: {brief(outcome.error)}")
-        if outcome.stage == "bind":
-            raise ParityError(f"{what} {outcome.error}", ParityReport((), 0.0, 0.0))
-        allowed = ("keras",) if row_of_format is table.SAVED_MODEL else ()
-        foreign = [name for name in outcome.imported if name not in allowed]
-        if foreign:  # the check would not prove that the artifact stands alone
-            raise RuntimeError(f"the runtime process of {what} imported {foreign}")
-        if outcome.stage == "run":
-            done = [
-                rows[(i, runtime)] for i in range(outcome.run) if (i, runtime) in rows
-            ]
-            raise ParityError(
-                f"{runtime} failed {action.format(label=labels[outcome.run])} "
-                f"where Keras runs: {brief(outcome.error)}",
-                ParityReport(tuple(done), atol, rtol),
-            )
         for index, (want, have) in enumerate(
             zip(expected, outcome.outputs, strict=True)
         ):

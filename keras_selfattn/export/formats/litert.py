@@ -1,7 +1,10 @@
 """LiteRT (.tflite): TensorFlow's converter, or litert-torch on torch.
 
 On TensorFlow the converter keeps batch and time dynamic; litert-torch on
-torch fixes them (option `shape`). A quantized model is converted with its
+torch fixes them (option `shape`). A target with extra signatures (a
+generator's "prefill" and "decode" beside "generate") is converted with
+them into one file (`litert_signatures`, TensorFlow); a target alone goes
+through Keras's `model.export`. A quantized model is converted with its
 dequantized kernels as float constants, then quantized by LiteRT's own
 `ai_edge_quantizer` (`RECIPES`), the same on both backends:
 
@@ -32,7 +35,7 @@ import numpy as np
 from keras_selfattn.attention import dispatch
 from keras_selfattn.export import quantization
 from keras_selfattn.export._target import ExportTarget
-from keras_selfattn.export.formats import table
+from keras_selfattn.export.formats import litert_signatures, table
 from keras_selfattn.export.formats._base import ExportError, Format, converting
 
 logger = logging.getLogger(__name__)
@@ -156,11 +159,20 @@ class LiteRTFormat(Format):
         self, target: ExportTarget, path: str, options: Mapping[str, object]
     ) -> None:
         shape = options["shape"]
-        signature = (
-            target.input_signature()
-            if shape is None
-            else fixed_signature(target, shape)
-        )
+        # Extra targets are built before the conversion: a model they refuse
+        # gets their own one-line ValueError, not a failed conversion.
+        targets = (target,)
+        if target.extra_signatures is not None:
+            targets += target.extra_signatures()
+        entries = [
+            (
+                each,
+                each.input_signature()
+                if shape is None
+                else fixed_signature(each, shape),
+            )
+            for each in targets
+        ]
         recipe = recipe_name(target.quantized)
         if target.quantized and recipe is None:
             modes = sorted({q.mode for q in target.quantized})
@@ -179,9 +191,12 @@ class LiteRTFormat(Format):
             warnings.catch_warnings(),
         ):
             warnings.simplefilter("ignore")
-            target.keras_model().export(
-                path, format="litert", verbose=False, input_signature=signature
-            )
+            if len(entries) > 1:
+                litert_signatures.convert(entries, path)
+            else:
+                target.keras_model().export(
+                    path, format="litert", verbose=False, input_signature=entries[0][1]
+                )
             if recipe is not None:
                 quantize(path, recipe)
         if recipe is not None:
