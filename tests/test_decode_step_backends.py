@@ -1,13 +1,14 @@
 """The decoding step exports from JAX and PyTorch in every format Keras
 writes there: JAX's SavedModel (jax2tf) and ONNX (jax2onnx); torch's ONNX,
-OpenVINO and .pt2. Each export runs its exporter's own check
+OpenVINO and .pt2; and TensorFlow's OpenVINO step (its cache write a
+gather). Each export runs its exporter's own check
 (`verify_decode_step`): whole sequences decoded step by step in a fresh
 process of the runtime, against Keras's cached calls and the model's full
 forward, so a step that writes its cache at the wrong position, or bakes
 the example's index or sizes into the graph, fails. An ONNX step is also
 run here, one position at a time from the first, against the model's full
 forward (the reference that does not use the cache at all).
-TensorFlow's steps are tested in test_export_decode_step.py."""
+TensorFlow's other steps are tested in test_export_decode_step.py."""
 
 from __future__ import annotations
 
@@ -21,7 +22,11 @@ from tests import model_zoo
 MAX_LENGTH = 9
 VOCAB = 30
 # Keras's formats per backend; the first of each runs in `make test`.
-FORMATS = {"jax": ("onnx", "saved_model"), "torch": ("onnx", "openvino", "torch")}
+FORMATS = {
+    "tensorflow": ("openvino",),
+    "jax": ("onnx", "saved_model"),
+    "torch": ("onnx", "openvino", "torch"),
+}
 SUFFIX = {"onnx": ".onnx", "openvino": ".xml", "torch": ".pt2", "saved_model": ""}
 
 
@@ -40,7 +45,7 @@ def _cases() -> list:
 
 
 @pytest.mark.parametrize("backend, export_format", _cases())
-def test_decode_step_exports_from_jax_and_torch(backend, export_format, tmp_path):
+def test_decode_step_exports_from_every_backend(backend, export_format, tmp_path):
     if keras.backend.backend() != backend:
         pytest.skip(f"a {backend} export (KERAS_BACKEND={backend})")
     model = _model()

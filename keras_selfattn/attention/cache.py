@@ -18,7 +18,10 @@ returns NaN outputs and leaves the cache as it was.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -285,6 +288,24 @@ def _shapes_may_vary() -> bool:
     )
 
 
+_GATHERED_WRITES = contextvars.ContextVar(
+    "keras_selfattn_gathered_cache_writes", default=False
+)
+
+
+@contextlib.contextmanager
+def gathered_writes() -> Iterator[None]:
+    """Within this context, cached calls write their caches as one gather
+    (`_gather_write`) instead of a dynamic update slice: for converters that
+    have no such op (OpenVINO's TensorFlow frontend has no
+    XlaDynamicUpdateSlice). Decided while a call is traced; it nests."""
+    token = _GATHERED_WRITES.set(True)
+    try:
+        yield
+    finally:
+        _GATHERED_WRITES.reset(token)
+
+
 def _gather_write(cache, new, start, valid):
     """`cache` with `new` written from position `start`, as one gather from
     both: JAX's shape-polymorphic export (jax2tf, jax2onnx) cannot slice by a
@@ -333,7 +354,8 @@ def update(cache, key, value, index, valid=None, padding=None):
     index_dtype = "int64" if backend == "torch" else "int32"
     zero = ops.zeros((), index_dtype)
     start = ops.cast(index, index_dtype)
-    if backend == "jax" and not _static(ops.shape(new)[2]):
+    symbolic = backend == "jax" and not _static(ops.shape(new)[2])
+    if symbolic or _GATHERED_WRITES.get():
         cache = _gather_write(cache, new, start, valid)
     else:
         if valid is not None:

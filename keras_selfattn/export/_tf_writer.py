@@ -5,8 +5,8 @@ jax2tf cannot bound the prompt's symbolic length by the cache's ("symbolic
 dimension comparison '- time + max_length' >= '0' is inconclusive") and
 torch.export cannot trace the loop. On JAX and torch, `export_generator`
 saves the model as .keras (`keras_file`), and the pipeline stages the
-artifact with `writer`: `python -m keras_selfattn.export._tf_writer` under
-KERAS_BACKEND=tensorflow loads that file (the saved weights, bit for bit),
+artifact with `writer`: `python -m keras_selfattn.export._generator_worker`
+under KERAS_BACKEND=tensorflow loads that file (the saved weights, bit for bit),
 rebuilds the generator and writes the format's artifact at the staged path.
 The caller's pipeline then checks it against `keras_selfattn.generate` on
 the caller's own backend and moves it into place; a failure leaves nothing.
@@ -29,6 +29,9 @@ from keras_selfattn.export.formats import ExportError, Writer
 from keras_selfattn.export.formats._base import one_line
 
 WRITER_BACKEND = "tensorflow"
+# The TensorFlow process's entry point (a module of its own: it imports the
+# generator, which imports this module).
+WORKER = "keras_selfattn.export._generator_worker"
 # A generator's conversion takes seconds to a few minutes; a hung one fails.
 _TIMEOUT_S = 1800
 
@@ -79,7 +82,7 @@ def writer(path: str, export_format: str, max_length: int, jit_compile: bool) ->
             "PYTHONPATH": os.pathsep.join(p for p in search if p),
         }
         completed = subprocess.run(
-            [sys.executable, "-m", __name__, json.dumps(request)],
+            [sys.executable, "-m", WORKER, json.dumps(request)],
             capture_output=True,
             text=True,
             stdin=subprocess.DEVNULL,
@@ -96,30 +99,3 @@ def writer(path: str, export_format: str, max_length: int, jit_compile: bool) ->
             )
 
     return write
-
-
-def main(argv: list[str]) -> None:
-    """Writes the generator the JSON request in `argv[0]` describes; a
-    failure is one line on stderr and exit status 1."""
-    request = json.loads(argv[0])
-    try:
-        from keras_selfattn.export import formats
-        from keras_selfattn.export.generator import build_generator
-
-        model = keras.saving.load_model(request["keras_file"])
-        generator = build_generator(
-            model, request["max_length"], request["jit_compile"]
-        )
-        options = dict(request["options"])
-        if options.get("shape") is not None:
-            options["shape"] = tuple(options["shape"])
-        formats.get(request["format"]).write(
-            generator.target(), request["path"], options
-        )
-    except Exception as error:
-        print(f"{type(error).__name__}: {one_line(error)}", file=sys.stderr)
-        sys.exit(1)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

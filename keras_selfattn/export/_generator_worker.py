@@ -1,0 +1,43 @@
+"""The TensorFlow process that writes a generator from a .keras file.
+
+Started by `_tf_writer.writer` as `python -m
+keras_selfattn.export._generator_worker REQUEST_JSON` under
+KERAS_BACKEND=tensorflow. The request names the .keras file, `max_length`,
+`jit_compile`, the format, the staged path and the format's checked
+options; the worker loads the model, rebuilds its generator and writes the
+artifact there. A failure is one line on stderr and exit status 1.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import keras
+
+from keras_selfattn.export import formats
+from keras_selfattn.export.formats._base import one_line
+from keras_selfattn.export.generator import build_generator
+
+
+def main(argv: list[str]) -> None:
+    """Writes the generator the JSON request in `argv[0]` describes."""
+    request = json.loads(argv[0])
+    try:
+        model = keras.saving.load_model(request["keras_file"])
+        generator = build_generator(
+            model, request["max_length"], request["jit_compile"]
+        )
+        options = dict(request["options"])
+        if options.get("shape") is not None:
+            options["shape"] = tuple(options["shape"])
+        formats.get(request["format"]).write(
+            generator.target(), request["path"], options
+        )
+    except Exception as error:
+        print(f"{type(error).__name__}: {one_line(error)}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
