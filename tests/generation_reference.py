@@ -6,6 +6,7 @@ sharing no code with the package.
 - `next_token`: greedy / temperature / top-k / top-p / inverse-CDF pick.
 - `uncached`: generation that re-runs the model's full forward on each
   row's own unpadded sequence at every step: no cache, no padding.
+- `generator_request`: an exported generator's inputs for those prompts.
 """
 
 from __future__ import annotations
@@ -92,3 +93,27 @@ def uncached_values(model, prompts, steps) -> np.ndarray:
             sequence = np.concatenate([sequence, output[None]], axis=0)
         rows.append(np.stack(new))
     return np.stack(rows)
+
+
+def generator_request(prompts, steps, vocabulary, controls=None) -> dict:
+    """An exported generator's inputs (module doc of
+    `keras_selfattn.export.generator`): `prompts` right-padded, greedy
+    unless `controls` say otherwise."""
+    padded = np.zeros((len(prompts), max(map(len, prompts))), np.int32)
+    for row, prompt in enumerate(prompts):
+        padded[row, : len(prompt)] = prompt
+    values = {
+        "temperature": 0.0,
+        "top_k": vocabulary,
+        "top_p": 1.0,
+        "seed": 0,
+        "end_token": -1,
+    }
+    values.update(controls or {})
+    dtypes = {"temperature": "float32", "top_p": "float32"}
+    return {
+        "prompt_tokens": padded,
+        "prompt_lengths": np.array([len(p) for p in prompts], np.int32),
+        "max_new_tokens": np.array(steps, np.int32),
+        **{k: np.array(v, dtypes.get(k, "int32")) for k, v in values.items()},
+    }

@@ -53,24 +53,7 @@ def exported(tmp_path_factory):
 
 
 def _request(controls=None, steps=STEPS):
-    padded = np.zeros((len(PROMPTS), max(map(len, PROMPTS))), np.int32)
-    for row, prompt in enumerate(PROMPTS):
-        padded[row, : len(prompt)] = prompt
-    values = {
-        "temperature": 0.0,
-        "top_k": VOCABULARY,
-        "top_p": 1.0,
-        "seed": 0,
-        "end_token": -1,
-    }
-    values.update(controls or {})
-    dtypes = {"temperature": "float32", "top_p": "float32"}
-    return {
-        "prompt_tokens": padded,
-        "prompt_lengths": np.array([len(p) for p in PROMPTS], np.int32),
-        "max_new_tokens": np.array(steps, np.int32),
-        **{k: np.array(v, dtypes.get(k, "int32")) for k, v in values.items()},
-    }
+    return reference.generator_request(PROMPTS, steps, VOCABULARY, controls)
 
 
 @pytest.fixture(scope="module")

@@ -277,20 +277,8 @@ def test_generator_exports_from_jax_and_torch(model, export_format, tmp_path):
     import onnxruntime
 
     session = onnxruntime.InferenceSession(written, providers=["CPUExecutionProvider"])
-    padded = np.zeros((len(PROMPTS), max(map(len, PROMPTS))), np.int32)
-    for row, prompt in enumerate(PROMPTS):
-        padded[row, : len(prompt)] = prompt
     controls = {"temperature": 1.5, "top_k": 8, "top_p": 0.95, "seed": 7}
-    request = {
-        "prompt_tokens": padded,
-        "prompt_lengths": np.array([len(p) for p in PROMPTS], np.int32),
-        "max_new_tokens": np.array(STEPS, np.int32),
-        "end_token": np.array(-1, np.int32),
-        **{
-            k: np.array(v, "float32" if isinstance(v, float) else "int32")
-            for k, v in controls.items()
-        },
-    }
+    request = reference.generator_request(PROMPTS, STEPS, VOCABULARY, controls)
     tokens, lengths = session.run(["tokens", "lengths"], request)
     expected, expected_lengths = reference.uncached(model, PROMPTS, STEPS, **controls)
     np.testing.assert_array_equal(tokens, expected)
