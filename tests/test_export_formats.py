@@ -107,6 +107,11 @@ for fmt in refused:
     except ValueError as error:
         result["refused"][fmt] = str(error)
 result["untouched"] = sorted(os.listdir(root)) == before
+described = os.path.join(
+    paths.get("saved_model_dir", root), "assets.extra", "keras_selfattn.json")
+result["tf_serving_flags"] = (
+    json.load(open(described)).get("tf_serving_flags", [])
+    if os.path.isfile(described) else [])
 print("RESULT " + json.dumps(result))
 """
 
@@ -210,6 +215,15 @@ def _check_cell(result: dict, backend: str, fmt: str, shapes, wrong=False) -> No
 def test_every_exportable_cell_matches_keras(matrix, backend, fmt):
     """Works within 1e-4 at T=7 and T=33 (padded rows)."""
     _check_cell(matrix(backend), backend, fmt, FAST_SHAPES)
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+def test_saved_models_say_whether_tf_serving_needs_xla(matrix, backend):
+    """jax2tf's SavedModel is one XlaCallModule, which TF Serving runs only
+    with --xla_cpu_compilation_enabled=true (its check ran with XLA off
+    otherwise); TensorFlow's needs nothing."""
+    flags = matrix(backend)["tf_serving_flags"]
+    assert flags == (["--xla_cpu_compilation_enabled=true"] if backend == "jax" else [])
 
 
 @pytest.mark.parametrize("backend, fmt", sorted(REFUSED))

@@ -269,10 +269,11 @@ def _tf_assert(inputs, cache, index, valid, layer_name: str):
         return tf.identity(inputs), tf.identity(cache)
 
 
-def _shapes_may_vary() -> bool:
-    """Whether this call may give tensors a size known only when it runs: in
-    a TensorFlow graph that XLA does not compile (eager calls know every
-    size; XLA under `jax.jit` or `jit_compile=True` needs static ones)."""
+def _outside_xla() -> bool:
+    """Whether this call is traced into a TensorFlow graph that XLA does not
+    compile (not eager, not under `jit_compile=True`): there tensors may
+    have sizes known only when it runs (eager calls know every size; XLA
+    under `jax.jit` or `jit_compile=True` needs static ones)."""
     if keras.backend.backend() != "tensorflow":
         return False
     import tensorflow as tf
@@ -288,22 +289,35 @@ def _shapes_may_vary() -> bool:
     )
 
 
-_GATHERED_WRITES = contextvars.ContextVar(
-    "keras_selfattn_gathered_cache_writes", default=False
-)
+# How cached calls write their caches: "" (each backend's own way), or
+# within a context below, "gather" or "xla".
+_WRITES = contextvars.ContextVar("keras_selfattn_cache_writes", default="")
 
 
 @contextlib.contextmanager
-def gathered_writes() -> Iterator[None]:
+def _writing(kind: str) -> Iterator[None]:
+    token = _WRITES.set(kind)
+    try:
+        yield
+    finally:
+        _WRITES.reset(token)
+
+
+def gathered_writes() -> contextlib.AbstractContextManager[None]:
     """Within this context, cached calls write their caches as one gather
     (`_gather_write`) instead of a dynamic update slice: for converters that
     have no such op (OpenVINO's TensorFlow frontend has no
     XlaDynamicUpdateSlice). Decided while a call is traced; it nests."""
-    token = _GATHERED_WRITES.set(True)
-    try:
-        yield
-    finally:
-        _GATHERED_WRITES.reset(token)
+    return _writing("gather")
+
+
+def xla_writes() -> contextlib.AbstractContextManager[None]:
+    """Within this context, TensorFlow graphs write caches with Keras's
+    `slice_update` (XlaDynamicUpdateSlice) also outside XLA: the op that
+    TensorFlow's converters take (LiteRT's; tf2onnx through
+    `onnx_handlers`), where TensorFlow's own TensorStridedSliceUpdate has no
+    conversion. Decided while a call is traced; it nests."""
+    return _writing("xla")
 
 
 def _gather_write(cache, new, start, valid):
@@ -323,6 +337,27 @@ def _gather_write(cache, new, start, valid):
     # p. The concatenation, unlike a select, refuses a batch of other size.
     source = ops.where(written, ops.add(offset, max_length), positions)
     return ops.take(ops.concatenate([cache, new], axis=2), source, axis=2)
+
+
+def _tf_strided_write(cache, new, start):
+    """`cache` with `new` written from position `start` (in range), by
+    TensorFlow's TensorStridedSliceUpdate. Keras's `slice_update` is
+    XlaDynamicUpdateSlice there, an op that runs only where XLA may compile,
+    and TF Serving disables XLA on CPUs unless started with
+    `--xla_cpu_compilation_enabled=true`: every request would fail."""
+    import tensorflow as tf
+
+    zero = tf.zeros((), "int32")
+    start = tf.cast(start, "int32")
+    shape = tf.shape(cache)
+    end = tf.concat([shape[:2], [start + tf.shape(new)[2]], shape[3:]], axis=0)
+    return tf.raw_ops.TensorStridedSliceUpdate(
+        input=cache,
+        begin=tf.stack([zero, zero, start, zero, zero]),
+        end=end,
+        strides=tf.ones((5,), "int32"),
+        value=new,
+    )
 
 
 def update(cache, key, value, index, valid=None, padding=None):
@@ -355,24 +390,27 @@ def update(cache, key, value, index, valid=None, padding=None):
     zero = ops.zeros((), index_dtype)
     start = ops.cast(index, index_dtype)
     symbolic = backend == "jax" and not _static(ops.shape(new)[2])
-    if symbolic or _GATHERED_WRITES.get():
+    writes = _WRITES.get()
+    if symbolic or writes == "gather":
         cache = _gather_write(cache, new, start, valid)
     else:
         if valid is not None:
             last = ops.subtract(_size(cache, 2), _size(new, 2))
             start = ops.minimum(ops.maximum(start, 0), ops.maximum(last, 0))
         starts = (zero, zero, start, zero, zero)
-        if valid is None:
+        if valid is not None and backend != "torch":
+            old = ops.slice(cache, starts, ops.shape(new))
+            new = nan_safe.where(valid, new, old)
+        if backend == "tensorflow" and writes != "xla" and _outside_xla():
+            cache = _tf_strided_write(cache, new, start)
+        elif valid is None or backend != "torch":
             cache = ops.slice_update(cache, starts, new)
-        elif backend == "torch":
+        else:
             # Keras's torch slice narrows by tensor sizes, which torch.export
             # cannot trace (data-dependent shapes): the whole updated cache
             # is selected instead (the update copies it anyway).
             updated = ops.slice_update(cache, starts, new)
             cache = nan_safe.where(valid, updated, cache)
-        else:
-            old = ops.slice(cache, starts, ops.shape(new))
-            cache = ops.slice_update(cache, starts, nan_safe.where(valid, new, old))
     max_length = ops.shape(cache)[2]
     new_length = ops.shape(new)[2]
     if _static(index) and _static(new_length):
@@ -382,7 +420,7 @@ def update(cache, key, value, index, valid=None, padding=None):
     length, visible = None, None
     if all(_static(size) for size in (end, max_length)):
         length = end if end < max_length else None
-    elif _shapes_may_vary():
+    elif _outside_xla():
         # At least one key: an index out of range returns NaN (`Guard`).
         length = ops.minimum(ops.maximum(end, 1), max_length)
     else:

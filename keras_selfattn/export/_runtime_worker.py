@@ -20,6 +20,8 @@ and how the artifact computes a quantized model ("description": its scheme
 and whether that is Keras's own), as the artifact says (the exporters write
 it: ONNX metadata, the SavedModel's assets.extra, OpenVINO's rt_info) or as
 its runtime shows (LiteRT's int8 weights, ONNX Runtime's quantizer ops).
+A SavedModel runs as TF Serving would run it: with XLA disabled unless it
+says it needs TF Serving's `--xla_cpu_compilation_enabled=true`.
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ _NUMBERED = re.compile(r"^(.*?)(\d+)$")
 _ONNX_KEY = "keras_selfattn.quantization"
 _SAVED_MODEL_DESCRIPTION = os.path.join("assets.extra", "keras_selfattn.json")
 _OPENVINO_KEY = "keras_selfattn_quantization"
+# What a SavedModel that needs XLA says (saved_model.XLA_FLAG), and
+# TensorFlow's C++ switch that TF Serving flips without it.
+_XLA_FLAG = "--xla_cpu_compilation_enabled=true"
+_TF_LIBRARY = "libtensorflow_cc.so.2"
+_DISABLE_XLA = "_ZN10tensorflow21DisableXlaCompilationEv"
 _ONNX_RUNTIME_QUANTIZER = {
     "DynamicQuantizeLinear",
     "DynamicQuantizeMatMul",
@@ -87,6 +94,18 @@ def _bind(
     raise BindError(f"lacks the {owner}'s {kind} {missing}; it has {sorted(found)}")
 
 
+def _as_tf_serving_would(tf, flags: list) -> None:
+    """Disables XLA as TF Serving does on a CPU unless it is started with
+    `--xla_cpu_compilation_enabled=true` (its main calls TensorFlow's
+    `DisableXlaCompilation()`): an op that only XLA runs then fails."""
+    if _XLA_FLAG in flags:
+        return
+    import ctypes
+
+    library = ctypes.CDLL(os.path.join(os.path.dirname(tf.__file__), _TF_LIBRARY))
+    getattr(library, _DISABLE_XLA)()
+
+
 class _SavedModel:
     positional_inputs = False
 
@@ -94,6 +113,12 @@ class _SavedModel:
         import tensorflow as tf
 
         self._tf = tf
+        described = os.path.join(path, _SAVED_MODEL_DESCRIPTION)
+        self.description = {}
+        if os.path.isfile(described):
+            with open(described) as file:
+                self.description = json.load(file)
+        _as_tf_serving_would(tf, self.description.get("tf_serving_flags", []))
         loaded = tf.saved_model.load(path)
         if signature not in loaded.signatures:
             raise ValueError(
@@ -104,11 +129,6 @@ class _SavedModel:
         _, specs = self._function.structured_input_signature
         self.input_names = list(specs)
         self.output_names = sorted(self._function.structured_outputs, key=_natural)
-        described = os.path.join(path, _SAVED_MODEL_DESCRIPTION)
-        self.description = {}
-        if os.path.isfile(described):
-            with open(described) as file:
-                self.description = json.load(file)
 
     def __call__(self, arrays):
         outputs = self._function(**{k: self._tf.constant(v) for k, v in arrays.items()})

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import keras
 
 from keras_selfattn import _checks
+from keras_selfattn.attention import cache
 from keras_selfattn.export import quantization
 from keras_selfattn.export._target import BATCH_AXIS, TIME_AXIS, ExportTarget
 from keras_selfattn.export.formats import table
@@ -177,7 +178,10 @@ class OnnxFormat(Format):
             target.traced(self.quantized_form),
         ):
             if keras.backend.backend() == "tensorflow":
-                proto = convert_to_onnx(target, opset)
+                # A decoding step's cache write as XlaDynamicUpdateSlice,
+                # which `onnx_handlers` converts.
+                with cache.xla_writes():
+                    proto = convert_to_onnx(target, opset)
             else:
                 keras_export(target, path, opset)
                 proto = name_outputs(onnx.load(path), target.output_names)

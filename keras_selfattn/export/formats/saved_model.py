@@ -6,12 +6,21 @@ rewritten. Quantized layers read their stored integers and dequantize them
 once per call (`quantization.VARIABLES`): the files keep Keras's integers,
 and TensorFlow computes in float (its CPU has no faster integer matmul for
 Keras's scheme; Keras's own quantized call runs slower than float there).
+
+TF Serving disables XLA on CPUs unless started with
+`--xla_cpu_compilation_enabled=true` (`XLA_FLAG`): a graph with an op that
+only XLA runs (jax2tf's XlaCallModule, so every SavedModel written on JAX;
+a `jit_compile=True` function; an Xla* op) fails every request without
+it. Such a SavedModel says so in `DESCRIPTION_PATH` (`tf_serving_flags`),
+the export logs it, and the runtime check runs every SavedModel under the
+setting TF Serving would give it (`_runtime_worker`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from collections.abc import Iterator, Mapping
 
@@ -86,22 +95,50 @@ def write_warmup(target: ExportTarget, directory: str, model_name: str) -> None:
     )
 
 
-def _write_description(target: ExportTarget, directory: str) -> None:
-    """Says in `DESCRIPTION_PATH` how a quantized export computes: Keras's own
-    scheme unless a layer quantizes its activations (int8) or is float8."""
-    description = {
-        "scheme": SCHEME,
-        "exact": all(
+SCHEME = "float activations; integer weights dequantized once per call"
+# The TF Serving flag without which XLA does not run on a CPU.
+XLA_FLAG = "--xla_cpu_compilation_enabled=true"
+
+logger = logging.getLogger(__name__)
+
+
+def needs_xla(directory: str) -> bool:
+    """Whether the SavedModel in `directory` has an op that only XLA runs (an
+    Xla* op) or a function XLA must compile (`jit_compile=True`)."""
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    saved = saved_model_pb2.SavedModel()
+    with open(os.path.join(directory, "saved_model.pb"), "rb") as file:
+        saved.ParseFromString(file.read())
+    for graph in saved.meta_graphs:
+        functions = graph.graph_def.library.function
+        nodes = [*graph.graph_def.node]
+        nodes += [node for function in functions for node in function.node_def]
+        if any(node.op.startswith("Xla") for node in nodes):
+            return True
+        if any(f.attr["_XlaMustCompile"].b for f in functions):
+            return True
+    return False
+
+
+def _write_description(target: ExportTarget, directory: str, xla: bool) -> None:
+    """Says in `DESCRIPTION_PATH` what TF Serving needs (`XLA_FLAG` where
+    `xla`) and how a quantized export computes: Keras's own scheme unless
+    a layer quantizes its activations (int8) or is float8."""
+    description = {}
+    if xla:
+        description["tf_serving_flags"] = [XLA_FLAG]
+    if target.quantized:
+        description["scheme"] = SCHEME
+        description["exact"] = all(
             q.activations is None and q.mode != "float8" for q in target.quantized
-        ),
-    }
+        )
+    if not description:
+        return
     path = os.path.join(directory, DESCRIPTION_PATH)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as file:
         json.dump(description, file)
-
-
-SCHEME = "float activations; integer weights dequantized once per call"
 
 
 class SavedModelFormat(Format):
@@ -188,8 +225,14 @@ class SavedModelFormat(Format):
             write_saved_model(target, path)
         if options.get("warmup"):
             write_warmup(target, path, options["name"])
-        if target.quantized:
-            _write_description(target, path)
+        xla = needs_xla(path)
+        if xla:
+            logger.warning(
+                "This SavedModel runs in TF Serving only when it is started with "
+                "%s (its graph compiles with XLA: written on JAX, or jit_compile)",
+                XLA_FLAG,
+            )
+        _write_description(target, path, xla)
 
 
 FORMAT = SavedModelFormat()
