@@ -233,11 +233,34 @@ def schedule(step: DecodeStep, sequence: np.ndarray, prompt_length: int):
     return _runtimes.Run(tuple(steps), feedback)
 
 
+def _reference_call(target: ExportTarget):
+    """`target.call_named`, under `jax.jit` on JAX: eagerly, every step's
+    keys would have a new length (`cache_update_index` + new positions), and
+    JAX compiles each op anew for each shape (about a second a step, most of
+    an export's check). Compiled, the index is traced as in the exports (one
+    program per input shape), with the model's variables as arguments."""
+    if keras.backend.backend() != "jax":
+        return target.call_named
+    import jax
+
+    variables = target.model.variables
+
+    @jax.jit
+    def stateless(values, arrays):
+        mapping = list(zip(variables, values, strict=True))
+        with keras.StatelessScope(state_mapping=mapping):
+            return target.call_named(arrays)
+
+    return lambda arrays: stateless([v.value for v in variables], arrays)
+
+
 def keras_decode(step: DecodeStep, run: _runtimes.Run) -> list[dict[str, np.ndarray]]:
-    """Keras's cached calls (eager) over `run`: the exports' reference."""
+    """Keras's cached calls over `run` (eager; compiled on JAX, see
+    `_reference_call`): the exports' reference."""
     results, state, target = [], {}, step.target()
+    call = _reference_call(target)
     for arrays in run.steps:
-        outputs = target.call_named({**arrays, **state})
+        outputs = call({**arrays, **state})
         result = {k: keras.ops.convert_to_numpy(v) for k, v in outputs.items()}
         results.append(result)
         state = {inp: result[out] for out, inp in run.feedback.items()}
