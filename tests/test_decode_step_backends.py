@@ -90,3 +90,28 @@ def test_torch_litert_step_names_the_route(tmp_path):
         export_decode_step(_model(), tmp_path / "s.tflite", "litert", max_length=4)
     assert "\n" not in str(caught.value)
     assert not (tmp_path / "s.tflite").exists()
+
+
+@pytest.mark.parametrize(
+    "export_format, suffix, what",
+    [("openvino", ".xml", "decoding step"), ("litert", ".tflite", "generator")],
+)
+def test_quantized_steps_and_generators_name_the_formats_that_work(
+    export_format, suffix, what, tmp_path
+):
+    """OpenVINO computed a quantized step 17.8 away from Keras (TensorFlow)
+    or failed to convert it (torch), LiteRT's converter has no int8 batch
+    matmul: refused before anything is written, naming the formats that
+    keep Keras's integer layers."""
+    from keras_selfattn.export.generator import export_generator
+
+    model = _model()
+    model.quantize("int8")
+    export = export_decode_step if what == "decoding step" else export_generator
+    path = tmp_path / f"out{suffix}"
+    with pytest.raises(ValueError, match="SavedModel or ONNX") as caught:
+        export(model, path, export_format, max_length=4)
+    message = str(caught.value)
+    assert "\n" not in message and f"A {what} of a quantized model" in message
+    assert "attn1/query_dense" in message
+    assert list(tmp_path.iterdir()) == []

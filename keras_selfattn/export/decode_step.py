@@ -44,7 +44,7 @@ import keras
 import numpy as np
 
 from keras_selfattn import _checks
-from keras_selfattn.export import _runtimes, pipeline
+from keras_selfattn.export import _runtimes, pipeline, quantization
 from keras_selfattn.export._endpoint import _output_names, model_inputs
 from keras_selfattn.export._inputs import vocabulary_size
 from keras_selfattn.export._target import ExportTarget, NamedInput
@@ -161,6 +161,35 @@ class DecodeStep:
             signature_name=signature_name,
             what="decode step",
         )
+
+
+# Formats whose converters cannot take Keras's quantized layers inside a
+# decoding step or a generator (the forward export gives them their own
+# quantized forms, which a step-by-step check would not accept).
+_NO_QUANTIZED_DECODING = {
+    table.LITERT.name: "LiteRT's converter has no int8 batch matmul",
+    table.OPENVINO.name: "OpenVINO's conversion computes other numbers",
+}
+
+
+def refuse_quantized(model: keras.Model, export_format: str, what: str) -> None:
+    """Raises ValueError (one line) for a quantized `model`'s decoding step or
+    generator (`what`) in a format that cannot compute its quantized layers
+    as Keras does (`_NO_QUANTIZED_DECODING`)."""
+    why = _NO_QUANTIZED_DECODING.get(export_format)
+    if why is None:
+        return
+    layers = [q.layer.path for q in quantization.quantized_layers(model)]
+    layers += [layer.path for layer in quantization.quantized_embeddings(model)]
+    if not layers:
+        return
+    raise ValueError(
+        f"A {what} of a quantized model exports as SavedModel or ONNX, which "
+        f"compute its integer layers as Keras does: {why}. Export the float "
+        f"model's {what} in {table.BY_NAME[export_format].title}, or the "
+        "quantized model's forward pass. Received: export_format="
+        f"{export_format!r}, quantized layers {sorted(layers)}"
+    )
 
 
 def build_decode_step(model: keras.Model, max_length: int) -> DecodeStep:
@@ -405,6 +434,7 @@ def export_decode_step(
             "under KERAS_BACKEND=tensorflow and export there. Received: "
             "export_format='litert' on the torch backend"
         )
+    refuse_quantized(model, export_format, "decoding step")
     options = {}
     if export_format == table.SAVED_MODEL.name:
         options = {"name": name, "version": version, "models_config": models_config}

@@ -71,7 +71,12 @@ from keras_selfattn.attention import nan_safe
 from keras_selfattn.export import _tf_writer, formats, pipeline
 from keras_selfattn.export._runtimes import Artifact, Run
 from keras_selfattn.export._target import ExportTarget, NamedInput
-from keras_selfattn.export.decode_step import INDEX_NAME, DecodeStep, build_decode_step
+from keras_selfattn.export.decode_step import (
+    INDEX_NAME,
+    DecodeStep,
+    build_decode_step,
+    refuse_quantized,
+)
 from keras_selfattn.export.formats import table
 from keras_selfattn.export.verify import (
     PATH_ARGUMENT,
@@ -614,6 +619,7 @@ def export_generator(
             "export_decode_step). Received: export_format="
             f"{export_format!r}"
         )
+    refuse_quantized(model, export_format, "generator")
     options = {}
     if export_format == table.SAVED_MODEL.name:
         options = {
