@@ -189,6 +189,24 @@ def _size(x, axis: int):
     return size
 
 
+_CHECKED_BY_CALLER = contextvars.ContextVar(
+    "keras_selfattn_cache_checked_by_caller", default=False
+)
+
+
+@contextlib.contextmanager
+def checked_by_caller() -> Iterator[None]:
+    """Within this context, cached calls make no run-time checks (`Guard`):
+    for a caller that has proven every index, batch and cache shape it
+    passes valid (the generation loop's steps after the prompt). Decided
+    while a call is traced; it nests."""
+    token = _CHECKED_BY_CALLER.set(True)
+    try:
+        yield
+    finally:
+        _CHECKED_BY_CALLER.reset(token)
+
+
 @dataclasses.dataclass(frozen=True)
 class Guard:
     """The run-time checks of one cached call whose values are not all known
@@ -208,7 +226,10 @@ class Guard:
     @classmethod
     def of(cls, inputs, cache, index, layer_name: str) -> Guard:
         """The checks of `index` (a Python int already range-checked, or an
-        int32 tensor), the inputs' batch and time, and the cache's shape."""
+        int32 tensor), the inputs' batch and time, and the cache's shape;
+        none within `checked_by_caller()`."""
+        if _CHECKED_BY_CALLER.get():
+            return cls(inputs, cache, None)
         batch, new = tuple(inputs.shape)[:2]
         cache_shape = tuple(cache.shape)
         max_length = cache_shape[2]

@@ -40,7 +40,10 @@ the result is cast back to the input's dtype.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 
 import keras
 import numpy as np
@@ -110,7 +113,46 @@ def _digits_needed(time, offset) -> int:
     return needed
 
 
+# Within `shared_tables()`: the tables computed so far, by their arguments.
+_SHARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "keras_selfattn_shared_rotary_tables", default=None
+)
+
+
+@contextlib.contextmanager
+def shared_tables() -> Iterator[None]:
+    """Within this context, `table` computes each table once and hands it to
+    every later call with the same arguments (the same tensor objects for
+    `time` and `offset`): the layers of one decoding step rotate the same
+    positions, so a traced step holds one table instead of one per layer."""
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+def _key(value):
+    return value if isinstance(value, int) else id(value)
+
+
 def table(
+    time, depth: int, max_wavelength: float, scaling_factor: float = 1.0, offset=0
+):
+    """`_table` (its docstring), computed once per arguments within
+    `shared_tables()`."""
+    shared = _SHARED.get()
+    if shared is None:
+        return _table(time, depth, max_wavelength, scaling_factor, offset)
+    key = (_key(time), _key(offset), depth, float(max_wavelength), scaling_factor)
+    if key not in shared:
+        # The arguments are kept with the table: their ids stay theirs.
+        computed = _table(time, depth, max_wavelength, scaling_factor, offset)
+        shared[key] = (time, offset, computed)
+    return shared[key][2]
+
+
+def _table(
     time, depth: int, max_wavelength: float, scaling_factor: float = 1.0, offset=0
 ):
     """The (T, D) cosines and sines of positions offset .. offset + T - 1, once
