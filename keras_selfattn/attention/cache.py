@@ -28,6 +28,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_selfattn import _converting
 from keras_selfattn._checks import positive_int
 from keras_selfattn.attention import masks, nan_safe
 
@@ -311,7 +312,7 @@ def _outside_xla() -> bool:
 
 
 # How cached calls write their caches: "" (each backend's own way), or
-# within a context below, "gather" or "xla".
+# within `gathered_writes()`, "gather".
 _WRITES = contextvars.ContextVar("keras_selfattn_cache_writes", default="")
 
 
@@ -330,15 +331,6 @@ def gathered_writes() -> contextlib.AbstractContextManager[None]:
     have no such op (OpenVINO's TensorFlow frontend has no
     XlaDynamicUpdateSlice). Decided while a call is traced; it nests."""
     return _writing("gather")
-
-
-def xla_writes() -> contextlib.AbstractContextManager[None]:
-    """Within this context, TensorFlow graphs write caches with Keras's
-    `slice_update` (XlaDynamicUpdateSlice) also outside XLA: the op that
-    TensorFlow's converters take (LiteRT's; tf2onnx through
-    `onnx_handlers`), where TensorFlow's own TensorStridedSliceUpdate has no
-    conversion. Decided while a call is traced; it nests."""
-    return _writing("xla")
 
 
 def _gather_write(cache, new, start, valid):
@@ -422,7 +414,10 @@ def update(cache, key, value, index, valid=None, padding=None):
         if valid is not None and backend != "torch":
             old = ops.slice(cache, starts, ops.shape(new))
             new = nan_safe.where(valid, new, old)
-        if backend == "tensorflow" and writes != "xla" and _outside_xla():
+        # TensorFlow's converters take XlaDynamicUpdateSlice, not
+        # TensorStridedSliceUpdate (`_converting`).
+        converter = _converting.tracing_for_converter()
+        if backend == "tensorflow" and not converter and _outside_xla():
             cache = _tf_strided_write(cache, new, start)
         elif valid is None or backend != "torch":
             cache = ops.slice_update(cache, starts, new)

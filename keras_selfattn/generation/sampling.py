@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from keras import ops
 
+from keras_selfattn import _converting
 from keras_selfattn.attention import nan_safe
 
 
@@ -49,10 +50,25 @@ def next_token(logits, uniform, temperature, top_k, top_p):
         int32 `(batch,)` token ids.
     """
     logits = ops.cast(logits, "float32")
-    vocabulary = ops.shape(logits)[-1]
     greedy = _first_index(ops.equal(logits, ops.max(logits, axis=-1, keepdims=True)))
     sampling = ops.greater(temperature, 0.0)
-    z = ops.divide(logits, ops.where(sampling, temperature, 1.0))
+    if _converting.tracing_for_converter():
+        positive = ops.where(sampling, temperature, 1.0)
+        sampled = _sampled(logits, uniform, positive, top_k, top_p)
+        return ops.where(sampling, sampled, greedy)
+    # A branch: greedy steps skip the two sorts of the vocabulary that
+    # sampling needs.
+    return ops.cond(
+        sampling,
+        lambda: _sampled(logits, uniform, temperature, top_k, top_p),
+        lambda: greedy,
+    )
+
+
+def _sampled(logits, uniform, temperature, top_k, top_p):
+    """`next_token` for a temperature > 0 (module docstring)."""
+    vocabulary = ops.shape(logits)[-1]
+    z = ops.divide(logits, temperature)
     ordered, _ = ops.top_k(z, vocabulary)  # descending
     k = ops.where(ops.greater(top_k, 0), ops.minimum(top_k, vocabulary), vocabulary)
     kth = ops.take(ordered, ops.expand_dims(ops.subtract(k, 1), 0), axis=-1)
@@ -75,9 +91,8 @@ def next_token(logits, uniform, temperature, top_k, top_p):
     below = ops.sum(ops.cast(ops.less_equal(cumulative, threshold), "int32"), axis=-1)
     # A threshold rounded up to the total would pass every token: the last
     # one with a probability instead.
-    positive = ops.greater(probabilities, 0.0)
-    last = ops.subtract(
-        ops.subtract(vocabulary, 1), _first_index(ops.flip(positive, axis=-1))
-    )
-    sampled = ops.minimum(below, last)
-    return ops.where(sampling, sampled, greedy)
+    # (Its index as a maximum, not by reversing the row: tf2onnx has no
+    # ReverseV2 inside an If.)
+    indices = ops.arange(vocabulary, dtype="int32")
+    last = ops.max(ops.where(ops.greater(probabilities, 0.0), indices, -1), axis=-1)
+    return ops.minimum(below, last)

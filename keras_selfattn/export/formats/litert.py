@@ -32,7 +32,8 @@ from collections.abc import Mapping, Sequence
 import keras
 import numpy as np
 
-from keras_selfattn.attention import cache, dispatch
+from keras_selfattn import _converting
+from keras_selfattn.attention import dispatch
 from keras_selfattn.export import quantization
 from keras_selfattn.export._target import ExportTarget
 from keras_selfattn.export.formats import litert_signatures, table
@@ -188,9 +189,9 @@ class LiteRTFormat(Format):
             converting(self.row.title, self.advice),
             target.traced(self.quantized_form),
             dispatch.exact_unchunked(),
-            # A decoding step's cache write as XlaDynamicUpdateSlice, which
-            # the converter takes (as its dynamic_update_slice).
-            cache.xla_writes(),
+            # Ops the converter takes (a decoding step's cache write as
+            # XlaDynamicUpdateSlice, its dynamic_update_slice).
+            _converting.for_converter(),
             warnings.catch_warnings(),
         ):
             warnings.simplefilter("ignore")

@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING
 
 import keras
 
-from keras_selfattn import _checks
-from keras_selfattn.attention import cache
+from keras_selfattn import _checks, _converting
 from keras_selfattn.export import quantization
 from keras_selfattn.export._target import BATCH_AXIS, TIME_AXIS, ExportTarget
 from keras_selfattn.export.formats import table
@@ -178,9 +177,9 @@ class OnnxFormat(Format):
             target.traced(self.quantized_form),
         ):
             if keras.backend.backend() == "tensorflow":
-                # A decoding step's cache write as XlaDynamicUpdateSlice,
-                # which `onnx_handlers` converts.
-                with cache.xla_writes():
+                # Ops tf2onnx converts (a decoding step's cache write as
+                # XlaDynamicUpdateSlice, for `onnx_handlers`).
+                with _converting.for_converter():
                     proto = convert_to_onnx(target, opset)
             else:
                 keras_export(target, path, opset)
