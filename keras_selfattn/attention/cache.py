@@ -311,26 +311,22 @@ def _outside_xla() -> bool:
     )
 
 
-# How cached calls write their caches: "" (each backend's own way), or
-# within `gathered_writes()`, "gather".
-_WRITES = contextvars.ContextVar("keras_selfattn_cache_writes", default="")
+_GATHERED_WRITES = contextvars.ContextVar(
+    "keras_selfattn_gathered_cache_writes", default=False
+)
 
 
 @contextlib.contextmanager
-def _writing(kind: str) -> Iterator[None]:
-    token = _WRITES.set(kind)
-    try:
-        yield
-    finally:
-        _WRITES.reset(token)
-
-
-def gathered_writes() -> contextlib.AbstractContextManager[None]:
+def gathered_writes() -> Iterator[None]:
     """Within this context, cached calls write their caches as one gather
     (`_gather_write`) instead of a dynamic update slice: for converters that
     have no such op (OpenVINO's TensorFlow frontend has no
     XlaDynamicUpdateSlice). Decided while a call is traced; it nests."""
-    return _writing("gather")
+    token = _GATHERED_WRITES.set(True)
+    try:
+        yield
+    finally:
+        _GATHERED_WRITES.reset(token)
 
 
 def _gather_write(cache, new, start, valid):
@@ -403,8 +399,7 @@ def update(cache, key, value, index, valid=None, padding=None):
     zero = ops.zeros((), index_dtype)
     start = ops.cast(index, index_dtype)
     symbolic = backend == "jax" and not _static(ops.shape(new)[2])
-    writes = _WRITES.get()
-    if symbolic or writes == "gather":
+    if symbolic or _GATHERED_WRITES.get():
         cache = _gather_write(cache, new, start, valid)
     else:
         if valid is not None:
