@@ -122,9 +122,11 @@ _SHARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
 @contextlib.contextmanager
 def shared_tables() -> Iterator[None]:
     """Within this context, `table` computes each table once and hands it to
-    every later call with the same arguments (the same tensor objects for
-    `time` and `offset`): the layers of one decoding step rotate the same
-    positions, so a traced step holds one table instead of one per layer."""
+    every later call with the same offset (the same tensor object), head
+    size and wavelengths, and a time of the same static size or, where it
+    is not static, any time: for the layers of one decoding step, which all
+    take the step's new positions (`cached_model.run_cached`), so a traced
+    step holds one table instead of one per layer."""
     token = _SHARED.set({})
     try:
         yield
@@ -144,9 +146,10 @@ def table(
     shared = _SHARED.get()
     if shared is None:
         return _table(time, depth, max_wavelength, scaling_factor, offset)
-    key = (_key(time), _key(offset), depth, float(max_wavelength), scaling_factor)
+    size = time if isinstance(time, int) else None
+    key = (size, _key(offset), depth, float(max_wavelength), scaling_factor)
     if key not in shared:
-        # The arguments are kept with the table: their ids stay theirs.
+        # The offset is kept with the table: its id stays its own.
         computed = _table(time, depth, max_wavelength, scaling_factor, offset)
         shared[key] = (time, offset, computed)
     return shared[key][2]

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import keras
 
+from keras_selfattn.attention import rotary
 from keras_selfattn.self_attention import SelfAttention
 
 SUPPORTED = (
@@ -165,13 +166,15 @@ def run_cached(
         updated[layer] = cache
         return output
 
-    if isinstance(model, keras.Sequential):
-        output = inputs
-        for layer in model.layers:
-            output = call_layer(layer, output)
-    else:
-        output = model._run_through_graph(
-            [inputs], operation_fn=lambda op: op, call_fn=call_layer
-        )
-        output = keras.tree.flatten(output)[0]
+    # Every layer rotates the same new positions: one rotary table.
+    with rotary.shared_tables():
+        if isinstance(model, keras.Sequential):
+            output = inputs
+            for layer in model.layers:
+                output = call_layer(layer, output)
+        else:
+            output = model._run_through_graph(
+                [inputs], operation_fn=lambda op: op, call_fn=call_layer
+            )
+            output = keras.tree.flatten(output)[0]
     return output, [updated[layer] for layer in layers]

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import keras
 from keras import ops
 
-from keras_selfattn.attention import cache, rotary
+from keras_selfattn.attention import cache
 from keras_selfattn.generation import cached_model, random_stream, sampling
 
 # What `tokens` holds where nothing was generated.
@@ -178,9 +178,8 @@ def run(
         else:
             fed = ops.expand_dims(newest, 1)
         # Position width - 1 + t < width + steps <= max_length: in every
-        # cache (callers check steps), so the layers check nothing, and they
-        # share one rotary table.
-        with cache.checked_by_caller(), rotary.shared_tables():
+        # cache (callers check steps), so the layers check nothing.
+        with cache.checked_by_caller():
             output, caches = cached_model.run_cached(
                 model, layers, fed, list(caches), ops.add(width - 1, t), padding
             )
