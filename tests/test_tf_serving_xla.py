@@ -96,24 +96,16 @@ def _flags(version_dir) -> list[str]:
         return json.load(file).get("tf_serving_flags", [])
 
 
-@pytest.fixture(scope="module")
-def exports(tmp_path_factory):
-    """The decoding step and the generator (default and `jit_compile=True`)
-    of one model, unchecked: this module runs them."""
+COMMON = {"max_length": MAX_LENGTH, "name": "lm", "check": False}
+
+
+def test_default_step_and_generator_serve_without_xla(tmp_path):
+    """Unchecked exports: this test runs them."""
     model = token_model()
-    root = tmp_path_factory.mktemp("tf_serving_xla")
-    common = {"max_length": MAX_LENGTH, "name": "lm", "check": False}
-    return model, {
-        "step": export_decode_step(model, root / "step", "saved_model", **common),
-        "generator": export_generator(model, root / "gen", "saved_model", **common),
-        "xla": export_generator(
-            model, root / "xla", "saved_model", jit_compile=True, **common
-        ),
+    paths = {
+        "step": export_decode_step(model, tmp_path / "step", "saved_model", **COMMON),
+        "generator": export_generator(model, tmp_path / "gen", "saved_model", **COMMON),
     }
-
-
-def test_default_step_and_generator_serve_without_xla(exports, tmp_path):
-    model, paths = exports
     prompt = np.array([PROMPTS[0]], np.int32)
     layers = [layer for layer in model.layers if hasattr(layer, "empty_cache")]
     caches = {
@@ -147,10 +139,13 @@ def test_default_step_and_generator_serve_without_xla(exports, tmp_path):
         np.testing.assert_array_equal(generated["lengths"], lengths)
 
 
-def test_xla_compiled_generator_says_it_needs_the_flag(exports, tmp_path):
-    _, paths = exports
-    assert _flags(paths["xla"]) == [FLAG]
+@pytest.mark.slow  # XLA's compile of the loop: the slow suite
+def test_xla_compiled_generator_says_it_needs_the_flag(tmp_path):
+    path = export_generator(
+        token_model(), tmp_path / "xla", "saved_model", jit_compile=True, **COMMON
+    )
+    assert _flags(path) == [FLAG]
     request = reference.generator_request(PROMPTS, STEPS, VOCABULARY)
-    jobs = [{"dir": paths["xla"], "signature": "generate", "arrays": request}]
+    jobs = [{"dir": path, "signature": "generate", "arrays": request}]
     (reply,) = _serve(tmp_path, jobs)
     assert "XLA compilation disabled" in reply
