@@ -188,9 +188,12 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
         attention_mask=None,
         training=None,
         return_attention_scores: bool = False,
+        cache=None,
+        cache_update_index=None,
     ) -> str:
         """The name of the implementation a call with these arguments takes:
-        "fused", "chunked" or "explicit" (see docs/attention-paths.md).
+        "fused", "single_query", "chunked" or "explicit" (see
+        docs/attention-paths.md).
 
         Raises:
             ValueError: the one the call would raise (checked alike, built or
@@ -201,10 +204,15 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
         input_dim = None if self._dims is None else self._dims.input_dim
         _inputs.check(self.name, inputs, input_dim)
         dims = self._dims or _config.dims(self, inputs.shape[-1])
-        self._decoding(
-            inputs, mask, attention_mask, return_attention_scores, None, None
+        offset = self._decoding(
+            inputs,
+            mask,
+            attention_mask,
+            return_attention_scores,
+            cache,
+            cache_update_index,
         )
-        masks = self._masks(mask, attention_mask)
+        masks = self._masks(mask, attention_mask, offset)
         inputs = ops.convert_to_tensor(inputs)
         return self._choose(inputs, masks, training, return_attention_scores, dims).name
 
@@ -213,6 +221,7 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
         return choose(
             masks,
             query_on_gpu=on_gpu(inputs),
+            single_query=inputs.shape[1] == 1,
             same_head_dims=dims.key_dim == dims.value_dim,
             dtype=self.compute_dtype,
             flash_attention=self.flash_attention,

@@ -27,7 +27,7 @@ def preferred(name: str) -> Iterator[None]:
     """Within this context, calls take the `name` path where it can serve them.
 
     Args:
-        name: "explicit", "chunked" or "fused".
+        name: "explicit", "chunked", "fused" or "single_query".
     """
     if name not in dispatch.IMPLEMENTATIONS:
         raise ValueError(

@@ -190,6 +190,32 @@ def test_padded_array_with_lengths_equals_the_list(model):
     )
 
 
+@pytest.mark.slow_on("jax", "a second model compiled")
+def test_non_finite_states_at_padded_positions_change_no_token(model):
+    """Shorter prompts are padded with token 0 on the left. A model whose
+    embedding of token 0 is NaN puts NaN in every layer's cache slots there;
+    those slots must change no token. Token 0 itself is never chosen: its
+    logit is pushed down, in both models."""
+    original = model.get_weights()
+    logits = model.get_layer("logits")
+    kernel, bias = logits.get_weights()
+    logits.set_weights([kernel, np.where(np.arange(VOCABULARY) == 0, -1e4, bias)])
+    try:
+        expected = generate(model, PROMPTS, STEPS).tokens
+        poisoned = token_model()
+        poisoned.set_weights(model.get_weights())
+    finally:
+        model.set_weights(original)
+    embedding = next(
+        layer for layer in poisoned.layers if isinstance(layer, keras.layers.Embedding)
+    )
+    (table,) = embedding.get_weights()
+    table[0] = np.nan
+    embedding.set_weights([table])
+    assert (expected > 0).all()
+    np.testing.assert_array_equal(generate(poisoned, PROMPTS, STEPS).tokens, expected)
+
+
 @pytest.mark.slow_on("jax", "a second model compiled op by op")
 def test_value_model_feeds_its_output_back():
     """A causal forecaster: each new position is the last output."""

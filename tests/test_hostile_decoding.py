@@ -318,27 +318,33 @@ def test_non_finite_padded_inputs_change_no_output(path, bad, trace):
     np.testing.assert_allclose(dirty, clean, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("path", ["explicit", "fused"])
+@pytest.mark.parametrize(
+    ("path", "new"), [("explicit", 2), ("fused", 2), ("single_query", 1)]
+)
 @pytest.mark.parametrize("bad", [np.nan, -np.inf])
 @pytest.mark.parametrize("trace", [False, True], ids=["eager", "compiled"])
-def test_non_finite_unwritten_cache_slots_change_no_output(path, bad, trace):
+def test_non_finite_unwritten_cache_slots_change_no_output(path, new, bad, trace):
     _skip_unserved(path)
     layer = _layer(num_key_value_heads=1)
     full = to_numpy(layer(X))
     cache = _prefilled(layer)
-    cache[:, :, 5:] = bad  # slots 5.. are written by later steps only
+    cache[:, :, 3 + new :] = bad  # written by later steps only
     step = _traced_step(layer) if trace else None
+    x = X[:, 3 : 3 + new]
     with preferred(path):
         if step is None:
-            output, updated = layer(X[:, 3:5], cache=cache, cache_update_index=3)
+            output, updated = layer(x, cache=cache, cache_update_index=3)
         else:
-            output, updated = step(X[:, 3:5], cache, np.int32(3))
-    np.testing.assert_allclose(to_numpy(output), full[:, 3:5], atol=1e-5, rtol=1e-5)
+            output, updated = step(x, cache, np.int32(3))
+    np.testing.assert_allclose(
+        to_numpy(output), full[:, 3 : 3 + new], atol=1e-5, rtol=1e-5
+    )
     updated = to_numpy(updated)
-    np.testing.assert_array_equal(updated[:, :, 5:], cache[:, :, 5:])  # as given
+    # as given
+    np.testing.assert_array_equal(updated[:, :, 3 + new :], cache[:, :, 3 + new :])
 
 
-@pytest.mark.parametrize("path", ["explicit", "fused"])
+@pytest.mark.parametrize("path", ["explicit", "fused", "single_query"])
 def test_non_finite_padded_cache_slots_change_no_output(path):
     _skip_unserved(path)
     layer = _layer()

@@ -186,3 +186,73 @@ def test_cached_decoding_in_mixed_precision(policy, path):
     assert str(cache.dtype) == policy.split("_")[1]  # the compute dtype
     assert np.isfinite(decoded.astype("float32")).all()
     np.testing.assert_allclose(decoded.astype("float32"), full, atol=5e-2, rtol=5e-2)
+
+
+# ------------------------------------------------------- one new token a call
+def _single_query_layer(config: str) -> SelfAttention:
+    layer = SelfAttention(
+        num_heads=4, key_dim=4, causal=True, flash_attention=False, **CONFIGS[config]
+    )
+    layer.build(X.shape)
+    return layer
+
+
+@pytest.mark.parametrize("config", ["gqa", "window", "mqa_rope_gate", "plain"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_one_new_token_takes_the_single_query_path_and_matches_the_reference(
+    config, padded
+):
+    """Prefill five positions (explicit path), then decode the last four one
+    call each (single-query path), traced, against the numpy reference."""
+    layer = _single_query_layer(config)
+    masks = {"mask": LEFT_PADDED} if padded else {}
+    cache = layer.empty_cache(2, 9)
+    for new, path in ((2, "explicit"), (1, "single_query")):
+        x = X[:, :new]
+        assert layer.implementation(x, cache=cache, cache_update_index=5, **masks) == (
+            path
+        )
+    step = compiled(
+        lambda x, cache, index: layer(x, cache=cache, cache_update_index=index, **masks)
+    )
+    prefix, cache = layer(X[:, :5], cache=cache, cache_update_index=0, **masks)
+    outputs = [to_numpy(prefix)]
+    for index in range(5, 9):
+        output, cache = step(X[:, index : index + 1], cache, np.int32(index))
+        outputs.append(to_numpy(output))
+    reference = for_layer(layer, X, **({"padding_mask": LEFT_PADDED} if padded else {}))
+    np.testing.assert_allclose(
+        np.concatenate(outputs, axis=1), reference[0], atol=2e-5, rtol=2e-5
+    )
+
+
+def test_the_automatic_choice_for_one_new_token():
+    """TensorFlow has no fused kernel: its one-token decoding calls take the
+    single-query path; JAX and PyTorch keep their fused kernels."""
+    layer = SelfAttention(
+        num_heads=4, key_dim=4, causal=True, num_key_value_heads=2, dropout=0.5
+    )
+    layer.build(X.shape)
+    one = {"cache": layer.empty_cache(2, 9), "cache_update_index": 3}
+    assert layer.implementation(X[:, :1], **one) == (
+        "single_query" if BACKEND == "tensorflow" else "fused"
+    )
+    # Dropout on the weights (in training) needs the weights.
+    assert layer.implementation(X[:, :1], training=True, **one) == "explicit"
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_one_new_token_in_mixed_precision(policy):
+    """float16 scores formed in float32: large inputs stay finite."""
+    keras.mixed_precision.set_global_policy(policy)
+    layer = _single_query_layer("mqa_rope_gate")
+    big = X * 300.0  # raw scores far past float16's 65504
+    full = to_numpy(keras.ops.cast(layer(big), "float32"))
+    _, cache = layer(big[:, :8], cache=layer.empty_cache(2, 9), cache_update_index=0)
+    assert layer.implementation(big[:, 8:], cache=cache, cache_update_index=8) == (
+        "single_query"
+    )
+    output, _ = layer(big[:, 8:], cache=cache, cache_update_index=8)
+    output = to_numpy(keras.ops.cast(output, "float32"))
+    assert np.isfinite(output).all()
+    np.testing.assert_allclose(output, full[:, 8:], atol=5e-2, rtol=5e-2)

@@ -197,10 +197,12 @@ _CHECKED_BY_CALLER = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def checked_by_caller() -> Iterator[None]:
-    """Within this context, cached calls make no run-time checks (`Guard`):
-    for a caller that has proven every index, batch and cache shape it
-    passes valid (the generation loop's steps after the prompt). Decided
-    while a call is traced; it nests."""
+    """Within this context, cached calls make no run-time checks (`Guard`)
+    and zero no cache slot: for a caller that has proven every index, batch
+    and cache shape it passes valid, and whose caches hold zeros in every
+    slot no query may attend (padded, or not yet written), as the generation
+    loop's steps after the prompt do. Decided while a call is traced; it
+    nests."""
     token = _CHECKED_BY_CALLER.set(True)
     try:
         yield
@@ -438,6 +440,9 @@ def update(cache, key, value, index, valid=None, padding=None):
         positions = masks.positions(max_length)
         visible = ops.expand_dims(ops.less(positions, end), 0)
     keys, values = cache[:, 0, :length], cache[:, 1, :length]
+    if _CHECKED_BY_CALLER.get():
+        # The caller's caches read zero wherever no query may attend.
+        padding, visible = None, None
     if padding is not None:
         padding = ops.cast(padding, "bool")[:, :length]
         visible = padding if visible is None else ops.logical_and(visible, padding)

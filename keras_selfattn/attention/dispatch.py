@@ -47,7 +47,7 @@ from typing import Any
 
 import keras
 
-from keras_selfattn.attention import chunked, explicit, fused, heads
+from keras_selfattn.attention import chunked, explicit, fused, heads, single_query
 from keras_selfattn.attention.masks import Masks
 
 # Set within `exact_unchunked()`; a ContextVar, so other threads and
@@ -117,6 +117,7 @@ class CallFacts:
         attention_mask: Whether an `attention_mask` is given.
         sliding_window: Whether the layer has a `sliding_window`.
         decoding: Whether the call decodes with a key/value cache.
+        single_query: Whether the call has one query, known while tracing.
         dropout: Whether dropout is active in this call.
         return_weights: Whether the weights are returned.
         exporting: Whether PyTorch is tracing the call for export.
@@ -134,6 +135,7 @@ class CallFacts:
     attention_mask: bool
     sliding_window: bool
     decoding: bool
+    single_query: bool
     dropout: bool
     return_weights: bool
     exporting: bool
@@ -147,6 +149,7 @@ class CallFacts:
         masks: Masks,
         *,
         query_on_gpu: bool,
+        single_query: bool,
         same_head_dims: bool,
         dtype: str,
         flash_attention: bool | None,
@@ -159,6 +162,8 @@ class CallFacts:
         Args:
             masks: The call's `Masks`.
             query_on_gpu: Whether the call runs on an accelerator.
+            single_query: Whether the call has one query (a static time
+                of 1).
             same_head_dims: Whether value_dim equals key_dim.
             dtype: The compute dtype.
             flash_attention: The layer's argument: None (automatic: the
@@ -179,6 +184,7 @@ class CallFacts:
             attention_mask=masks.attention is not None,
             sliding_window=masks.sliding_window is not None,
             decoding=masks.decoding,
+            single_query=single_query,
             dropout=dropout,
             return_weights=return_weights,
             exporting=exporting(),
@@ -306,6 +312,21 @@ IMPLEMENTATIONS = {
         # PyTorch's exporters refuse `enable_gqa=True`: while exporting, the
         # layer repeats key and value to the query's heads instead.
         arguments=lambda f: {"grouped_key_value": not f.exporting},
+    ),
+    "single_query": Implementation(
+        "single_query",
+        single_query.single_query_attention,
+        heads.TIME_FIRST,
+        cannot=(
+            (
+                lambda f: not (f.decoding and f.single_query),
+                "it serves a decoding call with one query, known while tracing",
+            ),
+            (lambda f: f.return_weights, _WEIGHTS),
+            (lambda f: f.dropout, "it applies no dropout"),
+            (lambda f: f.attention_mask, "it takes no attention_mask"),
+        ),
+        arguments=lambda f: {"grouped_key_value": True},
     ),
     "chunked": Implementation(
         "chunked",

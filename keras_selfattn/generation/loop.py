@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import keras
 from keras import ops
 
-from keras_selfattn.attention import cache
+from keras_selfattn.attention import cache, nan_safe
 from keras_selfattn.generation import cached_model, random_stream, sampling
 
 # What `tokens` holds where nothing was generated.
@@ -158,6 +158,10 @@ def run(
         )
 
     output, caches = cached_model.run_cached(model, layers, moved, caches, 0, padding)
+    # Padded slots to zeros: the steps' caches then read zero wherever no
+    # query may attend, which `cache.checked_by_caller()` requires.
+    slots = ops.expand_dims(padding, (1, 3, 4))
+    caches = [nan_safe.zero_unless(slots, c) for c in caches]
     first = choose(output, 0)
     if tokens:
         generated = ops.full((batch, capacity), NOT_GENERATED, dtype="int32")
@@ -178,7 +182,8 @@ def run(
         else:
             fed = ops.expand_dims(newest, 1)
         # Position width - 1 + t < width + steps <= max_length: in every
-        # cache (callers check steps), so the layers check nothing.
+        # cache (callers check steps), so the layers check nothing; the
+        # caches hold zeros in every slot no query may attend.
         with cache.checked_by_caller():
             output, caches = cached_model.run_cached(
                 model, layers, fed, list(caches), ops.add(width - 1, t), padding
