@@ -92,6 +92,12 @@ def test_torch_litert_step_names_the_route(tmp_path):
     assert not (tmp_path / "s.tflite").exists()
 
 
+@pytest.mark.slow_on(
+    "jax",
+    "torch",
+    "the refusal comes first on every backend; importing the "
+    "exporters costs 10-17 s there under make test's load",
+)
 @pytest.mark.parametrize(
     "export_format, suffix, what",
     [("openvino", ".xml", "decoding step"), ("litert", ".tflite", "generator")],

@@ -241,6 +241,7 @@ def test_the_automatic_choice_for_one_new_token():
     assert layer.implementation(X[:, :1], training=True, **one) == "explicit"
 
 
+@pytest.mark.slow_on("jax", "eager calls compiled op by op in two dtypes")
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_one_new_token_in_mixed_precision(policy):
     """float16 scores formed in float32: large inputs stay finite."""
