@@ -153,7 +153,20 @@ def _parity_case(name: str):
     return chunked, plain, x, padding, attention, expected
 
 
-@pytest.mark.parametrize("name", sorted(PARITY_CASES))
+# On JAX, whose eager blocks compile op by op, `make test` runs the cases
+# that combine the others (and the edge sizes); all of them in its slow suite.
+JAX_FAST_PARITY = ("everything", "bias_window_masks", "time_one", "chunk_one")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        name
+        if name in JAX_FAST_PARITY
+        else pytest.param(name, marks=pytest.mark.slow_on("jax", "eager blocks"))
+        for name in sorted(PARITY_CASES)
+    ],
+)
 def test_parity_with_reference_and_unchunked(name):
     chunked, plain, x, padding, attention, expected = _parity_case(name)
     assert chunked.implementation(x, padding, attention) == "chunked"

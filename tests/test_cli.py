@@ -6,6 +6,8 @@ runs the console script's entry point in subprocesses.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import zipfile
 
@@ -37,23 +39,32 @@ def assert_one_line_error(err: str, *fragments: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    """A folder with clf.keras exported once to SavedModel and ONNX by the CLI."""
+def exported(tmp_path_factory):
+    """A folder with clf.keras exported once to SavedModel and ONNX by the
+    CLI, with the export's exit status and printed output."""
     root = tmp_path_factory.mktemp("cli")
     model = model_zoo.masked_classifier(seed=0)
     model.save(root / "clf.keras")
-    status = main(
-        [
-            "export",
-            str(root / "clf.keras"),
-            "--saved-model",
-            str(root / "serving"),
-            "--warmup",
-            "--onnx",
-            str(root / "clf.onnx"),
-        ]
-    )
-    return root, model, status
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = main(
+            [
+                "export",
+                str(root / "clf.keras"),
+                "--saved-model",
+                str(root / "serving"),
+                "--warmup",
+                "--onnx",
+                str(root / "clf.onnx"),
+            ]
+        )
+    return root, model, status, printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def work(exported):
+    """(folder, model, exit status) of `exported`."""
+    return exported[:3]
 
 
 def test_export_writes_both_and_they_match_keras(work):
@@ -379,12 +390,8 @@ def test_usage_errors_exit_2_with_one_line(capsys, argv, fragment):
 
 
 # ------------------------------------------------------- staged, verified once
-def test_export_verifies_every_export_once_before_moving_them_in(
-    work, tmp_path, capsys
-):
-    root, _, _ = work
-    argv = ["export", root / "clf.keras", "--saved-model", tmp_path / "serving"]
-    status, out, _ = run(argv + ["--onnx", tmp_path / "clf.onnx"], capsys)
+def test_export_verifies_every_export_once_before_moving_them_in(exported):
+    root, _, status, out = exported
     assert status == 0
     steps = [line.split(" ... ")[0] for line in out.splitlines() if " ... " in line]
     assert [step.split()[0] for step in steps] == [
@@ -395,8 +402,8 @@ def test_export_verifies_every_export_once_before_moving_them_in(
     ]
     wrote = [line.split()[1] for line in out.splitlines() if line.startswith("  wrote")]
     assert wrote == [
-        str(tmp_path / "serving" / "clf" / "1"),
-        str(tmp_path / "clf.onnx"),
+        str(root / "serving" / "clf" / "1"),
+        str(root / "clf.onnx"),
     ]
     assert out.index("Verifying") < out.index("  wrote")
     table = [

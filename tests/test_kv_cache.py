@@ -48,8 +48,21 @@ def _decode(layer, x, step, run=None, **masks):
     return np.concatenate(outputs, axis=1), to_numpy(cache)
 
 
+# On JAX (eager calls compile every op anew) `make test` decodes the two
+# configurations that hold every feature; the others in its slow suite.
+JAX_FAST_CONFIGS = ("mqa_rope_gate", "window")
+
+
 @pytest.mark.parametrize("path", list(PATHS))
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize(
+    "config",
+    [
+        name
+        if name in JAX_FAST_CONFIGS
+        else pytest.param(name, marks=pytest.mark.slow_on("jax", "eager decoding"))
+        for name in CONFIGS
+    ],
+)
 @pytest.mark.parametrize(
     "step",
     [
@@ -166,6 +179,7 @@ def test_a_bad_decoding_mask_names_the_cache_shape_it_must_match():
         )
 
 
+@pytest.mark.slow_on("jax", "eager decoding compiled op by op in two dtypes")
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 @pytest.mark.parametrize("path", list(PATHS))
 def test_cached_decoding_in_mixed_precision(policy, path):
