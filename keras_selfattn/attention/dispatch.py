@@ -10,14 +10,14 @@ declares (`heads.TIME_FIRST` or `heads.HEADS_FIRST`), weights
 `(B, H, Tq, Tk)` and `masks` a `Masks`.
 
 A call is described once, by its static facts (`CallFacts`: backend, dtype,
-device, masks present, decoding, dropout in training, returned weights, the
-layer's `chunk_size` and `flash_attention`, whether PyTorch is tracing it for
-export, whether it is made within `exact_unchunked()`), never by tensor
-values, so a traced or exported call takes one fixed path. Each
+device, masks present, decoding, one query, dropout in training, returned
+weights, the layer's `chunk_size` and `flash_attention`, whether PyTorch is
+tracing it for export, whether it is made within `exact_unchunked()`), never
+by tensor values, so a traced or exported call takes one fixed path. Each
 implementation in `IMPLEMENTATIONS` declares what it cannot do, as
 (predicate over the facts, reason) pairs, and `choose` takes the first one,
-in the order fused, chunked, explicit, that nothing rules out; those
-declarations are the only rules.
+in the order fused, single_query, chunked, explicit, that nothing rules
+out; those declarations are the only rules.
 
 While PyTorch traces a call for export, the path taken is one its exporters
 convert for every length: the fused path with key and value repeated to the
@@ -204,7 +204,7 @@ class Choice:
     """The implementation a call takes, with its arguments from the facts.
 
     Attributes:
-        name: "fused", "chunked" or "explicit".
+        name: "fused", "single_query", "chunked" or "explicit".
         fn: The implementation, called with the signature above.
         layout: `heads.TIME_FIRST` or `heads.HEADS_FIRST`.
         grouped_key_value: Whether key and value may have fewer heads than
