@@ -305,7 +305,8 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
             output = ops.multiply(output, ops.cast(gate, output.dtype))
         if self.output_dim is not None:
             output = self._project(output, "output")
-        output, weights = _outputs.zero_unattending(inputs, masks, output, weights)
+        if not cache_lib.is_checked_by_caller():
+            output, weights = _outputs.zero_unattending(inputs, masks, output, weights)
         if decoding:
             return guard.output(output), cache
         if return_attention_scores:

@@ -197,17 +197,23 @@ _CHECKED_BY_CALLER = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def checked_by_caller() -> Iterator[None]:
-    """Within this context, cached calls make no run-time checks (`Guard`)
-    and zero no cache slot: for a caller that has proven every index, batch
-    and cache shape it passes valid, and whose caches hold zeros in every
-    slot no query may attend (padded, or not yet written), as the generation
-    loop's steps after the prompt do. Decided while a call is traced; it
-    nests."""
+    """Within this context, cached calls make no run-time checks (`Guard`),
+    zero no cache slot and no output: for a caller that has proven every
+    index, batch and cache shape it passes valid, whose caches hold zeros in
+    every slot no query may attend (padded, or not yet written), and whose
+    new positions are all real tokens (True in the padding mask), as the
+    generation loop's steps after the prompt do. Decided while a call is
+    traced; it nests."""
     token = _CHECKED_BY_CALLER.set(True)
     try:
         yield
     finally:
         _CHECKED_BY_CALLER.reset(token)
+
+
+def is_checked_by_caller() -> bool:
+    """Whether calls traced now are within `checked_by_caller()`."""
+    return _CHECKED_BY_CALLER.get()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,14 +366,17 @@ def _tf_strided_write(cache, new, start):
 
     zero = tf.zeros((), "int32")
     start = tf.cast(start, "int32")
-    shape = tf.shape(cache)
-    end = tf.concat([shape[:2], [start + tf.shape(new)[2]], shape[3:]], axis=0)
+    length = new.shape[2] if _static(new.shape[2]) else tf.shape(new)[2]
+    # Every axis but time whole (begin and end masks): no shape is read.
+    whole = 0b11011
     return tf.raw_ops.TensorStridedSliceUpdate(
         input=cache,
         begin=tf.stack([zero, zero, start, zero, zero]),
-        end=end,
+        end=tf.stack([zero, zero, start + length, zero, zero]),
         strides=tf.ones((5,), "int32"),
         value=new,
+        begin_mask=whole,
+        end_mask=whole,
     )
 
 
@@ -434,8 +443,11 @@ def update(cache, key, value, index, valid=None, padding=None):
     if all(_static(size) for size in (end, max_length)):
         length = end if end < max_length else None
     elif _outside_xla():
-        # At least one key: an index out of range returns NaN (`Guard`).
-        length = ops.minimum(ops.maximum(end, 1), max_length)
+        # At least one key: an index out of range returns NaN (`Guard`);
+        # within `checked_by_caller()` none is.
+        length = end
+        if not _CHECKED_BY_CALLER.get():
+            length = ops.minimum(ops.maximum(end, 1), max_length)
     else:
         positions = masks.positions(max_length)
         visible = ops.expand_dims(ops.less(positions, end), 0)

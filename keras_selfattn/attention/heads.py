@@ -22,7 +22,9 @@ def split(x, num_heads: int, layout: str):
     projection whose kernel ends in a reshape, and Grappler folds two
     reshapes into one, so with time 0 a -1 batch was resolved from an empty
     tensor and came out as 1 instead of B (and tf2onnx miscompiles reshapes
-    whose batch size is read from the tensor's dynamic shape). Elsewhere a
+    whose batch size is read from the tensor's dynamic shape). A time that
+    is statically 1 is never 0: there a reshape to a -1 batch, one op where
+    splitting and stacking take two and copy. Elsewhere a
     reshape, which XLA's sharding propagation follows (heads split over
     devices stay local).
     """
@@ -30,6 +32,12 @@ def split(x, num_heads: int, layout: str):
     if keras.backend.backend() == "tensorflow":
         if num_heads == 1:
             return ops.expand_dims(x, heads_axis)
+        if x.shape[1] == 1:
+            # One position (each step of decoding): a reshape, in either
+            # layout, whose -1 batch is never read from an empty tensor.
+            shape = [1, x.shape[-1] // num_heads]
+            shape.insert(heads_axis - 1, num_heads)
+            return ops.reshape(x, (-1, *shape))
         return ops.stack(ops.split(x, num_heads, axis=-1), axis=heads_axis)
     batch, time, width = ops.shape(x)
     x = ops.reshape(x, (batch, time, num_heads, width // num_heads))

@@ -220,9 +220,11 @@ def rotate(x, layout: str, cos_sin):
         The rotated tensor, of x's shape and dtype.
     """
     dtype = x.dtype
-    # Broadcast over batch and heads: (1, 1, T, D) or (1, T, 1, D).
-    axes = (0, 1) if layout == heads.HEADS_FIRST else (0, 2)
-    cos, sin = (ops.expand_dims(t, axes) for t in cos_sin)
+    # Broadcast over batch and heads: (1, 1, T, D) or (1, T, 1, D), one
+    # reshape each (two expand_dims would be two ops in a decoding step).
+    depth = x.shape[-1]
+    shape = (1, 1, -1, depth) if layout == heads.HEADS_FIRST else (1, -1, 1, depth)
+    cos, sin = (ops.reshape(t, shape) for t in cos_sin)
     x = ops.cast(x, "float32")
     x1, x2 = ops.split(x, 2, axis=-1)
     # `-x2`, not ops.negative: traced on torch inside the export pipeline the

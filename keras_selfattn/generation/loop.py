@@ -183,7 +183,8 @@ def run(
             fed = ops.expand_dims(newest, 1)
         # Position width - 1 + t < width + steps <= max_length: in every
         # cache (callers check steps), so the layers check nothing; the
-        # caches hold zeros in every slot no query may attend.
+        # caches hold zeros in every slot no query may attend, and the fed
+        # position is never padding.
         with cache.checked_by_caller():
             output, caches = cached_model.run_cached(
                 model, layers, fed, list(caches), ops.add(width - 1, t), padding
