@@ -23,6 +23,22 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+# JAX compiles every eager op anew for each new shape, and the suite's shapes
+# are tiny: LLVM's optimization of that code costs more CPU than it saves
+# (about a quarter of the JAX suite). XLA's graph passes still run; only the
+# machine-code optimization is skipped. Read when JAX starts its backend, so
+# set before Keras imports it; KERAS_SELFATTN_XLA_OPTIMIZE=1 keeps XLA's
+# defaults.
+if os.environ["KERAS_BACKEND"] == "jax" and not os.environ.get(
+    "KERAS_SELFATTN_XLA_OPTIMIZE"
+):
+    os.environ["XLA_FLAGS"] = " ".join(
+        [
+            os.environ.get("XLA_FLAGS", ""),
+            "--xla_backend_optimization_level=0",
+            "--xla_llvm_disable_expensive_passes=true",
+        ]
+    ).strip()
 
 import keras  # noqa: E402
 import pytest  # noqa: E402
