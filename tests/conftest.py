@@ -19,6 +19,7 @@ SavedModel goes through jax2tf) while the other backends check the same in
 `make test`.
 """
 
+import gc
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -112,6 +113,21 @@ def pytest_collection_modifyitems(config, items):
                     f"(KERAS_BACKEND={BACKEND})"
                 )
             )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _frozen_heap():
+    """Before each module: collects the garbage, then moves every object still
+    alive (TensorFlow, JAX, torch, ONNX and the test modules, what earlier
+    modules cached: millions of objects that live until the end) out of the
+    garbage collector's sight. Keras runs a full collection each time a layer
+    drops a variable (every Dense that `quantize` rewrites), and Python runs
+    its own as objects pile up: each walked that whole heap again, seconds
+    apiece late in a suite. What the module creates is still collected (the
+    previous module's fixtures are torn down before this one runs)."""
+    gc.collect()
+    gc.freeze()
+    yield
 
 
 @pytest.fixture(autouse=True)
