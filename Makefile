@@ -56,7 +56,8 @@ test-slow: install
 
 $(BACKENDS:%=test-slow-%): test-slow-%: install
 	@echo "=== KERAS_BACKEND=$* (slow) ==="
-	KERAS_BACKEND=$* $(PYTEST) -m slow || [ $$? -eq 5 ]  # 5: none collected
+	KERAS_BACKEND=$* KERAS_SELFATTN_XLA_OPTIMIZE=1 $(PYTEST) -m slow \
+		|| [ $$? -eq 5 ]  # 5: none collected
 
 # Newest releases allowed by pyproject.toml (and the constraints), no lock,
 # in their own virtualenv: a refresh that fails here shows what `make lock`

@@ -139,6 +139,7 @@ def _training_memory(time: int, chunk_size: int | None) -> int:
     reason="TensorFlow's chunked training memory is measured by the slow "
     "test_chunked_attention memory test (peak RSS)",
 )
+@pytest.mark.slow_on("torch", "four trainings at T=2048 (JAX measures it fast)")
 def test_chunked_training_memory_is_linear_in_time():
     """Quadrupling T quadruples what the chunked backward pass keeps (each
     block is recomputed, its weights are not stored); the unchunked layer's

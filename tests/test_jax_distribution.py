@@ -220,14 +220,24 @@ def run_worker(mode: str) -> dict:
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
+class _Workers(dict):
+    """{mode: Future of the worker's result}, each worker started when a test
+    first asks for it: `make test` runs the model-parallel worker only."""
+
+    def __init__(self, pool: ThreadPoolExecutor):
+        super().__init__()
+        self.pool = pool
+
+    def __missing__(self, mode: str) -> Future:
+        self[mode] = self.pool.submit(run_worker, mode)
+        return self[mode]
+
+
 @pytest.fixture(scope="module")
 def workers() -> dict[str, Future]:
-    """{mode: Future of the worker's result}; both workers run at once."""
+    """{mode: Future of the worker's result} (`_Workers`)."""
     with ThreadPoolExecutor(max_workers=2) as pool:
-        yield {
-            mode: pool.submit(run_worker, mode)
-            for mode in ("data_parallel", "model_parallel")
-        }
+        yield _Workers(pool)
 
 
 @pytest.mark.slow  # two JAX worker interpreters
