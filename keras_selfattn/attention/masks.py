@@ -103,7 +103,7 @@ def all_of(masks: list):
     return combined
 
 
-def _cut(x, axis: int, start, length):
+def cut(x, axis: int, start, length):
     """`x[..., start:start + length, ...]` along `axis`; x itself when the
     window is the whole axis (start 0, length None)."""
     if length is None:
@@ -141,11 +141,11 @@ def block(masks: Masks, query_start=0, key_start=0, query_len=None, key_len=None
         key_pos = ops.reshape(key_start + positions(key_len), (1, 1, 1, -1))
         rules.append(band(masks, query_pos, key_pos))
     if masks.key_padding is not None:
-        keys = _cut(ops.cast(masks.key_padding, "bool"), 1, key_start, key_len)
+        keys = cut(ops.cast(masks.key_padding, "bool"), 1, key_start, key_len)
         rules.append(ops.expand_dims(keys, (1, 2)))
     if masks.attention is not None:
-        rows = _cut(ops.cast(masks.attention, "bool"), 1, query_start, query_len)
-        rows = _cut(rows, 2, key_start, key_len)
+        rows = cut(ops.cast(masks.attention, "bool"), 1, query_start, query_len)
+        rows = cut(rows, 2, key_start, key_len)
         rules.append(ops.expand_dims(rows, 1))
     return all_of(rules)
 

@@ -39,14 +39,16 @@ def _by_group(query, kv_heads: int) -> list:
     `heads.repeat`), in tensor j."""
     _, _, num_heads, depth = query.shape
     groups = num_heads // kv_heads
-    shape = (1, kv_heads, groups, depth) if groups > 1 else (1, kv_heads, depth)
+    if groups == 1:
+        return [query]
+    shape = (1, kv_heads, groups, depth)
     if keras.backend.backend() == "tensorflow":
         # -1 batch: the batch size is not read from a dynamic shape, which
         # tf2onnx miscompiles (see `heads.split`).
         grouped = ops.reshape(query, (-1, *shape))
     else:
         grouped = ops.reshape(query, (ops.shape(query)[0], *shape))
-    return ops.unstack(grouped, axis=3) if groups > 1 else [grouped]
+    return ops.unstack(grouped, axis=3)
 
 
 def _key_mask(masks: Masks, key_len):
@@ -59,8 +61,7 @@ def _key_mask(masks: Masks, key_len):
         band = masks_lib.band(masks, masks.query_offset, key_pos)  # (Tk,)
         rules.append(ops.reshape(band, (1, -1, 1, 1)))
     if masks.key_padding is not None:
-        keys = ops.cast(masks.key_padding, "bool")
-        keys = ops.slice(keys, (0, 0), (ops.shape(keys)[0], key_len))
+        keys = masks_lib.cut(ops.cast(masks.key_padding, "bool"), 1, 0, key_len)
         rules.append(ops.expand_dims(keys, (2, 3)))
     return masks_lib.all_of(rules)
 
