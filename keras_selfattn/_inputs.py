@@ -89,13 +89,13 @@ def check_masks(
             )
 
 
-def check_decoding_mask(layer_name: str, inputs, cache, mask) -> None:
+def check_decoding_mask(layer_name: str, inputs, max_length, mask) -> None:
     """Raises ValueError unless a decoding call's `mask` (over the whole
-    cache) is (batch, max_length)."""
+    cache) is (batch, max_length), `max_length` the cache's (or None)."""
     if mask is not None:
         check_masks(
             layer_name,
-            (tuple(inputs.shape)[0], tuple(cache.shape)[2]),
+            (tuple(inputs.shape)[0], max_length),
             mask,
             None,
             against="(inputs.shape[0], cache.shape[2])",

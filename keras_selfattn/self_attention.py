@@ -329,7 +329,9 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
         index = cache_lib.check_call(
             self, inputs, cache, index, attention_mask, return_attention_scores
         )
-        _inputs.check_decoding_mask(self.name, inputs, cache, mask)
+        _inputs.check_decoding_mask(
+            self.name, inputs, cache_lib.max_length(cache), mask
+        )
         return index
 
     def empty_cache(self, batch_size: int, max_length: int):

@@ -154,6 +154,15 @@ def test_greedy_equals_the_uncached_forward(model):
     assert len({tuple(row) for row in tokens}) > 1  # rows differ: a real check
 
 
+def test_one_prompt_equals_the_uncached_forward(model):
+    """A batch of one: broadcasting against a batch of 1 cannot restore a
+    static batch that a step lost, which a loop variable must keep."""
+    result = generate(model, PROMPTS[:1], STEPS)
+    tokens, lengths = reference.uncached(model, PROMPTS[:1], STEPS)
+    np.testing.assert_array_equal(result.tokens, tokens)
+    np.testing.assert_array_equal(result.lengths, lengths)
+
+
 def test_seeded_sampling_equals_the_uncached_forward(model):
     controls = {"temperature": 1.5, "top_k": 8, "top_p": 0.95}
     first = generate(model, PROMPTS, STEPS, seed=7, **controls)

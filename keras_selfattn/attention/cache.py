@@ -58,6 +58,8 @@ def check(cache, num_heads: int, head_dim: int, dtype: str, layer_name: str) -> 
     the layer's compute dtype `dtype`."""
     cache_shape = tuple(cache.shape)
     expected = (None, 2, None, num_heads, head_dim)
+    if _TIME_MAJOR.get():
+        expected = (2, None, None, num_heads, head_dim)
     if len(cache_shape) != 5 or any(
         want is not None and isinstance(have, int) and have != want
         for have, want in zip(cache_shape, expected, strict=False)
@@ -164,13 +166,22 @@ def check_fit(index: int, new, max_length, layer_name: str) -> None:
 
 def check_batch(inputs, cache, layer_name: str) -> None:
     """Raises ValueError if `inputs` and `cache` have known, different batches."""
-    batch, cache_batch = tuple(inputs.shape)[0], tuple(cache.shape)[0]
+    batch, cache_batch = tuple(inputs.shape)[0], tuple(cache.shape)[_batch_axis()]
     if isinstance(batch, int) and isinstance(cache_batch, int) and batch != cache_batch:
         raise ValueError(
             f"SelfAttention '{layer_name}': `cache` must have the batch size of "
             f"the inputs ({batch}). Received: cache.shape={tuple(cache.shape)}, "
             f"inputs.shape={tuple(inputs.shape)}"
         )
+
+
+def max_length(cache):
+    """The cache's `max_length` as its shape gives it (None where unknown)."""
+    return tuple(cache.shape)[1 if _TIME_MAJOR.get() else 2]
+
+
+def _batch_axis() -> int:
+    return 2 if _TIME_MAJOR.get() else 0
 
 
 def _static(x) -> bool:
@@ -214,6 +225,44 @@ def checked_by_caller() -> Iterator[None]:
 def is_checked_by_caller() -> bool:
     """Whether calls traced now are within `checked_by_caller()`."""
     return _CHECKED_BY_CALLER.get()
+
+
+_TIME_MAJOR = contextvars.ContextVar("keras_selfattn_cache_time_major", default=False)
+
+
+@contextlib.contextmanager
+def time_major() -> Iterator[None]:
+    """Within this context, cached calls take and return their caches
+    time-major, `(2, max_length, batch, num_key_value_heads, key_dim)`
+    (`to_time_major`), and their keys and values are the leading slices
+    `cache[0][:n]` and `cache[1][:n]`, which a TensorFlow graph reads as
+    views of the cache; in the public layout `cache[:, 0, :n]` is a copy
+    on every call. Only for callers that `views_pay()` and that decode one
+    position per call within `checked_by_caller()`, as the generation
+    loop's steps do. Decided while a call is traced; it nests."""
+    token = _TIME_MAJOR.set(True)
+    try:
+        yield
+    finally:
+        _TIME_MAJOR.reset(token)
+
+
+def is_time_major() -> bool:
+    """Whether calls traced now are within `time_major()`."""
+    return _TIME_MAJOR.get()
+
+
+def views_pay() -> bool:
+    """Whether calls traced now would read time-major caches as views: in
+    a TensorFlow graph that XLA does not compile, traced for no converter
+    (XLA, JAX's and PyTorch's graphs and the converters slice to static
+    lengths or gather, so there the public layout costs nothing more)."""
+    return _outside_xla() and not _converting.tracing_for_converter()
+
+
+def to_time_major(cache):
+    """`(B, 2, L, G, K)` -> `(2, L, B, G, K)`."""
+    return ops.transpose(cache, (1, 2, 0, 3, 4))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,23 +405,26 @@ def _gather_write(cache, new, start, valid):
     return ops.take(ops.concatenate([cache, new], axis=2), source, axis=2)
 
 
-def _tf_strided_write(cache, new, start):
-    """`cache` with `new` written from position `start` (in range), by
-    TensorFlow's TensorStridedSliceUpdate. Keras's `slice_update` is
-    XlaDynamicUpdateSlice there, an op that runs only where XLA may compile,
-    and TF Serving disables XLA on CPUs unless started with
-    `--xla_cpu_compilation_enabled=true`: every request would fail."""
+def _tf_strided_write(cache, new, start, axis: int = 2):
+    """`cache` with `new` written from position `start` (in range) of the
+    time axis `axis`, by TensorFlow's TensorStridedSliceUpdate. Keras's
+    `slice_update` is XlaDynamicUpdateSlice there, an op that runs only
+    where XLA may compile, and TF Serving disables XLA on CPUs unless
+    started with `--xla_cpu_compilation_enabled=true`: every request would
+    fail."""
     import tensorflow as tf
 
     zero = tf.zeros((), "int32")
     start = tf.cast(start, "int32")
-    length = new.shape[2] if _static(new.shape[2]) else tf.shape(new)[2]
+    length = new.shape[axis] if _static(new.shape[axis]) else tf.shape(new)[axis]
+    begin, end = [zero] * 5, [zero] * 5
+    begin[axis], end[axis] = start, start + length
     # Every axis but time whole (begin and end masks): no shape is read.
-    whole = 0b11011
+    whole = 0b11111 & ~(1 << axis)
     return tf.raw_ops.TensorStridedSliceUpdate(
         input=cache,
-        begin=tf.stack([zero, zero, start, zero, zero]),
-        end=tf.stack([zero, zero, start + length, zero, zero]),
+        begin=tf.stack(begin),
+        end=tf.stack(end),
         strides=tf.ones((5,), "int32"),
         value=new,
         begin_mask=whole,
@@ -401,6 +453,8 @@ def update(cache, key, value, index, valid=None, padding=None):
         (padded ones, and those >= index + Tn) read zero, whatever the cache
         holds there, so their values (NaN, inf) change no output.
     """
+    if _TIME_MAJOR.get():
+        return _time_major_update(cache, key, value, index)
     new = ops.cast(ops.stack([key, value], axis=1), cache.dtype)
     backend = keras.backend.backend()
     # int64 on torch: Keras's slice_update indexes with the starts' own
@@ -464,6 +518,22 @@ def update(cache, key, value, index, valid=None, padding=None):
     return cache, keys, values
 
 
+def _time_major_update(cache, key, value, index):
+    """`update` within `time_major()`: the cache `(2, L, B, G, K)`, and the
+    keys and values of positions `0 .. index`, `(index + 1, B, G, K)`."""
+    if key.shape[1] != 1:
+        raise ValueError(
+            "cache.time_major() decodes one position per call. Received: "
+            f"key.shape={tuple(key.shape)}"
+        )
+    new = ops.cast(ops.stack([key, value], axis=0), cache.dtype)  # (2, B, 1, G, K)
+    # Time is 1: moving it before the batch is a reshape.
+    new = ops.reshape(new, (2, 1, -1, *new.shape[3:]))
+    cache = _tf_strided_write(cache, new, index, axis=1)
+    end = ops.add(index, 1)
+    return cache, cache[0][:end], cache[1][:end]
+
+
 def check_call(
     layer, inputs, cache, index, attention_mask, return_attention_scores: bool
 ):
@@ -509,7 +579,7 @@ def check_call(
     check_batch(inputs, cache, layer_name)
     index = index_of(index, layer_name)
     if isinstance(index, int):
-        check_fit(index, tuple(inputs.shape)[1], tuple(cache.shape)[2], layer_name)
+        check_fit(index, tuple(inputs.shape)[1], max_length(cache), layer_name)
     return index
 
 

@@ -47,7 +47,14 @@ from typing import Any
 
 import keras
 
-from keras_selfattn.attention import chunked, explicit, fused, heads, single_query
+from keras_selfattn.attention import (
+    cache,
+    chunked,
+    explicit,
+    fused,
+    heads,
+    single_query,
+)
 from keras_selfattn.attention.masks import Masks
 
 # Set within `exact_unchunked()`; a ContextVar, so other threads and
@@ -126,6 +133,8 @@ class CallFacts:
         flash_attention: The layer's `flash_attention`, or where that is
             None, `keras.config.is_flash_attention_enabled()`: None
             (automatic), True (required) or False (never).
+        time_major_cache: Whether the call is traced within
+            `cache.time_major()` (its keys and values come time-major).
     """
 
     backend: str
@@ -142,6 +151,7 @@ class CallFacts:
     unchunked: bool
     chunk_size: int | None
     flash_attention: bool | None
+    time_major_cache: bool
 
     @classmethod
     def of(
@@ -191,6 +201,7 @@ class CallFacts:
             unchunked=unchunked_requested(),
             chunk_size=chunk_size,
             flash_attention=flash_attention,
+            time_major_cache=cache.is_time_major(),
         )
 
 
@@ -326,7 +337,10 @@ IMPLEMENTATIONS = {
             (lambda f: f.dropout, "it applies no dropout"),
             (lambda f: f.attention_mask, "it takes no attention_mask"),
         ),
-        arguments=lambda f: {"grouped_key_value": True},
+        arguments=lambda f: {
+            "grouped_key_value": True,
+            "time_major": f.time_major_cache,
+        },
     ),
     "chunked": Implementation(
         "chunked",
