@@ -201,13 +201,22 @@ def _size(x, axis: int):
     return size
 
 
+@contextlib.contextmanager
+def _raised(flag: contextvars.ContextVar) -> Iterator[None]:
+    """Sets the bool `flag` within the context (the contexts below)."""
+    token = flag.set(True)
+    try:
+        yield
+    finally:
+        flag.reset(token)
+
+
 _CHECKED_BY_CALLER = contextvars.ContextVar(
     "keras_selfattn_cache_checked_by_caller", default=False
 )
 
 
-@contextlib.contextmanager
-def checked_by_caller() -> Iterator[None]:
+def checked_by_caller() -> contextlib.AbstractContextManager[None]:
     """Within this context, cached calls make no run-time checks (`Guard`),
     zero no cache slot and no output: for a caller that has proven every
     index, batch and cache shape it passes valid, whose caches hold zeros in
@@ -215,11 +224,7 @@ def checked_by_caller() -> Iterator[None]:
     new positions are all real tokens (True in the padding mask), as the
     generation loop's steps after the prompt do. Decided while a call is
     traced; it nests."""
-    token = _CHECKED_BY_CALLER.set(True)
-    try:
-        yield
-    finally:
-        _CHECKED_BY_CALLER.reset(token)
+    return _raised(_CHECKED_BY_CALLER)
 
 
 def is_checked_by_caller() -> bool:
@@ -230,8 +235,7 @@ def is_checked_by_caller() -> bool:
 _TIME_MAJOR = contextvars.ContextVar("keras_selfattn_cache_time_major", default=False)
 
 
-@contextlib.contextmanager
-def time_major() -> Iterator[None]:
+def time_major() -> contextlib.AbstractContextManager[None]:
     """Within this context, cached calls take and return their caches
     time-major, `(2, max_length, batch, num_key_value_heads, key_dim)`
     (`to_time_major`), and their keys and values are the leading slices
@@ -240,11 +244,7 @@ def time_major() -> Iterator[None]:
     on every call. Only for callers that `views_pay()` and that decode one
     position per call within `checked_by_caller()`, as the generation
     loop's steps do. Decided while a call is traced; it nests."""
-    token = _TIME_MAJOR.set(True)
-    try:
-        yield
-    finally:
-        _TIME_MAJOR.reset(token)
+    return _raised(_TIME_MAJOR)
 
 
 def is_time_major() -> bool:
@@ -373,17 +373,12 @@ _GATHERED_WRITES = contextvars.ContextVar(
 )
 
 
-@contextlib.contextmanager
-def gathered_writes() -> Iterator[None]:
+def gathered_writes() -> contextlib.AbstractContextManager[None]:
     """Within this context, cached calls write their caches as one gather
     (`_gather_write`) instead of a dynamic update slice: for converters that
     have no such op (OpenVINO's TensorFlow frontend has no
     XlaDynamicUpdateSlice). Decided while a call is traced; it nests."""
-    token = _GATHERED_WRITES.set(True)
-    try:
-        yield
-    finally:
-        _GATHERED_WRITES.reset(token)
+    return _raised(_GATHERED_WRITES)
 
 
 def _gather_write(cache, new, start, valid):
