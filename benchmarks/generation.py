@@ -18,7 +18,12 @@ the same generation driven from Python one token per call through the
 exported decoding step (SavedModel `decode_step` signature and ONNX), numpy
 arrays in and out as a serving client would send them (every layer's cache
 both ways), the next token chosen in numpy. Every candidate must return the
-same tokens as `generate`. Then `generate` on JAX and PyTorch, each timed
+same tokens as `generate`. The SavedModel generator and step are timed
+again in a child process whose TensorFlow runs everything on one thread
+(SERVING_THREADS; TF Serving: `--tensorflow_intra_op_parallelism=1
+--tensorflow_inter_op_parallelism=1`): on a shared 2-core machine, a
+loop whose ops hand work to a second thread waits whenever that thread's
+core is busy elsewhere. Then `generate` on JAX and PyTorch, each timed
 in a child process of its own (`KERAS_BACKEND` fixed there). Writes
 DIR/generation.json and DIR/generation.md (default DIR: benchmarks/results).
 Nothing here asserts a target: the run reports each with its value.
@@ -48,6 +53,9 @@ GENERATOR_SPEEDUP = 3.0
 PROMPT = 32
 NEW_TOKENS = 256
 BATCHES = (1, 8)
+# The second TensorFlow configuration timed (the first is TensorFlow's
+# default thread pools, as many threads as cores).
+SERVING_THREADS = {"intra_op": 1, "inter_op": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +233,7 @@ def measure_size(size: Size, plan: dict, rounds: int) -> list[dict]:
             "onnx_step": _onnx_session(paths["onnx_step"]),
         }
         layers = [layer for layer in model.layers if hasattr(layer, "empty_cache")]
+        cases = []
         for batch in plan["batches"]:
             batch_prompts = prompts(size, batch, prompt)
             caches = {
@@ -253,47 +262,142 @@ def measure_size(size: Size, plan: dict, rounds: int) -> list[dict]:
                 for name, fn in candidates.items()
             }
             timing = interleave(candidates, rounds=rounds, warmup=1, min_round_s=0.0)
-            for name in candidates:
-                seconds = timing.median(name)
-                rows.append(
-                    {
-                        "model": size.name,
-                        "batch": batch,
-                        "backend": "tensorflow",
-                        "candidate": name,
-                        "tokens_per_s": batch * new / seconds,
-                        "seconds": seconds,
-                        "vs_saved_model_step": timing.speedup("saved_model_step", name),
-                        "same_tokens": same[name],
-                    }
-                )
+            rows += _timed_rows(size.name, batch, new, timing, same, "default")
+            cases.append(
+                {
+                    "batch": batch,
+                    "prompts": batch_prompts.tolist(),
+                    "caches": {k: [v.shape, str(v.dtype)] for k, v in caches.items()},
+                    "reference": np.asarray(reference).tolist(),
+                }
+            )
+        child = {
+            "model": size.name,
+            "vocabulary": size.vocabulary,
+            "new_tokens": new,
+            "rounds": rounds,
+            "generator": paths["saved_model_generator"],
+            "step": paths["saved_model_step"],
+            "cases": cases,
+            **SERVING_THREADS,
+        }
+        rows += _in_child(
+            threads_child.__name__, child, "tensorflow", "saved_model_generator"
+        )
     return rows
 
 
-_CHILD = """
-import json, sys, time
-import numpy as np
-from benchmarks import generation
-from keras_selfattn import generate
-plan = json.loads(sys.argv[1])
-rows = []
-for fields in plan["sizes"]:
-    size = generation.Size(**fields)
-    model = generation.build_model(size)
-    for batch in plan["batches"]:
-        p = generation.prompts(size, batch, plan["prompt"])
-        generate(model, p, plan["new_tokens"])  # compiles
-        times = []
-        for _ in range(plan["rounds"]):
-            start = time.perf_counter()
-            generate(model, p, plan["new_tokens"])
-            times.append(time.perf_counter() - start)
-        seconds = float(np.median(times))
-        rows.append({"model": size.name, "batch": batch, "candidate": "generate",
-                     "tokens_per_s": batch * plan["new_tokens"] / seconds,
-                     "seconds": seconds})
-print("ROWS " + json.dumps(rows))
-"""
+def _threads(config: dict) -> str:
+    return f"intra-op {config['intra_op']}, inter-op {config['inter_op']}"
+
+
+def _timed_rows(model, batch, new, timing, same, threads: str) -> list[dict]:
+    return [
+        {
+            "model": model,
+            "batch": batch,
+            "backend": "tensorflow",
+            "threads": threads,
+            "candidate": name,
+            "tokens_per_s": batch * new / timing.median(name),
+            "seconds": timing.median(name),
+            "vs_saved_model_step": timing.speedup("saved_model_step", name),
+            "same_tokens": same[name],
+        }
+        for name in timing.times
+    ]
+
+
+def threads_child() -> None:
+    """The child process of `measure_size`: the SavedModel generator and
+    step interleaved, with TensorFlow's thread pools as the plan (JSON, the
+    first argument) says; prints its rows."""
+    import tensorflow as tf
+
+    plan = json.loads(sys.argv[1])
+    tf.config.threading.set_intra_op_parallelism_threads(plan["intra_op"])
+    tf.config.threading.set_inter_op_parallelism_threads(plan["inter_op"])
+    generator = _saved_model_signature(plan["generator"], "generate")
+    step = _saved_model_signature(plan["step"], "decode_step")
+    new, rows = plan["new_tokens"], []
+    for case in plan["cases"]:
+        batch_prompts = np.asarray(case["prompts"], "int32")
+        caches = {k: np.zeros(*shape) for k, shape in case["caches"].items()}
+        request = _generator_request(batch_prompts, new, plan["vocabulary"])
+        candidates = {
+            "saved_model_generator": lambda r=request: generator(r)["tokens"],
+            "saved_model_step": lambda p=batch_prompts, k=caches: _stepped(
+                step, k, p, new
+            ),
+        }
+        same = {
+            name: bool(np.array_equal(fn(), case["reference"]))
+            for name, fn in candidates.items()
+        }
+        timing = interleave(
+            candidates, rounds=plan["rounds"], warmup=1, min_round_s=0.0
+        )
+        rows += _timed_rows(
+            plan["model"], case["batch"], new, timing, same, _threads(plan)
+        )
+    print("ROWS " + json.dumps(rows))
+
+
+def generate_child() -> None:
+    """The child process of `measure_backend`: `generate` on this process's
+    backend for the plan (JSON, the first argument); prints its rows."""
+    import time
+
+    from keras_selfattn import generate
+
+    plan = json.loads(sys.argv[1])
+    new, rows = plan["new_tokens"], []
+    for fields in plan["sizes"]:
+        size = Size(**fields)
+        model = build_model(size)
+        for batch in plan["batches"]:
+            batch_prompts = prompts(size, batch, plan["prompt"])
+            generate(model, batch_prompts, new)  # compiles
+            times = []
+            for _ in range(plan["rounds"]):
+                start = time.perf_counter()
+                generate(model, batch_prompts, new)
+                times.append(time.perf_counter() - start)
+            seconds = float(np.median(times))
+            rows.append(
+                {
+                    "model": size.name,
+                    "batch": batch,
+                    "candidate": "generate",
+                    "tokens_per_s": batch * new / seconds,
+                    "seconds": seconds,
+                }
+            )
+    print("ROWS " + json.dumps(rows))
+
+
+def _in_child(function: str, plan: dict, backend: str, candidate: str) -> list[dict]:
+    """This module's `function` run in a child process on `backend` with
+    `plan`; the rows it printed, with the backend, or one row for
+    `candidate` saying why there are none."""
+    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"from benchmarks.generation import {function}; {function}()",
+            json.dumps(plan),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("ROWS ")]
+    if done.returncode != 0 or not lines:
+        why = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return [{"backend": backend, "candidate": candidate, "status": why}]
+    return [{**row, "backend": backend} for row in json.loads(lines[-1][5:])]
 
 
 def measure_backend(backend: str, plan: dict, sizes, rounds: int) -> list[dict]:
@@ -303,19 +407,7 @@ def measure_backend(backend: str, plan: dict, sizes, rounds: int) -> list[dict]:
         "rounds": rounds,
         "sizes": [dataclasses.asdict(size) for size in sizes],
     }
-    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    done = subprocess.run(
-        [sys.executable, "-c", _CHILD, json.dumps(child_plan)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("ROWS ")]
-    if done.returncode != 0 or not lines:
-        why = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return [{"backend": backend, "candidate": "generate", "status": why}]
-    return [{**row, "backend": backend} for row in json.loads(lines[-1][5:])]
+    return _in_child(generate_child.__name__, child_plan, backend, "generate")
 
 
 def run(quick: bool = False, rounds: int | None = None) -> dict:
@@ -345,12 +437,13 @@ def run(quick: bool = False, rounds: int | None = None) -> dict:
 
 def targets(rows: list[dict]) -> list[dict]:
     """The SavedModel generators (without and with XLA) against the step
-    driven from Python."""
+    driven from Python, with each thread configuration."""
     return [
         {
             "target": (
                 f"{row['candidate']} >= {GENERATOR_SPEEDUP}x the step driven "
-                f"token by token ({row['model']}, batch {row['batch']})"
+                f"token by token ({row['model']}, batch {row['batch']}; "
+                f"TensorFlow threads: {row['threads']})"
             ),
             "value": row["vs_saved_model_step"],
             "met": row["vs_saved_model_step"] >= GENERATOR_SPEEDUP,
@@ -364,6 +457,7 @@ COLUMNS = [
     ("model", "model"),
     ("batch", "batch"),
     ("backend", "backend"),
+    ("threads", "TensorFlow threads"),
     ("candidate", "candidate"),
     (lambda r: f"{r['tokens_per_s']:.0f}" if "tokens_per_s" in r else "", "tokens/s"),
     (
@@ -393,7 +487,9 @@ def to_markdown(results: dict) -> str:
         "tokens. TensorFlow candidates interleaved in one process; JAX and "
         "PyTorch `generate` each in a child process of its own (medians of "
         "their rounds). Step candidates: the exported decoding step called "
-        "once per token from Python, numpy in and out (caches included).",
+        "once per token from Python, numpy in and out (caches included). "
+        f"TensorFlow threads: its default pools, then (a child process) "
+        f"{_threads(SERVING_THREADS)}.",
         "",
     ]
     lines += report.table(COLUMNS, results["rows"])

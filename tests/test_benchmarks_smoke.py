@@ -646,13 +646,15 @@ def test_generation_times_every_candidate_with_the_same_tokens(tmp_path):
     assert markdown in done.stdout
     rows = loaded["rows"]
     tensorflow = [row for row in rows if row["backend"] == "tensorflow"]
-    assert [row["candidate"] for row in tensorflow] == [
-        "generate",
-        "saved_model_generator",
-        "saved_model_generator_xla",
-        "onnx_generator",
-        "saved_model_step",
-        "onnx_step",
+    assert [(row["threads"], row["candidate"]) for row in tensorflow] == [
+        ("default", "generate"),
+        ("default", "saved_model_generator"),
+        ("default", "saved_model_generator_xla"),
+        ("default", "onnx_generator"),
+        ("default", "saved_model_step"),
+        ("default", "onnx_step"),
+        ("intra-op 1, inter-op 1", "saved_model_generator"),
+        ("intra-op 1, inter-op 1", "saved_model_step"),
     ]
     for row in tensorflow:
         assert row["same_tokens"] is True, row
@@ -663,4 +665,6 @@ def test_generation_times_every_candidate_with_the_same_tokens(tmp_path):
     assert [t["target"].split()[0] for t in loaded["targets"]] == [
         "saved_model_generator",
         "saved_model_generator_xla",
+        "saved_model_generator",
     ]
+    assert "TensorFlow threads: intra-op 1" in loaded["targets"][-1]["target"]
