@@ -119,6 +119,50 @@ def test_end_token_and_fewer_tokens(exported, runners, runtime):
     assert lengths[1] == ended and (tokens[1, ended:] == -1).all()
 
 
+@exports
+def test_concurrent_requests_each_get_their_own_tokens(exported, runners):
+    """Calls at once on one loaded signature, as TF Serving runs them: the
+    loop writes each step into its caches' own buffers (InplaceUpdate), so
+    a buffer shared between calls would mix their tokens."""
+    import threading
+
+    model = exported[0]
+    greedy = _request()
+    # The same prompts in reverse order: other keys at every cache slot.
+    reversed_rows = {
+        **greedy,
+        "prompt_tokens": greedy["prompt_tokens"][::-1].copy(),
+        "prompt_lengths": greedy["prompt_lengths"][::-1].copy(),
+    }
+    requests = [greedy, _request(CASES["sampled"]), reversed_rows]
+    want = reference.uncached(model, PROMPTS, STEPS)[0]
+    sampled = {k: v for k, v in CASES["sampled"].items() if k != "seed"}
+    wants = [
+        want,
+        reference.uncached(model, PROMPTS, STEPS, seed=99, **sampled)[0],
+        want[::-1],
+    ]
+    results, errors = {}, []
+
+    def call(worker: int) -> None:
+        try:
+            for round_ in range(5):
+                request = requests[(worker + round_) % 3]
+                results[worker, round_] = runners["saved_model"](request)[0]
+        except Exception as error:  # reported below, in the test's thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=call, args=(w,)) for w in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert len(results) == 30
+    for (worker, round_), tokens in results.items():
+        np.testing.assert_array_equal(tokens, wants[(worker + round_) % 3])
+
+
 BAD = {
     "top_k": {"top_k": 0},
     "top_p": {"top_p": 1.5},
