@@ -19,7 +19,8 @@ generators carry into their graphs (a `tf.while_loop` on TensorFlow, a
    -1 (as do all slots from `steps` on) and its length counts the end token.
    In a TensorFlow graph without XLA the steps carry the caches time-major
    (`cache.time_major()`), where the keys and values written so far are
-   read as views of the cache instead of copies.
+   read as views of the cache instead of copies, and each step writes into
+   the caches' own buffers.
 
 Value models (a float input whose last output is the next input) run the
 same loop without sampling or ending: the output at the last position is
