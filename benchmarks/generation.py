@@ -449,7 +449,9 @@ def targets(rows: list[dict]) -> list[dict]:
             "met": row["vs_saved_model_step"] >= GENERATOR_SPEEDUP,
         }
         for row in rows
+        # A child that failed left a row with its status and no ratio.
         if row.get("candidate", "").startswith("saved_model_generator")
+        and "vs_saved_model_step" in row
     ]
 
 
