@@ -547,10 +547,9 @@ def _tf_write_in_place(cache, new, index):
         i=tf.stack([at, at + max_length]),
         v=tf.reshape(new, (2, -1)),
     )
-    shape = list(cache.shape)  # static sizes stay static (the while loop's)
-    if shape.count(None) > 1:
-        return tf.reshape(rows, tf.shape(cache))
-    return tf.reshape(rows, [-1 if size is None else size for size in shape])
+    rows = tf.reshape(rows, tf.shape(cache))
+    rows.set_shape(cache.shape)  # static sizes stay static (the while loop's)
+    return rows
 
 
 def check_call(
