@@ -5,7 +5,8 @@ Importing the package registers `keras_selfattn>SelfAttention` with Keras, so
 """
 
 from keras_selfattn.generation import Generated, generate
+from keras_selfattn.migration import ConversionReport, convert
 from keras_selfattn.self_attention import SelfAttention
 
-__all__ = ["Generated", "SelfAttention", "generate"]
+__all__ = ["ConversionReport", "Generated", "SelfAttention", "convert", "generate"]
 __version__ = "0.1.0"

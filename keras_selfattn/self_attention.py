@@ -409,3 +409,11 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
     @classmethod
     def from_config(cls, config: dict) -> SelfAttention:
         return super().from_config(_checks.config_dtype(config))
+
+    @classmethod
+    def from_multi_head_attention(cls, layer, causal: bool = False) -> SelfAttention:
+        """A SelfAttention with the configuration and weights of a built
+        MultiHeadAttention or GroupQueryAttention (keras_selfattn.migration.layer)."""
+        from keras_selfattn.migration.layer import from_multi_head_attention
+
+        return from_multi_head_attention(cls, layer, causal)

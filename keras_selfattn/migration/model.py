@@ -1,0 +1,235 @@
+"""`convert`: a Functional or Sequential model rebuilt with SelfAttention in
+place of every self-attention call of Keras's attention layers.
+
+The graph is rerun node by node (`Function._run_through_graph`, what
+`keras.models.clone_model` runs): each layer is copied (its config, then its
+weights), nested models are converted in turn, and each layer of
+`layer.CONVERTIBLE` whose every call in the model is a self-attention call
+becomes the SelfAttention of `layer.from_multi_head_attention`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import keras
+from keras.src import backend as keras_backend
+from keras.src.models.functional import Functional
+
+from keras_selfattn.migration import layer as layer_lib
+from keras_selfattn.self_attention import SelfAttention
+
+_CALL = inspect.signature(keras.layers.MultiHeadAttention.call)
+# Call arguments a SelfAttention call has too.
+_KEPT = ("attention_mask", "return_attention_scores", "training")
+
+
+@dataclasses.dataclass
+class ConversionReport:
+    """What `convert` did: one line per attention layer.
+
+    Attributes:
+        converted: "name -> SelfAttention(...)" per converted layer.
+        kept: "name: why" per attention layer left as it was.
+        padded: Whether a converted layer is called on a Keras-masked input
+            (then its padded positions output zeros).
+    """
+
+    converted: list[str] = dataclasses.field(default_factory=list)
+    kept: list[str] = dataclasses.field(default_factory=list)
+    padded: bool = False
+
+    def __str__(self) -> str:
+        lines = [f"converted {len(self.converted)} attention layer(s)"]
+        lines += [f"  {line}" for line in self.converted]
+        lines += [f"not converted: {line}" for line in self.kept]
+        if self.padded:
+            lines.append(
+                "padded positions (the Keras mask's False) now output zeros; "
+                "MultiHeadAttention output an average of every value there. "
+                "Real positions are unchanged."
+            )
+        return "\n".join(lines)
+
+
+def _bound(node) -> dict:
+    """A Keras attention call's arguments by name."""
+    bound = _CALL.bind(None, *node.arguments.args, **node.arguments.kwargs)
+    return {k: v for k, v in bound.arguments.items() if k != "self"}
+
+
+def _why_not(calls: list[dict]) -> str | None:
+    """Why calls of one layer cannot become one SelfAttention's, or None."""
+    for call in calls:
+        query = call["query"]
+        if call["value"] is not query or call.get("key", query) not in (None, query):
+            return "a cross-attention call (query, key and value differ) stays"
+        given = [m for m in ("query_mask", "value_mask", "key_mask") if m in call]
+        if given:
+            return f"a call passes {given[0]} (SelfAttention takes the Keras mask)"
+    if len({bool(call.get("use_causal_mask")) for call in calls}) > 1:
+        return "its calls differ in use_causal_mask"
+    return None
+
+
+def _copy(layer: keras.layers.Layer) -> keras.layers.Layer:
+    return layer.__class__.from_config(layer.get_config())
+
+
+class _Converter:
+    def __init__(self, report: ConversionReport):
+        self.report = report
+        self.copies = {}  # id(original) -> (original, new layer)
+
+    def model(self, model: keras.Model, path: str) -> keras.Model:
+        if isinstance(model, keras.Sequential):
+            return self._sequential(model, path)
+        if not isinstance(model, Functional):
+            raise ValueError(
+                f"convert rebuilds Functional and Sequential models; "
+                f"'{model.name}' is a subclassed {type(model).__name__}: convert "
+                "its layers with SelfAttention.from_multi_head_attention(layer). "
+                f"Received: model={model.name!r}"
+            )
+        return self._functional(model, path)
+
+    def _layer(self, layer, path: str, calls: list[dict] | None = None):
+        """The new layer of `layer` (one per original: shared layers stay
+        shared)."""
+        if id(layer) in self.copies:
+            return self.copies[id(layer)][1]
+        if not isinstance(layer, keras.layers.Layer):
+            return layer  # an op of `keras.ops` (the mask's): no state
+        name = f"{path}{layer.name}"
+        if isinstance(layer, keras.Model):
+            new = self.model(layer, f"{name}/")
+        elif isinstance(layer, layer_lib.CONVERTIBLE) and calls is not None:
+            new = self._attention(layer, name, calls)
+        else:
+            self._inner(layer, name)
+            new = _copy(layer)
+        self.copies[id(layer)] = (layer, new)
+        return new
+
+    def _attention(self, layer, name: str, calls: list[dict]):
+        why = _why_not(calls)
+        if why is not None:
+            self.report.kept.append(f"{name}: {why}")
+            return _copy(layer)
+        causal = bool(calls[0].get("use_causal_mask"))
+        sa = SelfAttention.from_multi_head_attention(layer, causal=causal)
+        self.report.converted.append(
+            f"{name} ({type(layer).__name__}) -> SelfAttention("
+            f"num_heads={sa.num_heads}, num_key_value_heads="
+            f"{sa.num_key_value_heads}, output_dim={sa.output_dim}, "
+            f"causal={causal})"
+        )
+        return sa
+
+    def _inner(self, layer, name: str) -> None:
+        """Names the attention layers that sit inside another layer."""
+        for inner in layer._flatten_layers(include_self=False):
+            if isinstance(inner, layer_lib.CONVERTIBLE):
+                self.report.kept.append(
+                    f"{name}/{inner.name}: inside {type(layer).__name__} "
+                    f"'{layer.name}' (convert it in that layer's code with "
+                    "SelfAttention.from_multi_head_attention)"
+                )
+
+    def _sequential(self, model: keras.Sequential, path: str) -> keras.Sequential:
+        if not model.built:
+            raise ValueError(
+                f"Model '{model.name}' is not built: give it a keras.Input or "
+                f"call it once before convert. Received: model={model.name!r}"
+            )
+        layers = [self._layer(layer, path) for layer in model.layers]
+        first = model.inputs[0]
+        inputs = keras.Input(
+            batch_shape=first.shape, dtype=first.dtype, name=first.name
+        )
+        return keras.Sequential([inputs, *layers], name=model.name)
+
+    def _functional(self, model, path: str) -> keras.Model:
+        calls = {}
+        for nodes in model._nodes_by_depth.values():
+            for node in nodes:
+                if isinstance(node.operation, layer_lib.CONVERTIBLE):
+                    calls.setdefault(id(node.operation), []).append(_bound(node))
+        inputs = keras.tree.map_structure(
+            lambda x: keras.Input(batch_shape=x.shape, dtype=x.dtype, name=x.name),
+            model.input,
+        )
+
+        def call(layer, *args, **kwargs):
+            new = self._layer(layer, path, calls.get(id(layer)))
+            if not isinstance(new, SelfAttention):
+                return new(*args, **kwargs)
+            call = _CALL.bind(None, *args, **kwargs).arguments
+            query = call["query"]
+            kept = {k: call[k] for k in _KEPT if k in call}
+            mask = keras_backend.get_keras_mask(query)
+            if mask is not None:
+                self.report.padded = True
+                if "attention_mask" in kept:
+                    # Keras fills `mask` only for a call of one tensor.
+                    kept["mask"] = mask
+            return new(query, **kept)
+
+        outputs = model._run_through_graph(inputs, call_fn=call)
+        return keras.Model(inputs, outputs, name=model.name)
+
+    def copy_weights(self) -> None:
+        for original, new in self.copies.values():
+            if not isinstance(new, (keras.Model, SelfAttention)):
+                new.set_weights(original.get_weights())
+
+
+def convert(model: keras.Model) -> keras.Model:
+    """A new model with SelfAttention in place of Keras's attention calls.
+
+    Every layer of a Functional or Sequential model (nested models included)
+    is copied with its weights; each `keras.layers.MultiHeadAttention` or
+    `GroupedQueryAttention` whose calls in the model are all self-attention
+    calls (query, value and key the same tensor) becomes the SelfAttention of
+    `SelfAttention.from_multi_head_attention`: `use_causal_mask=True`
+    becomes `causal=True`, `attention_mask` and `return_attention_scores`
+    are passed on. The original model is left as it was.
+
+    A cross-attention call keeps its layer, and attention layers inside other
+    layers stay: the report names them. On Keras-masked inputs the real
+    positions' outputs are unchanged and the padded positions output zeros.
+
+    Args:
+        model: A built Functional or Sequential `keras.Model`.
+
+    Returns:
+        The new, uncompiled model; its `conversion_report` (a
+        `ConversionReport`) says what was converted and what was not, and
+        `str()` of it is a summary to print.
+
+    Raises:
+        ValueError: for a subclassed model (one line naming
+            `SelfAttention.from_multi_head_attention`), an unbuilt model, or
+            an attention layer that does not convert (its one-line reason).
+
+    Example:
+
+    >>> import keras
+    >>> import keras_selfattn
+    >>> x = keras.Input((None, 8))
+    >>> y = keras.layers.MultiHeadAttention(2, 4)(x, x, use_causal_mask=True)
+    >>> new = keras_selfattn.convert(keras.Model(x, y))
+    >>> new.layers[1].causal
+    True
+    """
+    if not isinstance(model, keras.Model):
+        raise ValueError(
+            f"convert takes a keras.Model. Received: model={type(model).__name__}"
+        )
+    report = ConversionReport()
+    converter = _Converter(report)
+    new = converter.model(model, "")
+    converter.copy_weights()
+    new.conversion_report = report
+    return new
