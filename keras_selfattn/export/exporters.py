@@ -197,12 +197,13 @@ def export_onnx(
         check: Whether to run the onnxruntime comparison (see `verify`).
         atol, rtol: Tolerances of that check.
         precision: As in `export_saved_model`.
-        int8_matmul: ONNX Runtime's integer kernel for int8 layers with
-            quantized activations (Keras's `quantize("int8")`): "any_cpu"
-            (uint8 x uint8, exact on every CPU) or "vnni" (uint8 x int8,
-            2.3x faster on a VNNI CPU, exact only on CPUs with VNNI or AMX:
-            x86 CPUs without it saturate its sums and compute other numbers,
-            so the check fails on them). Other layers are unaffected.
+        int8_matmul: How int8 layers with quantized activations (Keras's
+            `quantize("int8")`) run on ONNX Runtime's uint8 x int8 kernel:
+            "any_cpu" (activations split into 7-bit positive and negative
+            parts, exact on every CPU) or "vnni" (activations shifted to
+            uint8, half the work, exact only on CPUs with VNNI or AMX: x86
+            CPUs without it saturate its sums and compute other numbers, so
+            the check fails on them). Other layers are unaffected.
 
     Returns:
         `path`, as a string.

@@ -30,9 +30,10 @@ MIN_OPSET = 13
 MAX_OPSET = 18
 # The backend whose graph the fused-Attention rewrite reads (tf2onnx's names).
 FUSED_BACKEND = "tensorflow"
-# `int8_matmul`: ONNX Runtime's integer kernel an int8 layer with quantized
-# activations is written for (`onnx_integer`): uint8 x uint8, exact on every
-# CPU, or uint8 x int8, 2.3x faster with VNNI and wrong on x86 without it.
+# `int8_matmul`: how an int8 layer with quantized activations runs on ONNX
+# Runtime's uint8 x int8 kernel (`onnx_integer`): its activations split into
+# 7-bit positive and negative parts, exact on every CPU, or shifted to uint8,
+# half the work with VNNI or AMX and wrong on x86 without them.
 ANY_CPU, VNNI = "any_cpu", "vnni"
 
 

@@ -8,28 +8,33 @@ each by value and replaces it:
 - int8 with Keras's activation quantizer (symmetric, per token): Keras's
   exact scheme on ONNX Runtime's integer matmul. Per row of the input,
   scale = high / (max |x| + epsilon) and y = x * scale, with the same float
-  operations as Keras (so the same integers); `QuantizeLinear(y, 1, 128)`
-  rounds y half to even (as Keras's `round`) and shifts it by 128 to uint8
-  in one pass (y / 1 is y: exactly round(y) + 128). The kernel is stored
-  as uint8 too (Keras's integers + 128, zero point 128): ONNX Runtime's
-  uint8 x uint8 kernel is exact on every x86 CPU, while its uint8 x int8
-  one, fast with VNNI (`vpdpbusd`), adds pairs of products in saturating
-  16-bit lanes on CPUs without VNNI (`vpmaddubsw`: AVX2, AVX-512 before
-  VNNI), where codes up to 255 times weights up to 127 overflow them and
-  the file would compute something else than on the machine that checked
-  it. With both zero points 128 the int32 products are exactly the int8
-  ones. `int8_matmul="vnni"` stores Keras's int8 integers as they are
-  instead (zero point 0) for the uint8 x int8 kernel: 2.3 times the
-  uint8 x uint8 kernel's speed on a VNNI CPU (one 1024x512x1536 matmul:
-  2.2 ms against 5.2), exact there, wrong without VNNI; for deployments
-  known to have it (`INT8_MATMULS`). `MatMulIntegerToFloat` scales
-  them by 1 / kernel_scale per column and the result is multiplied by
-  the row's (max |x| + epsilon) / high: Keras divides by kernel_scale *
-  scale, which rounds differently by a few ulp (the integers, which decide
-  the result, are the same). Layers reading one input (query, key and
-  value) share its quantization and one matmul over their kernels side by
-  side. Keras's clip to [low, high] is left out where it cannot bind
-  (|x * scale| < high * (1 + 2**-23) rounds to at most high).
+  operations as Keras (so the same integers q = round(y), |q| <= 127).
+  ONNX Runtime's fast x86 kernel multiplies uint8 by int8; without VNNI
+  (AVX2, AVX-512 before VNNI) it adds pairs of products in saturating
+  16-bit lanes (`vpmaddubsw`), where Keras's codes shifted to uint8 (up to
+  255) times weights up to 127 overflow them, and the file would compute
+  something else than on the machine that checked it. So by default
+  (`ANY_CPU`) each q is split into its positive and its negative part,
+  p = max(q, 0) and n = max(-q, 0), both 0 to 127: `QuantizeLinear(y, 1,
+  0)` and `QuantizeLinear(-y, 1, 0)` (uint8 saturates below at 0, and
+  rounds half to even, as Keras's `round`, which is odd-symmetric), side by
+  side, times [W; -W] (Keras's int8 integers stored once, their negation
+  and the concatenation folded by ONNX Runtime when the session loads):
+  p.W - n.W = q.W, with every pair of products at most 2 * 127 * 127 =
+  32258, which no 16-bit lane saturates. Exact on every x86 CPU, and on
+  VNNI / AMX CPUs (`vpdpbusd`, AMX tiles) the uint8 x int8 kernel's speed
+  for twice the inner dimension. `int8_matmul="vnni"` (`VNNI`) instead
+  multiplies q + 128 (`QuantizeLinear(y, 1, 128)`, zero point 128) by W
+  itself: half the work, exact with VNNI or AMX, wrong without (for
+  deployments known to have them; `INT8_MATMULS`).
+  `MatMulIntegerToFloat` scales the int32 products by 1 / kernel_scale per
+  column and the result is multiplied by the row's (max |x| + epsilon) /
+  high: Keras divides by kernel_scale * scale, which rounds differently by
+  a few ulp (the integers, which decide the result, are the same). Layers
+  reading one input (query, key and value) share its quantization and one
+  matmul over their kernels side by side. Keras's clip to [low, high] is
+  left out where it cannot bind (|x * scale| < high * (1 + 2**-23) rounds
+  to at most high).
 - weight-only modes (int4 per channel or per group, int8 without
   activation quantization, gptq, awq): `MatMulNBits` (4 or 8 bits, blocks
   along the input axis, codes - zero point times scale) with float
@@ -67,7 +72,10 @@ EXACT_INT8 = (
 )
 # What each `int8_matmul` (`formats.onnx`) adds to the scheme line.
 INT8_MATMULS = {
-    ANY_CPU: " uint8 x uint8 (exact on every CPU)",
+    ANY_CPU: (
+        " uint8 x int8, activations split into positive and negative 7-bit "
+        "parts (exact on every CPU)"
+    ),
     VNNI: (
         " uint8 x int8 (exact on CPUs with VNNI or AMX; x86 CPUs without "
         "VNNI saturate its pair sums and compute other numbers)"
@@ -136,9 +144,13 @@ class _Builder:
         return self.node(op, [x], hint, axes=[-1], keepdims=1)
 
 
-def _quantized_input(builder: _Builder, x: str, activations, cache: dict) -> tuple:
+def _quantized_input(
+    builder: _Builder, x: str, activations, int8_matmul: str, cache: dict
+) -> tuple:
     """(uint8 codes, per-row 1 / scale) of `x` by Keras's AbsMaxQuantizer; shared
-    by every layer reading the same tensor."""
+    by every layer reading the same tensor. The codes are Keras's integers +
+    128 (`VNNI`), or (`ANY_CPU`) their positive parts then their negative
+    parts, side by side (twice as many columns)."""
     if (x, activations) in cache:
         return cache[(x, activations)]
     low, high, epsilon = activations
@@ -170,15 +182,21 @@ def _quantized_input(builder: _Builder, x: str, activations, cache: dict) -> tup
             ],
             f"{prefix}_clipped",
         )
-    codes = builder.node(
-        "QuantizeLinear",
-        [
-            scaled,
-            builder.constant(f"{prefix}_unit", np.float32(1.0)),
-            builder.constant(f"{prefix}_128", np.uint8(128)),
-        ],
-        f"{prefix}_u8",
-    )
+    unit = builder.constant(f"{prefix}_unit", np.float32(1.0))
+    if int8_matmul == VNNI:
+        codes = builder.node(
+            "QuantizeLinear",
+            [scaled, unit, builder.constant(f"{prefix}_128", np.uint8(128))],
+            f"{prefix}_u8",
+        )
+    else:  # the positive and the negative part, each 0 to 127
+        zero = builder.constant(f"{prefix}_0", np.uint8(0))
+        negated = builder.node("Neg", [scaled], f"{prefix}_negated")
+        parts = [
+            builder.node("QuantizeLinear", [part, unit, zero], f"{prefix}_{sign}")
+            for part, sign in ((scaled, "positive"), (negated, "negative"))
+        ]
+        codes = builder.node("Concat", parts, f"{prefix}_parts", axis=-1)
     # The output's per-row factor: 1 / scale, as (max + eps) / high (a
     # multiply by it costs a fraction of a divide by the scale, and differs
     # from Keras's division by an ulp, like the rest of the output side).
@@ -203,24 +221,26 @@ def _exact_int8(
         readers: (output name, QuantizedDense) of each layer reading `x`.
     """
     activations = readers[0][1].activations
-    codes, inverse = _quantized_input(builder, x, activations, cache)
+    codes, inverse = _quantized_input(builder, x, activations, int8_matmul, cache)
     layers = [quantized for _, quantized in readers]
     name = "_".join(q.layer.name for q in layers)
-    kernel = np.concatenate([q.integers for q in layers], axis=1).astype(np.int8)
-    kernel_zero = np.int8(0)
-    if int8_matmul == ANY_CPU:
-        kernel = (kernel.astype(np.int16) + 128).astype(np.uint8)
-        kernel_zero = np.uint8(128)
+    integers = np.concatenate([q.integers for q in layers], axis=1).astype(np.int8)
+    kernel = builder.constant(f"{name}_kernel", integers)
+    codes_zero = np.uint8(128)
+    if int8_matmul == ANY_CPU:  # [W; -W], computed once when the session loads
+        negated = builder.node("Neg", [kernel], f"{name}_kernel_negated")
+        kernel = builder.node("Concat", [kernel, negated], f"{name}_both", axis=0)
+        codes_zero = np.uint8(0)
     column_factor = np.concatenate([1.0 / q.scale for q in layers])
     products = builder.node(
         "MatMulIntegerToFloat",
         [
             codes,
-            builder.constant(f"{name}_kernel", kernel),
+            kernel,
             builder.constant(f"{name}_unit", np.float32(1.0)),
             builder.constant(f"{name}_inverse_scale", column_factor.astype("float32")),
-            builder.constant(f"{name}_zero_point", np.uint8(128)),
-            builder.constant(f"{name}_kernel_zero_point", kernel_zero),
+            builder.constant(f"{name}_zero_point", codes_zero),
+            builder.constant(f"{name}_kernel_zero_point", np.int8(0)),
         ],
         f"{name}_products",
     )
