@@ -11,6 +11,7 @@
                    [--onnx PATH] [--litert PATH [--litert-shape B,T]]
                    [--openvino PATH [--openvino-precision f32|bf16]]
                    [--torch PATH]
+    keras-selfattn [--verbose] convert MODEL.keras OUT.keras
 
 `export-decode-step ...` is the same as `export --decode-step ...`.
 This package is the command line's one home: the parser and dispatch here,
@@ -33,7 +34,7 @@ import argparse
 import os
 from collections.abc import Callable, Sequence
 
-from keras_selfattn_cli import _process, _table
+from keras_selfattn_cli import _convert, _process, _table
 from keras_selfattn_cli._process import CLIError
 
 PROG = "keras-selfattn"
@@ -239,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
         options=_add_verify_options,
         run="verify",
     )
+    _convert.add(commands)
     return parser
 
 
@@ -303,6 +305,8 @@ def _check_verify_options(args: argparse.Namespace) -> None:
 
 def _dispatch(args: argparse.Namespace) -> int:
     """Checks the options, then runs the command (importing Keras)."""
+    if args.run == "convert":
+        return _convert.run(args)
     if args.run == "export":
         _check_export_options(args)
     else:
