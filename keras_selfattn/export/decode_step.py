@@ -49,18 +49,14 @@ from keras_selfattn.export._endpoint import _output_names, model_inputs
 from keras_selfattn.export._inputs import vocabulary_size
 from keras_selfattn.export._target import ExportTarget, NamedInput
 from keras_selfattn.export.formats import table
-from keras_selfattn.export.verify import (
-    DEFAULT_ATOL,
-    DEFAULT_RTOL,
+from keras_selfattn.export.parity.arguments import (
     PATH_ARGUMENT,
-    ParityReport,
     artifact_paths,
-    check_artifacts,
     check_tolerance,
-    collect_artifacts,
-    finish_report,
-    parity_row,
 )
+from keras_selfattn.export.parity.engine import check_artifacts, collect_artifacts
+from keras_selfattn.export.parity.report import ParityReport, finish_report
+from keras_selfattn.export.parity.rules import DEFAULT_ATOL, DEFAULT_RTOL, parity_row
 from keras_selfattn.generation import cached_model
 from keras_selfattn.self_attention import SelfAttention
 

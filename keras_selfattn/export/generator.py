@@ -78,17 +78,14 @@ from keras_selfattn.export.decode_step import (
     refuse_quantized,
 )
 from keras_selfattn.export.formats import table
-from keras_selfattn.export.verify import (
-    PATH_ARGUMENT,
-    ParityReport,
-    ParityRow,
-    artifact_paths,
+from keras_selfattn.export.parity.arguments import PATH_ARGUMENT, artifact_paths
+from keras_selfattn.export.parity.engine import (
     check_artifacts,
     collect_artifacts,
-    finish_report,
-    parity_row,
     run_checked,
 )
+from keras_selfattn.export.parity.report import ParityReport, finish_report
+from keras_selfattn.export.parity.rules import ParityRow, parity_row
 from keras_selfattn.generation import arguments, generate, loop
 
 GENERATE_SIGNATURE = "generate"

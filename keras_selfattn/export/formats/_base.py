@@ -68,7 +68,7 @@ class Destination:
     version_dir: str | None = None
 
 
-def one_line(error: BaseException, limit: int = 300) -> str:
+def one_line(error: BaseException | str, limit: int = 300) -> str:
     """The error's message on one line, at most `limit` characters."""
     text = " ".join(str(error).split()) or type(error).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,80 @@
+"""The argument checks of the parity checks (`verify`, `verify_decode_step`,
+the generator's check): ValueErrors naming the argument and the value."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+
+from keras_selfattn.export.formats import table
+
+# OpenVINO's INFERENCE_PRECISION_HINT values `verify` accepts.
+OPENVINO_PRECISIONS = ("f32", "bf16")
+# The argument of `verify` (and `verify_decode_step`) naming each format's artifact.
+PATH_ARGUMENT = {row.name: row.path_argument for row in table.ROWS}
+
+
+def is_shape(shape: object) -> bool:
+    """Whether `shape` is a (batch, time) pair of positive ints."""
+    return (
+        isinstance(shape, Sequence)
+        and len(shape) == 2
+        and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
+    )
+
+
+def check_shapes(shapes) -> tuple[tuple[int, int], ...]:
+    if not all(is_shape(shape) for shape in shapes):
+        raise ValueError(
+            "`shapes` must be a sequence of (batch, time) pairs of positive "
+            f"ints. Received: shapes={shapes!r}"
+        )
+    if not shapes:
+        raise ValueError(f"`shapes` must not be empty. Received: shapes={shapes!r}")
+    return tuple((shape[0], shape[1]) for shape in shapes)
+
+
+def artifact_paths(*paths: str | os.PathLike | None) -> dict:
+    """{format: path or None} of the artifact arguments of `verify` and
+    `verify_decode_step`, given in `PATH_ARGUMENT`'s order."""
+    return dict(zip(PATH_ARGUMENT, paths, strict=True))
+
+
+def check_paths(paths: Mapping[str, str | os.PathLike | None]) -> None:
+    """Raises ValueError if every path of {format: path or None} is None."""
+    if all(path is None for path in paths.values()):
+        given = ", ".join(f"{PATH_ARGUMENT[name]}=None" for name in paths)
+        raise ValueError(
+            "Pass at least one of "
+            + ", ".join(f"`{PATH_ARGUMENT[name]}`" for name in paths)
+            + f". Received: {given}"
+        )
+
+
+def check_openvino_precision(openvino_precision: object) -> None:
+    """Raises ValueError unless `openvino_precision` is in
+    `OPENVINO_PRECISIONS`."""
+    if openvino_precision not in OPENVINO_PRECISIONS:
+        raise ValueError(
+            f"`openvino_precision` must be one of {OPENVINO_PRECISIONS}. "
+            f"Received: openvino_precision={openvino_precision!r}"
+        )
+
+
+def check_tolerance(name: str, value: object) -> float:
+    """Returns `value` as a float if it is a finite non-negative number.
+
+    Raises:
+        ValueError: naming the argument and the value otherwise.
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(
+            f"`{name}` must be a finite non-negative number. Received: {name}={value!r}"
+        )
+    return float(value)

@@ -1,0 +1,203 @@
+"""The check engine of `verify`, `verify_decode_step` and the generator's
+check: artifacts found on disk, run in fresh processes, compared with
+Keras's outputs by the rules (`rules`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from keras_selfattn.export import _runtimes
+from keras_selfattn.export._target import ExportTarget
+from keras_selfattn.export.formats import table
+from keras_selfattn.export.formats._base import one_line
+from keras_selfattn.export.parity import arguments, rules
+from keras_selfattn.export.parity.report import ParityError, ParityReport
+from keras_selfattn.export.parity.rules import ParityRow
+
+
+def collect_artifacts(
+    paths: Mapping[str, str | os.PathLike | None], openvino_precision: str = "f32"
+) -> dict[str, _runtimes.Artifact]:
+    """{runtime label: Artifact} of the paths given, each found on disk.
+
+    Args:
+        paths: {format: path or None}.
+        openvino_precision: OpenVINO's INFERENCE_PRECISION_HINT; off "f32"
+            its label is "openvino_<precision>".
+
+    Raises:
+        ValueError: if every path is None or the precision is unknown.
+        FileNotFoundError: if an artifact is missing.
+    """
+    arguments.check_paths(paths)
+    arguments.check_openvino_precision(openvino_precision)
+    artifacts = {}
+    for export_format, path in paths.items():
+        if path is not None:
+            label = export_format
+            if export_format == table.OPENVINO.name and openvino_precision != "f32":
+                label = f"openvino_{openvino_precision}"
+            artifacts[label] = artifact(export_format, path, openvino_precision)
+    return artifacts
+
+
+def require_saved_model_pb(directory: str) -> None:
+    """Raises FileNotFoundError unless `directory` holds a saved_model.pb."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"SavedModel directory not found: {directory}")
+    if not os.path.isfile(os.path.join(directory, "saved_model.pb")):
+        raise FileNotFoundError(
+            f"No saved_model.pb in {directory}: pass a version folder "
+            "(BASE_DIR/NAME/VERSION)"
+        )
+
+
+def artifact(
+    export_format: str, path: str | os.PathLike, openvino_precision: str = "f32"
+) -> _runtimes.Artifact:
+    """The `Artifact` at `path`, once it is found on disk.
+
+    Raises:
+        FileNotFoundError: if it is missing.
+    """
+    path = os.fspath(path)
+    if export_format == table.SAVED_MODEL.name:
+        require_saved_model_pb(path)
+    elif not os.path.isfile(path):
+        artifact_title = table.BY_NAME[export_format].artifact
+        raise FileNotFoundError(f"{artifact_title} file not found: {path}")
+    return _runtimes.Artifact(export_format, path, openvino_precision)
+
+
+def run_checked(
+    target: ExportTarget,
+    artifacts: Mapping[str, _runtimes.Artifact],
+    runs: Sequence[_runtimes.Run],
+    labels: Sequence[str],
+    action: str = "on {label} inputs",
+    atol: float = 0.0,
+    rtol: float = 0.0,
+) -> dict[str, _runtimes.Outcome]:
+    """Runs each artifact in a fresh process; returns what each computed.
+
+    Args:
+        target: The export target the artifacts were made from.
+        artifacts: {runtime label: artifact}.
+        runs: The calls (`_runtimes.Run`).
+        labels: Each run's label, for errors.
+        action: How a failing run is described ("{label}" is filled in).
+        atol, rtol: The tolerances the (empty) report of a failure states.
+
+    Returns:
+        {runtime label: `_runtimes.Outcome`}, each with every run's outputs.
+
+    Raises:
+        ValueError: if a runtime cannot load its artifact.
+        ParityError: if an artifact's names differ or it fails on a run.
+        RuntimeError: if a runtime process imported keras_selfattn (or keras,
+            outside TensorFlow's runtime).
+    """
+    outcomes = _runtimes.run_artifacts(target, artifacts, runs)
+    for runtime, outcome in outcomes.items():
+        row_of_format = table.BY_NAME[artifacts[runtime].format]
+        what = f"{row_of_format.artifact} {artifacts[runtime].path}"
+        if outcome.stage in ("load", "process"):
+            raise ValueError(f"Cannot load {what}: {one_line(outcome.error)}")
+        if outcome.stage == "bind":
+            raise ParityError(f"{what} {outcome.error}", ParityReport((), 0.0, 0.0))
+        allowed = ("keras",) if row_of_format is table.SAVED_MODEL else ()
+        foreign = [name for name in outcome.imported if name not in allowed]
+        if foreign:  # the check would not prove that the artifact stands alone
+            raise RuntimeError(f"the runtime process of {what} imported {foreign}")
+        if outcome.stage == "run":
+            raise ParityError(
+                f"{runtime} failed {action.format(label=labels[outcome.run])} "
+                f"where Keras runs: {one_line(outcome.error)}",
+                ParityReport((), atol, rtol),
+            )
+    return outcomes
+
+
+def check_artifacts(
+    target: ExportTarget,
+    artifacts: Mapping[str, _runtimes.Artifact],
+    runs: Sequence[_runtimes.Run],
+    expected: Sequence[Sequence[Mapping[str, np.ndarray]]],
+    labels: Sequence[str],
+    atol: float,
+    rtol: float,
+    action: str = "on {label} inputs",
+    dequantized: Sequence[Sequence[Mapping[str, np.ndarray]]] | None = None,
+    model_outputs: Sequence[Sequence[Mapping[str, np.ndarray]]] | None = None,
+    half: str | None = None,
+) -> tuple[ParityRow, ...]:
+    """Runs each artifact in a fresh process and compares it with `expected`.
+
+    Args:
+        target: The export target the artifacts were made from.
+        artifacts: {runtime label: artifact}.
+        runs: The calls (`_runtimes.Run`), one report row each per artifact.
+        expected: Keras's outputs per run, per step, keyed by output name.
+        labels: Each run's label in the report.
+        atol, rtol: The tolerances.
+        action: How a failing run is described ("{label}" is filled in).
+        dequantized: A quantized model's dequantized-float outputs, as
+            `expected` (None for a float model).
+        model_outputs: A half-precision model's own outputs, as `expected`,
+            when `expected` is its float32 view's (reported, not judged).
+        half: The half dtype the artifacts compute in: each output's atol
+            is then at least `precision.half_tolerance` of it.
+
+    Returns:
+        The rows, run by run, each run's artifacts in `artifacts` order.
+
+    Raises:
+        ValueError: if a runtime cannot load its artifact.
+        ParityError: if an artifact's names differ or it fails on a run.
+    """
+    outcomes = run_checked(target, artifacts, runs, labels, action, atol, rtol)
+    rows = {}
+    runs_triples: dict[str, list] = {}  # quantized: per runtime, per run
+    for runtime, outcome in outcomes.items():
+        for index, (want, have) in enumerate(
+            zip(expected, outcome.outputs, strict=True)
+        ):
+            pairs = [
+                (step_want[name], step_have[name])
+                for step_want, step_have in zip(want, have, strict=True)
+                for name in target.output_names
+            ]
+            if dequantized is None:
+                row = rules.float_row(runtime, labels[index], pairs, atol, rtol, half)
+                if model_outputs is not None:
+                    gap = rules.largest_gap(
+                        model_outputs[index], have, target.output_names
+                    )
+                    row = dataclasses.replace(row, model_precision_err=gap)
+                rows[(index, runtime)] = row
+                continue
+            floats = [
+                step[name]
+                for step in dequantized[index]
+                for name in target.output_names
+            ]
+            triples = [(k, f, a) for (k, a), f in zip(pairs, floats, strict=True)]
+            runs_triples.setdefault(runtime, []).append(triples)
+            rows[(index, runtime)] = rules.quantized_row(
+                runtime, labels[index], triples, atol, rtol, outcome.description
+            )
+        if runtime in runs_triples:
+            keys = [(i, runtime) for i in range(len(expected))]
+            judged = rules.pooled(
+                [rows[key] for key in keys],
+                runs_triples[runtime],
+                atol,
+                rtol,
+                outcome.description,
+            )
+            rows.update(zip(keys, judged, strict=True))
+    return tuple(rows[key] for key in sorted(rows, key=lambda k: k[0]))

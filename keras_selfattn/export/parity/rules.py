@@ -1,0 +1,255 @@
+"""The judging rules of exported models' outputs against Keras's: one row
+per runtime and input shape (`ParityRow`).
+
+A float model's artifact passes when every output element is within
+|err| <= atol + rtol |keras|. A quantized model's artifact is compared with
+two references Keras computes on the same inputs: the quantized model, and
+the float model whose kernels are the dequantized integers
+(`quantization`). A runtime may quantize activations its own way (per
+tensor, asymmetric, dynamic range), so, per output:
+
+- its error against the dequantized-float model is at most
+  `QUANTIZED_MARGIN` times Keras's own (the quantized model against that
+  reference), both as root mean squares over all of the call's shapes: the
+  typical size of each scheme's error, which the largest element of a few
+  outputs (one token, a classifier's logits) measures too noisily; and no
+  element is further from that reference than `LARGEST_MARGIN` times Keras's
+  own largest error (plus the float tolerance in both);
+- an artifact that computes Keras's own scheme (it says so in its metadata)
+  must also match the quantized model: its root mean square error against it
+  (over all the shapes) at most `ROUNDING_SHARE` of Keras's own, and no
+  element further from it than Keras's own largest error, plus the float
+  tolerance. Activations whose float value differs by an ulp before a
+  quantizer (the runtime's attention or softmax rounds differently) can
+  round to the neighbouring integer: sparse steps, one quantization step
+  each, while a model that quantizes otherwise has errors independent of
+  Keras's, about 1.4 times Keras's own away from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from keras_selfattn.export import precision
+
+DEFAULT_ATOL = 1e-5
+DEFAULT_RTOL = 1e-4
+# A quantized model's artifact may be this many times as far from the
+# dequantized-float reference as Keras's own quantized model is (root mean
+# squares), and each element this many times Keras's largest error.
+QUANTIZED_MARGIN = 1.25
+LARGEST_MARGIN = 2.0
+# The share of Keras's own quantization error (root mean square) an
+# artifact computing Keras's scheme may differ from it by (activations
+# rounding the other way).
+ROUNDING_SHARE = 0.25
+
+
+@dataclasses.dataclass(frozen=True)
+class ParityRow:
+    """One runtime on one input shape, compared with Keras.
+
+    Attributes:
+        runtime: "saved_model", "onnx", "litert", "openvino" (at f32;
+            "openvino_bf16" at bf16) or "torch"; for decoding steps also
+            "keras_cache" (Keras's cached decode against its full forward);
+            for a LiteRT generator also "litert prefill/decode" (its greedy
+            tokens through those signatures).
+        shape: Input shape label, "BATCHxTIME", with " padded" when rows
+            carry padding.
+        max_abs_err: Largest |runtime - keras| over all outputs.
+        max_rel_err: Largest |runtime - keras| / |keras| over elements where
+            |keras| > atol (smaller ones are judged by atol alone).
+        ok: Whether every element satisfies
+            |runtime - keras| <= atol + rtol * |keras| (and shapes match);
+            for a quantized model, the rule in the module docstring.
+        dequantized_err: Quantized models: largest |runtime - dequantized
+            float reference|; None for float models.
+        quantization_err: Quantized models: Keras's own largest |quantized
+            Keras - dequantized float reference| on the same inputs.
+        scheme: Quantized models: how the artifact computes (its activation
+            scheme), as it says or as its runtime shows; "" if unknown.
+        model_precision_err: A half-precision model exported in float32:
+            largest |runtime - the model's own half-precision outputs|.
+        rms_ratio: Quantized models: root mean square of |runtime -
+            dequantized float| over Keras's own (the worst output).
+    """
+
+    runtime: str
+    shape: str
+    max_abs_err: float
+    max_rel_err: float
+    ok: bool
+    dequantized_err: float | None = None
+    quantization_err: float | None = None
+    scheme: str = ""
+    model_precision_err: float | None = None
+    rms_ratio: float | None = None
+
+
+def compare(expected: np.ndarray, actual: np.ndarray, atol: float, rtol: float):
+    """(max abs err, max rel err, ok) of `actual` against `expected`."""
+    expected = np.asarray(expected, dtype=np.float64)
+    actual = np.asarray(actual, dtype=np.float64)
+    if expected.shape != actual.shape:
+        return np.inf, np.inf, False
+    diff = np.abs(actual - expected)
+    same_nan = np.isnan(actual) & np.isnan(expected)
+    diff = np.where(same_nan, 0.0, np.nan_to_num(diff, nan=np.inf))
+    if diff.size == 0:
+        return 0.0, 0.0, True
+    significant = np.abs(expected) > atol  # elsewhere atol is what applies
+    rel = diff[significant] / np.abs(expected[significant])
+    ok = bool(np.all(diff <= atol + rtol * np.nan_to_num(np.abs(expected))))
+    return float(diff.max()), float(rel.max()) if rel.size else 0.0, ok
+
+
+def parity_row(
+    runtime: str, label: str, pairs: Sequence[tuple], atol: float, rtol: float
+) -> ParityRow:
+    """One row over (expected, actual) pairs: the worst errors, all ok."""
+    results = [compare(want, have, atol, rtol) for want, have in pairs]
+    return ParityRow(
+        runtime,
+        label,
+        max(r[0] for r in results),
+        max(r[1] for r in results),
+        all(r[2] for r in results),
+    )
+
+
+def _within(diff: np.ndarray, allowed: np.ndarray) -> bool:
+    return bool(np.all(np.nan_to_num(diff, nan=np.inf) <= allowed))
+
+
+def _gap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape:
+        return np.full((1,), np.inf)
+    same_nan = np.isnan(a) & np.isnan(b)
+    return np.where(same_nan, 0.0, np.abs(a - b))
+
+
+def _rms(values: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(np.square(values)))) if values.size else 0.0
+
+
+def quantized_row(
+    runtime: str,
+    label: str,
+    triples: Sequence[tuple],
+    atol: float,
+    rtol: float,
+    description: Mapping[str, object],
+) -> ParityRow:
+    """One row of a quantized model over (keras, dequantized, actual) triples
+    (one per output): the largest errors and the rules on each element (the
+    root mean square rules pool a call's rows: `pooled`)."""
+    exact = bool(description.get("exact"))
+    errors, dequantized, own, relative, ok = [], [], [], [], True
+    for keras_out, float_out, actual in triples:
+        keras_gap = _gap(actual, keras_out)
+        float_gap = _gap(actual, float_out)
+        own_largest = float(_gap(keras_out, float_out).max(initial=0.0))
+        ok &= _within(
+            float_gap, LARGEST_MARGIN * own_largest + atol + rtol * np.abs(float_out)
+        )
+        if exact:
+            ok &= _within(keras_gap, own_largest + atol + rtol * np.abs(keras_out))
+        errors.append(float(keras_gap.max(initial=0.0)))
+        dequantized.append(float(float_gap.max(initial=0.0)))
+        own.append(own_largest)
+        relative.append(compare(keras_out, actual, atol, rtol)[1])
+    return ParityRow(
+        runtime,
+        label,
+        max(errors),
+        max(relative),
+        ok,
+        max(dequantized),
+        max(own),
+        str(description.get("scheme", "")),
+    )
+
+
+def pooled(
+    rows: Sequence[ParityRow],
+    triples: Sequence[Sequence[tuple]],
+    atol: float,
+    rtol: float,
+    description: Mapping[str, object],
+) -> list[ParityRow]:
+    """`rows` (one runtime's, one per run) judged by the root mean square
+    rules over all their runs together, per output (a few outputs of one run
+    are too few to tell one scheme's typical error from another's).
+
+    Args:
+        rows: From `quantized_row`, in run order.
+        triples: Per run, the (keras, dequantized, actual) triple of each
+            output.
+    """
+    exact = bool(description.get("exact"))
+    ok, ratios = True, []
+    for output in zip(*triples, strict=True):
+        keras_out, float_out, actual = (
+            np.concatenate([np.ravel(np.asarray(t[i], np.float64)) for t in output])
+            for i in range(3)
+        )
+        own_rms = _rms(_gap(keras_out, float_out))
+        float_rms = _rms(_gap(actual, float_out))
+        ok &= float_rms <= QUANTIZED_MARGIN * own_rms + atol + rtol * _rms(float_out)
+        if exact:
+            ok &= _rms(_gap(actual, keras_out)) <= ROUNDING_SHARE * own_rms + atol
+        ratios.append(float_rms / own_rms if own_rms else 0.0)
+    ratio = max(ratios, default=0.0)
+    return [dataclasses.replace(r, ok=r.ok and ok, rms_ratio=ratio) for r in rows]
+
+
+def float_row(
+    runtime: str,
+    label: str,
+    pairs: Sequence[tuple],
+    atol: float,
+    rtol: float,
+    half: str | None,
+) -> ParityRow:
+    """`parity_row`, each pair's atol raised to `precision.half_tolerance`
+    of its expected output for a half-precision artifact."""
+    if half is None:
+        return parity_row(runtime, label, pairs, atol, rtol)
+    rows = [
+        parity_row(
+            runtime,
+            label,
+            [(want, have)],
+            max(atol, precision.half_tolerance(half, np.asarray(want))),
+            rtol,
+        )
+        for want, have in pairs
+    ]
+    return ParityRow(
+        runtime,
+        label,
+        max(row.max_abs_err for row in rows),
+        max(row.max_rel_err for row in rows),
+        all(row.ok for row in rows),
+    )
+
+
+def largest_gap(
+    wanted: Sequence[Mapping[str, np.ndarray]],
+    produced: Sequence[Mapping[str, np.ndarray]],
+    names: Sequence[str],
+) -> float:
+    """The largest |produced - wanted| over the outputs `wanted` has."""
+    gaps = [
+        float(_gap(step_have[name], step_want[name]).max(initial=0.0))
+        for step_want, step_have in zip(wanted, produced, strict=True)
+        for name in names
+        if name in step_want
+    ]
+    return max(gaps, default=0.0)
