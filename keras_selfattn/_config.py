@@ -15,6 +15,7 @@ from keras import constraints, initializers, regularizers
 
 from keras_selfattn import _checks
 from keras_selfattn import projections as projections_lib
+from keras_selfattn.attention import score_mods
 
 _optional_int = functools.partial(_checks.positive_int, allow_none=True)
 _optional_float = functools.partial(_checks.positive_float, allow_none=True)
@@ -22,6 +23,24 @@ _optional_float = functools.partial(_checks.positive_float, allow_none=True)
 
 def _optional_bool(name: str, value):
     return None if value is None else _checks.boolean(name, value)
+
+
+def _position_bias(name: str, value):
+    if value is not None and value not in score_mods.POSITION_BIASES:
+        raise ValueError(
+            f"`{name}` must be None, 'alibi' or 'relative'. Received: {name}={value!r}"
+        )
+    return value
+
+
+def _num_buckets(name: str, value):
+    value = _checks.positive_int(name, value)
+    if value < 2:
+        raise ValueError(
+            f"`{name}` must be an integer >= 2 (T5's buckets: half for exact "
+            f"distances, half logarithmic). Received: {name}={value!r}"
+        )
+    return value
 
 
 # Each argument and its check, in the order they are checked.
@@ -42,6 +61,12 @@ _CHECKS = {
     "use_gate": _checks.boolean,
     "rope_max_wavelength": _optional_float,
     "rope_scaling_factor": _checks.positive_float,
+    "position_bias": _position_bias,
+    "alibi_bias_max": _checks.positive_float,
+    "relative_attention_num_buckets": _num_buckets,
+    "relative_attention_max_distance": _checks.positive_int,
+    "use_sinks": _checks.boolean,
+    "logit_soft_cap": _optional_float,
 }
 # Keras objects, fetched with `module.get` and written with `module.serialize`.
 _OBJECTS = {
@@ -77,12 +102,36 @@ def arguments(**arguments) -> dict:
         )
     if config["key_dim"] is not None:
         check_rope_key_dim(config["rope_max_wavelength"], config["key_dim"])
+    if config["position_bias"] == "relative":
+        _check_relative_buckets(config)
     for name, module in _OBJECTS.items():
         config[name] = _checks.finite_config(name, module.get(arguments[name]))
     config["quantized_projections"] = projections_lib.check_quantization_states(
         arguments["quantized_projections"]
     )
     return config
+
+
+def _check_relative_buckets(config: dict) -> None:
+    """Raises ValueError unless T5's buckets have, in each direction, at least
+    one exact distance, and `relative_attention_max_distance` lies past them
+    (T5's logarithmic buckets span the distances between the two)."""
+    buckets = config["relative_attention_num_buckets"]
+    max_distance = config["relative_attention_max_distance"]
+    per_direction = buckets if config["causal"] else buckets // 2
+    exact = per_direction // 2
+    if exact < 1 or max_distance <= exact:
+        direction = "one direction (causal)" if config["causal"] else "two directions"
+        raise ValueError(
+            "position_bias='relative' splits relative_attention_num_buckets "
+            f"over {direction}, half of each for exact distances, the rest "
+            "for distances up to relative_attention_max_distance: it needs "
+            f"at least {2 if config['causal'] else 4} buckets and a max "
+            f"distance above the exact ones ({exact}). Received: "
+            f"relative_attention_num_buckets={buckets}, "
+            f"relative_attention_max_distance={max_distance}, "
+            f"causal={config['causal']}"
+        )
 
 
 def serialize(layer) -> dict:

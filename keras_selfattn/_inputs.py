@@ -113,3 +113,78 @@ def check_scores_request(layer_name: str, chunk_size, return_scores: bool) -> No
             "chunk_size=None (same weights, same outputs) to inspect them. "
             "Received: return_attention_scores=True"
         )
+
+
+def _fits(size, wanted) -> bool:
+    """Whether a size fits `wanted` (1 broadcasts; unknown sizes fit)."""
+    return not (isinstance(size, int) and isinstance(wanted, int)) or size in (
+        1,
+        wanted,
+    )
+
+
+def check_score_inputs(
+    layer_name: str,
+    inputs_shape,
+    num_heads: int,
+    attention_bias,
+    segment_ids,
+    key_time=None,
+) -> None:
+    """Raises ValueError unless `attention_bias` is float and broadcastable
+    to (batch, num_heads, time, key_time) and `segment_ids` is int
+    (batch, time); `key_time` is `time` unless decoding (the cache's)."""
+    batch, time = tuple(inputs_shape)[:2]
+    key_time = time if key_time is None else key_time
+    if attention_bias is not None:
+        shape = tuple(attention_bias.shape)
+        dtype = keras.backend.standardize_dtype(attention_bias.dtype)
+        wanted = (batch, num_heads, time, key_time)
+        if not keras.backend.is_float_dtype(dtype):
+            raise ValueError(
+                f"SelfAttention '{layer_name}': `attention_bias` must be a "
+                f"float tensor. Received: attention_bias.dtype={dtype}"
+            )
+        if len(shape) != 4 or not all(map(_fits, shape, wanted)):
+            raise ValueError(
+                f"SelfAttention '{layer_name}': `attention_bias` must be "
+                "broadcastable to (batch, num_heads, time, time) = "
+                f"{wanted} (each size equal or 1). Received: "
+                f"attention_bias.shape={shape}"
+            )
+    if segment_ids is not None:
+        shape = tuple(segment_ids.shape)
+        dtype = keras.backend.standardize_dtype(segment_ids.dtype)
+        if "int" not in dtype:
+            raise ValueError(
+                f"SelfAttention '{layer_name}': `segment_ids` must be an "
+                "integer tensor (the id of each position's packed sequence). "
+                f"Received: segment_ids.dtype={dtype}"
+            )
+        if len(shape) != 2 or not all(
+            not (isinstance(a, int) and isinstance(b, int)) or a == b
+            for a, b in zip(shape, (batch, time), strict=True)
+        ):
+            raise ValueError(
+                f"SelfAttention '{layer_name}': `segment_ids` must have shape "
+                f"(batch, time) = {(batch, time)}. Received: "
+                f"segment_ids.shape={shape}"
+            )
+
+
+def check_decoding_scores(
+    layer_name: str, inputs_shape, num_heads: int, cache, attention_bias, segment_ids
+) -> None:
+    """Raises ValueError for a decoding call's `segment_ids` (a cache holds
+    one sequence per row) or an `attention_bias` that is not broadcastable
+    to (batch, num_heads, time, max_length)."""
+    if segment_ids is not None:
+        raise ValueError(
+            f"SelfAttention '{layer_name}': a key/value cache holds one "
+            "sequence per row, so a decoding call takes no `segment_ids` "
+            "(decode packed sequences as rows of their own). Received: "
+            f"segment_ids.shape={tuple(segment_ids.shape)}"
+        )
+    check_score_inputs(
+        layer_name, inputs_shape, num_heads, attention_bias, None, cache.shape[2]
+    )

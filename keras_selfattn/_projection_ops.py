@@ -12,7 +12,7 @@ import math
 
 from keras import initializers
 
-from keras_selfattn import _checks
+from keras_selfattn import _checks, _score_weights
 from keras_selfattn import projections as projections_lib
 
 
@@ -118,7 +118,8 @@ class ProjectionMethods:
         """Loads a file saved before the projections were layers, whose
         weights were this layer's own (`get_weights()` order); files of this
         version keep them in the projections' entries."""
-        if not len(store.keys()):
+        if not len(store.keys()) or _score_weights.names(self):
+            # This version's file (a layer with score weights is of it).
             return super().load_own_variables(store)
         projections = list(of(self).values())
         targets = [weight for p in projections for weight in p.weights]
@@ -199,3 +200,5 @@ class ProjectionMethods:
             projection.enable_lora(rank, lora_alpha=lora_alpha)
             if projection.bias is not None:
                 projection.bias.trainable = False
+        for name in _score_weights.names(self):
+            getattr(self, name).trainable = False

@@ -5,7 +5,14 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from keras_selfattn import _checks, _config, _inputs, _outputs, _projection_ops
+from keras_selfattn import (
+    _checks,
+    _config,
+    _inputs,
+    _outputs,
+    _projection_ops,
+    _score_weights,
+)
 from keras_selfattn import projections as projections_lib
 from keras_selfattn.attention import (
     Masks,
@@ -60,6 +67,19 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
             queries and keys (keras-hub's rotation); `key_dim` must be even.
         rope_scaling_factor: Positions are divided by it before the
             rotation. Defaults to 1.0.
+        position_bias: None, "alibi" (head h adds `-slope_h * |i - j|` to
+            the scores, keras-hub's `AlibiBias` slopes) or "relative" (T5's
+            learned bias of the bucket of `j - i`, weight
+            `relative_attention_bias` of shape `(buckets, num_heads)`).
+        alibi_bias_max: ALiBi's slopes are a geometric sequence from
+            `2 ** (-alibi_bias_max / num_heads)`. Defaults to 8.
+        relative_attention_num_buckets: T5's buckets. Defaults to 32.
+        relative_attention_max_distance: T5's longest bucketed distance.
+            Defaults to 128.
+        use_sinks: If True, a learned logit per head (weight `sinks`) joins
+            each softmax's denominator and adds no value (gpt-oss).
+        logit_soft_cap: If set (> 0), scores become `cap * tanh(scores /
+            cap)` (Gemma 2), before the biases.
         quantized_projections: Written by `get_config` for quantized
             projections, so that loading rebuilds them quantized.
         kernel_initializer, bias_initializer: Initializers.
@@ -75,6 +95,11 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
         return_attention_scores: If True, also return the attention weights.
         cache: Optional key/value cache (`empty_cache`); causal layers only.
         cache_update_index: The position of the first new token in `cache`.
+        attention_bias: Optional float, broadcastable to `(batch,
+            num_heads, time, time)`: added to the scores after the position
+            bias, before the masks (a bias never unmasks a key).
+        segment_ids: Optional int `(batch, time)`: packed sequences; a
+            position attends only positions of its own id.
 
     Returns:
         The output `(batch, time, output_dim or num_heads * value_dim)`; with
@@ -113,6 +138,12 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
         use_gate: bool = False,
         rope_max_wavelength: float | None = None,
         rope_scaling_factor: float = 1.0,
+        position_bias: str | None = None,
+        alibi_bias_max: float = 8.0,
+        relative_attention_num_buckets: int = 32,
+        relative_attention_max_distance: int = 128,
+        use_sinks: bool = False,
+        logit_soft_cap: float | None = None,
         quantized_projections: dict | None = None,
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
@@ -138,6 +169,7 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
             keras.random.SeedGenerator(self.seed) if self.dropout else None
         )
         self._dims = None  # _config.Dims, set by build
+        self.relative_attention_bias = self.sinks = None  # set by build if used
         for name in projections_lib.NAMES:
             setattr(self, f"{name}_dense", None)
 
@@ -145,6 +177,7 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
         input_dim = _inputs.check_shape(self.name, input_shape, None)
         dims = _config.dims(self, input_dim)
         _projection_ops.add_all(self, dims)
+        _score_weights.add(self)
         self._dims = dims
 
     def _project(self, x, prefix: str):
@@ -172,13 +205,14 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
             )
         return self._dims.scale
 
-    def _masks(self, mask, attention_mask, query_offset=None) -> Masks:
+    def _masks(self, mask, attention_mask, query_offset=None, segments=None) -> Masks:
         return Masks(
             key_padding=mask,
             attention=attention_mask,
             causal=self.causal,
             sliding_window=self.sliding_window,
             query_offset=query_offset,
+            segments=segments,
         )
 
     def implementation(
@@ -190,6 +224,8 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
         return_attention_scores: bool = False,
         cache=None,
         cache_update_index=None,
+        attention_bias=None,
+        segment_ids=None,
     ) -> str:
         """The name of the implementation a call with these arguments takes:
         "fused", "single_query", "chunked" or "explicit" (see
@@ -211,12 +247,19 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
             return_attention_scores,
             cache,
             cache_update_index,
+            attention_bias,
+            segment_ids,
         )
-        masks = self._masks(mask, attention_mask, offset)
+        masks = self._masks(mask, attention_mask, offset, segment_ids)
         inputs = ops.convert_to_tensor(inputs)
-        return self._choose(inputs, masks, training, return_attention_scores, dims).name
+        mods = _score_weights.names_for_call(self, attention_bias)
+        return self._choose(
+            inputs, masks, training, return_attention_scores, mods, dims
+        ).name
 
-    def _choose(self, inputs, masks: Masks, training, return_scores: bool, dims=None):
+    def _choose(
+        self, inputs, masks: Masks, training, return_scores: bool, mods, dims=None
+    ):
         dims = dims or self._dims
         return choose(
             masks,
@@ -228,6 +271,7 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
             chunk_size=self.chunk_size,
             dropout=self.seed_generator is not None and bool(training),
             return_weights=return_scores,
+            score_mods=mods,
             layer_name=self.name,
         )
 
@@ -240,6 +284,8 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
         return_attention_scores: bool = False,
         cache=None,
         cache_update_index=None,
+        attention_bias=None,
+        segment_ids=None,
     ):
         offset = self._decoding(
             inputs,
@@ -248,6 +294,8 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
             return_attention_scores,
             cache,
             cache_update_index,
+            attention_bias,
+            segment_ids,
         )
         decoding, guard = cache is not None, None
         if decoding:
@@ -258,8 +306,11 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
             # values (NaN, inf) change no output.
             keep_input = ops.expand_dims(ops.cast(mask, "bool"), -1)
             inputs = nan_safe.zero_unless(keep_input, inputs)
-        masks = self._masks(mask, attention_mask, offset)
-        implementation = self._choose(inputs, masks, training, return_attention_scores)
+        masks = self._masks(mask, attention_mask, offset, segment_ids)
+        mods = _score_weights.for_call(self, attention_bias)
+        implementation = self._choose(
+            inputs, masks, training, return_attention_scores, mods.names if mods else ()
+        )
         layout = implementation.layout
         # The cache holds keys and values time-first.
         kv_layout = heads_lib.TIME_FIRST if decoding else layout
@@ -298,6 +349,7 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
             scale=self._dims.scale,
             dropout=dropout,
             return_weights=return_attention_scores,
+            mods=mods,
         )
         output = heads_lib.merge(heads_out, layout)
         if self.use_gate:
@@ -314,7 +366,15 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
         return output
 
     def _decoding(
-        self, inputs, mask, attention_mask, return_attention_scores, cache, index
+        self,
+        inputs,
+        mask,
+        attention_mask,
+        return_attention_scores,
+        cache,
+        index,
+        attention_bias=None,
+        segment_ids=None,
     ):
         """Raises the call's ValueErrors; returns None without a cache, else
         `index` converted (`cache_lib.index_of`): the call reads it once (an
@@ -325,7 +385,13 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
             _inputs.check_scores_request(
                 self.name, self.chunk_size, return_attention_scores
             )
+            _inputs.check_score_inputs(
+                self.name, inputs.shape, self.num_heads, attention_bias, segment_ids
+            )
             return None
+        _inputs.check_decoding_scores(
+            self.name, inputs.shape, self.num_heads, cache, attention_bias, segment_ids
+        )
         index = cache_lib.check_call(
             self, inputs, cache, index, attention_mask, return_attention_scores
         )
@@ -373,6 +439,8 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
         return_attention_scores: bool = False,
         cache=None,
         cache_update_index=None,
+        attention_bias=None,
+        segment_ids=None,
     ):
         # `__call__` has checked `inputs`, and built the layer.
         self._decoding(
@@ -382,6 +450,8 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
             return_attention_scores,
             cache,
             cache_update_index,
+            attention_bias,
+            segment_ids,
         )
         output = keras.KerasTensor(
             tuple(inputs.shape[:-1]) + (self._dims.output_width,),

@@ -37,6 +37,45 @@ def rotary(
     return out
 
 
+def alibi_slopes(num_heads: int, alibi_bias_max: float = 8.0) -> np.ndarray:
+    """keras-hub's `AlibiBias._get_alibi_slopes`, transcribed: the slopes of
+    the largest power of two n <= num_heads (geometric, from
+    2 ** (-alibi_bias_max / n)), then every other slope of 2n's."""
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2 ** (-(2 ** -(np.log2(n) - np.log2(alibi_bias_max))))
+        return [start * start**i for i in range(n)]
+
+    n = 2 ** int(np.floor(np.log2(num_heads)))
+    slopes = power_of_two(n)
+    if n < num_heads:
+        slopes += power_of_two(2 * n)[0::2][: num_heads - n]
+    return np.array(slopes)
+
+
+def t5_bucket(
+    relative_position: int, bidirectional: bool, num_buckets: int, max_distance: int
+) -> int:
+    """T5's `_relative_position_bucket` of one `key - query` position,
+    transcribed (its logarithm in float32, as T5 computes it)."""
+    bucket = 0
+    if bidirectional:
+        num_buckets //= 2
+        bucket += num_buckets if relative_position > 0 else 0
+        relative_position = abs(relative_position)
+    else:
+        relative_position = -min(relative_position, 0)
+    max_exact = num_buckets // 2
+    if relative_position < max_exact:
+        return bucket + relative_position
+    large = max_exact + int(
+        np.log(np.float32(relative_position) / np.float32(max_exact))
+        / np.float32(np.log(max_distance / max_exact))
+        * np.float32(num_buckets - max_exact)
+    )
+    return bucket + min(large, num_buckets - 1)
+
+
 def allowed(
     time: int,
     padding_mask: np.ndarray | None = None,
@@ -74,6 +113,11 @@ def self_attention(
     num_key_value_heads: int | None = None,
     rope_max_wavelength: float | None = None,
     rope_scaling_factor: float = 1.0,
+    logit_soft_cap: float | None = None,
+    position_bias: np.ndarray | None = None,
+    attention_bias: np.ndarray | None = None,
+    sinks: np.ndarray | None = None,
+    segment_ids: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Returns (output (B, T, W), attention weights (B, H, T, T)) in float64.
 
@@ -84,6 +128,13 @@ def self_attention(
     multiplied by sigmoid(x wg + bg) before the output projection. With
     `rope_max_wavelength`, each head's queries and keys are rotated by
     position (`rotary`).
+
+    Score modifications, in this order: each score becomes
+    `cap * tanh(score / cap)` with `logit_soft_cap`, then adds
+    `position_bias[h, i, j]` (H, T, T) and `attention_bias[b, h, i, j]`
+    (broadcast from size-1 axes); a query attends only keys of its own
+    `segment_ids` (B, T); with `sinks` (H,) the softmax of head h has
+    `exp(sinks[h])` more in its denominator.
     """
     x = x.astype(np.float64)
     batch, time, _ = x.shape
@@ -102,6 +153,8 @@ def self_attention(
     attn = np.zeros((batch, num_heads, time, time))
     for b in range(batch):
         ok = allowed(time, padding_mask, attention_mask, causal, sliding_window, b)
+        if segment_ids is not None:
+            ok &= segment_ids[b][:, None] == segment_ids[b][None, :]
         for h in range(num_heads):
             g = h // group  # the key and value head of query head h
             qh = q[b, :, h * key_dim : (h + 1) * key_dim]
@@ -116,8 +169,20 @@ def self_attention(
                 if not ok[i].any():
                     continue  # nothing to attend: zero weights, zero output
                 scores = np.array([qh[i] @ kh[j] for j in range(time)]) * scale
+                if logit_soft_cap is not None:
+                    scores = logit_soft_cap * np.tanh(scores / logit_soft_cap)
+                if position_bias is not None:
+                    scores = scores + position_bias[h, i]
+                if attention_bias is not None:
+                    bias = np.broadcast_to(
+                        attention_bias, (batch, num_heads) + (time,) * 2
+                    )
+                    scores = scores + bias[b, h, i]
                 w = np.zeros(time)
-                w[ok[i]] = _softmax(scores[ok[i]])
+                if sinks is None:
+                    w[ok[i]] = _softmax(scores[ok[i]])
+                else:
+                    w[ok[i]] = _softmax(np.append(scores[ok[i]], sinks[h]))[:-1]
                 attn[b, h, i] = w
                 heads_out[b, i, h * value_dim : (h + 1) * value_dim] = w @ vh
     out = heads_out
@@ -133,16 +198,55 @@ def self_attention(
     return out, attn
 
 
+def alibi_bias(slopes: np.ndarray, time: int) -> np.ndarray:
+    """(H, T, T): head h adds -slopes[h] * |i - j|."""
+    distance = np.abs(np.arange(time)[:, None] - np.arange(time)[None, :])
+    return -slopes[:, None, None] * distance[None]
+
+
+def relative_bias(
+    weight: np.ndarray,
+    time: int,
+    bidirectional: bool,
+    num_buckets: int = 32,
+    max_distance: int = 128,
+) -> np.ndarray:
+    """(H, T, T): T5's learned `weight[bucket(j - i), h]`."""
+    out = np.zeros((weight.shape[1], time, time))
+    for i in range(time):
+        for j in range(time):
+            bucket = t5_bucket(j - i, bidirectional, num_buckets, max_distance)
+            out[:, i, j] = weight[bucket]
+    return out
+
+
+def _layer_position_bias(layer, weights: dict, time: int):
+    if layer.position_bias == "alibi":
+        slopes = alibi_slopes(layer.num_heads, layer.alibi_bias_max)
+        return alibi_bias(slopes, time)
+    if layer.position_bias == "relative":
+        return relative_bias(
+            weights["relative_attention_bias"],
+            time,
+            not layer.causal,
+            layer.relative_attention_num_buckets,
+            layer.relative_attention_max_distance,
+        )
+    return None
+
+
 def for_layer(layer, x: np.ndarray, **masks) -> tuple[np.ndarray, np.ndarray]:
     """`self_attention` with the layer's weights and configuration.
 
     Default key_dim and value_dim are resolved from `x`'s feature size as the
-    layer documents; `masks` (padding_mask, attention_mask) pass through.
+    layer documents; `masks` (padding_mask, attention_mask, attention_bias,
+    segment_ids) pass through.
     """
     key_dim = layer.key_dim or x.shape[-1] // layer.num_heads
+    weights = layer_weights(layer)
     return self_attention(
         x,
-        layer_weights(layer),
+        weights,
         layer.num_heads,
         key_dim,
         layer.value_dim or key_dim,
@@ -152,13 +256,19 @@ def for_layer(layer, x: np.ndarray, **masks) -> tuple[np.ndarray, np.ndarray]:
         num_key_value_heads=layer.num_key_value_heads,
         rope_max_wavelength=layer.rope_max_wavelength,
         rope_scaling_factor=layer.rope_scaling_factor,
+        logit_soft_cap=layer.logit_soft_cap,
+        position_bias=_layer_position_bias(layer, weights, x.shape[1]),
+        sinks=weights.get("sinks"),
         **masks,
     )
 
 
 def layer_weights(layer) -> dict[str, np.ndarray]:
     """The layer's weights by reference name, read through get_weights()."""
-    names = ["wq"] + (["bq"] if layer.use_bias else [])
+    # The layer's own weights come first, in the order it adds them.
+    names = ["relative_attention_bias"] if layer.position_bias == "relative" else []
+    names += ["sinks"] if layer.use_sinks else []
+    names += ["wq"] + (["bq"] if layer.use_bias else [])
     names += ["wk"] + (["bk"] if layer.use_bias else [])
     names += ["wv"] + (["bv"] if layer.use_bias else [])
     if layer.use_gate:
@@ -178,4 +288,6 @@ def output_for_call(layer, x: np.ndarray, masks: dict) -> np.ndarray:
         x,
         padding_mask=masks.get("mask"),
         attention_mask=masks.get("attention_mask"),
+        attention_bias=masks.get("attention_bias"),
+        segment_ids=masks.get("segment_ids"),
     )[0]

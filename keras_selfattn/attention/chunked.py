@@ -32,7 +32,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from keras_selfattn.attention import explicit
+from keras_selfattn.attention import explicit, score_mods
 from keras_selfattn.attention import masks as masks_lib
 
 
@@ -90,7 +90,16 @@ def _assemble(blocks, time, block, num_blocks):
 
 
 def chunked_attention(
-    query, key, value, masks, *, scale, chunk_size, dropout=None, return_weights=False
+    query,
+    key,
+    value,
+    masks,
+    *,
+    scale,
+    chunk_size,
+    dropout=None,
+    return_weights=False,
+    mods=None,
 ):
     """Attention computed `chunk_size` queries at a time.
 
@@ -104,6 +113,8 @@ def chunked_attention(
         dropout: None or a `SeededDropout`.
         return_weights: False: the weights are never built whole
             (`dispatch.IMPLEMENTATIONS["chunked"]` rules it out).
+        mods: None or a `score_mods.ScoreMods`; each block builds its own
+            bias (the position bias by position, `attention_bias` cut).
 
     Returns:
         Tuple (output (B, H, T, V), None), equal to the explicit path's
@@ -115,7 +126,7 @@ def chunked_attention(
         return ops.zeros(ops.shape(query)[:3] + (ops.shape(value)[3],), value.dtype)
 
     def blocks():
-        return _blocks(query, key, value, masks, scale, chunk_size, dropout)
+        return _blocks(query, key, value, masks, scale, chunk_size, dropout, mods)
 
     if isinstance(time, int):
         return (blocks() if time else empty()), None
@@ -124,13 +135,13 @@ def chunked_attention(
         # over blocks needs their number while tracing. The explicit path
         # computes the same numbers.
         return explicit.explicit_attention(
-            query, key, value, masks, scale=scale, dropout=dropout
+            query, key, value, masks, scale=scale, dropout=dropout, mods=mods
         )
     # Dynamic time (a TensorFlow graph of unknown shape): decided at run time.
     return ops.cond(ops.greater(time, 0), blocks, empty), None
 
 
-def _blocks(query, key, value, masks, scale, chunk_size, dropout):
+def _blocks(query, key, value, masks, scale, chunk_size, dropout, mods):
     """`chunked_attention` of a non-empty sequence."""
     batch, num_heads, time, key_dim = ops.shape(query)
     value_dim = ops.shape(value)[3]
@@ -139,7 +150,7 @@ def _blocks(query, key, value, masks, scale, chunk_size, dropout):
     span = _key_span(block, time, masks)
     reach = 0 if masks.sliding_window is None else masks.sliding_window - 1
 
-    def block_attention(start, query, key, value):
+    def block_attention(start, query, key, value, mods):
         """One block's output; `start` is its first query."""
         rows = ops.slice(query, (0, 0, start, 0), (batch, num_heads, block, key_dim))
         if span is None:  # causal only, TensorFlow: keys [0, start + block)
@@ -154,6 +165,9 @@ def _blocks(query, key, value, masks, scale, chunk_size, dropout):
             value, (0, 0, key_start, 0), (batch, num_heads, key_span, value_dim)
         )
         mask = masks_lib.block(masks, start, key_start, block, key_span)
+        bias = None
+        if mods is not None:
+            bias = score_mods.bias_block(mods, masks, start, key_start, block, key_span)
         output, _ = explicit.core(
             rows,
             keys,
@@ -163,14 +177,21 @@ def _blocks(query, key, value, masks, scale, chunk_size, dropout):
             dropout,
             offset=start,
             zero_empty_rows=masks.attention is not None,
+            mods=mods,
+            bias=bias,
         )
         return output
 
-    def attend(start):
-        def this_block(query, key, value):
-            return block_attention(start, query, key, value)
+    # The modifications' tensors (learned ones among them) enter the
+    # recomputed block as arguments, so their gradients flow on every backend.
+    tensors = () if mods is None else mods.tensors()
 
-        return keras.remat(this_block)(query, key, value)
+    def attend(start):
+        def this_block(query, key, value, *tensors):
+            block_mods = None if mods is None else mods.with_tensors(tensors)
+            return block_attention(start, query, key, value, block_mods)
+
+        return keras.remat(this_block)(query, key, value, *tensors)
 
     starts = ops.minimum(ops.arange(num_blocks, dtype="int32") * block, time - block)
     blocks = _map_sequentially(attend, starts, value.dtype)

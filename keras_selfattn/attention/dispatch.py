@@ -2,12 +2,13 @@
 
 Every implementation has one signature,
 
-    fn(query, key, value, masks, *, scale, dropout, return_weights)
+    fn(query, key, value, masks, *, scale, dropout, return_weights, mods)
         -> (output, weights or None)
 
 with query, key, value and output in the head layout the implementation
 declares (`heads.TIME_FIRST` or `heads.HEADS_FIRST`), weights
-`(B, H, Tq, Tk)` and `masks` a `Masks`.
+`(B, H, Tq, Tk)`, `masks` a `Masks` and `mods` None or a
+`score_mods.ScoreMods`.
 
 A call is described once, by its static facts (`CallFacts`: backend, dtype,
 device, masks present, decoding, one query, dropout in training, returned
@@ -135,6 +136,9 @@ class CallFacts:
             (automatic), True (required) or False (never).
         time_major_cache: Whether the call is traced within
             `cache.time_major()` (its keys and values come time-major).
+        score_mods: The names of the call's score modifications
+            (`score_mods.ScoreMods.names`).
+        segments: Whether the call has `segment_ids`.
     """
 
     backend: str
@@ -152,6 +156,8 @@ class CallFacts:
     chunk_size: int | None
     flash_attention: bool | None
     time_major_cache: bool
+    score_mods: tuple[str, ...] = ()
+    segments: bool = False
 
     @classmethod
     def of(
@@ -166,6 +172,7 @@ class CallFacts:
         chunk_size: int | None,
         dropout: bool,
         return_weights: bool,
+        score_mods: tuple[str, ...] = (),
     ) -> CallFacts:
         """The facts of a call with these masks and arguments.
 
@@ -183,6 +190,7 @@ class CallFacts:
             chunk_size: The layer's `chunk_size`.
             dropout: Whether dropout is active in this call.
             return_weights: Whether the weights are returned.
+            score_mods: The names of the call's score modifications.
         """
         if flash_attention is None:
             flash_attention = keras.config.is_flash_attention_enabled()
@@ -202,6 +210,8 @@ class CallFacts:
             chunk_size=chunk_size,
             flash_attention=flash_attention,
             time_major_cache=cache.is_time_major(),
+            score_mods=score_mods,
+            segments=masks.segments is not None,
         )
 
 
@@ -273,6 +283,8 @@ class Implementation:
 
 
 _WEIGHTS = "return_attention_scores=True needs the weights"
+# The score modifications that add a bias to the scores.
+_BIASES = {"alibi", "relative", "attention_bias"}
 
 # In the order `choose` prefers them.
 IMPLEMENTATIONS = {
@@ -302,6 +314,18 @@ IMPLEMENTATIONS = {
             (
                 lambda f: f.dropout,
                 "dropout on the weights (in training) needs the weights",
+            ),
+            (
+                lambda f: {"soft_cap", "sinks"} & set(f.score_mods),
+                "the kernels take no logit_soft_cap and no sinks",
+            ),
+            (
+                lambda f: (
+                    f.backend == "torch"
+                    and f.dtype != "float32"
+                    and set(f.score_mods) & _BIASES
+                ),
+                "PyTorch's kernel would add the bias in {dtype}, not float32",
             ),
             (
                 lambda f: f.attention_mask,
@@ -336,6 +360,10 @@ IMPLEMENTATIONS = {
             (lambda f: f.return_weights, _WEIGHTS),
             (lambda f: f.dropout, "it applies no dropout"),
             (lambda f: f.attention_mask, "it takes no attention_mask"),
+            (
+                lambda f: "attention_bias" in f.score_mods,
+                "it takes no attention_bias",
+            ),
         ),
         arguments=lambda f: {
             "grouped_key_value": True,

@@ -12,6 +12,7 @@ from keras import ops
 
 from keras_selfattn import _checks
 from keras_selfattn.attention import masks as masks_lib
+from keras_selfattn.attention import score_mods
 from keras_selfattn.fusable_core import FUSABLE_CORE_SCOPE
 
 # Softmax always runs in float32; this is float32's lowest finite value, so
@@ -27,7 +28,7 @@ def _static(size):
     return size if isinstance(size, int) else None
 
 
-def apply_mask(scores, mask):
+def apply_mask(scores, mask, select: bool = False):
     """Float32 `scores` with the entries `mask` excludes at `MASK_VALUE`.
 
     A mask that carries the batch dimension (a padding or attention mask) is
@@ -37,16 +38,20 @@ def apply_mask(scores, mask):
     fused kernel is pathologically slow when its addend is broadcast over the
     batch. Both give the same softmax: a score plus `MASK_VALUE` rounds to
     `MASK_VALUE` (exp of it minus any finite max is exactly 0), and a row
-    with no allowed key is uniform, never NaN.
+    with no allowed key is uniform, never NaN. With `select`, always `where`:
+    scores that carry a bias may be non-finite at masked positions, which a
+    sum would keep.
     """
-    if _static(mask.shape[0]) == 1:
+    if select or _static(mask.shape[0]) == 1:
         return ops.where(mask, scores, MASK_VALUE)
     # `+`, not ops.add: for some static shapes ops.add takes the bias for a
     # per-channel one and emits BiasAdd, which would not broadcast correctly.
     return scores + ops.where(mask, 0.0, MASK_VALUE)
 
 
-def masked_softmax(scores, mask=None, zero_empty_rows: bool = True):
+def masked_softmax(
+    scores, mask=None, zero_empty_rows: bool = True, sinks=None, select=False
+):
     """Softmax over the last axis in float32; masked entries get exactly 0.
 
     Args:
@@ -55,18 +60,37 @@ def masked_softmax(scores, mask=None, zero_empty_rows: bool = True):
         zero_empty_rows: Whether to zero the rows with no allowed key (a pass
             over the weights). Callers whose every row has an allowed key pass
             False.
+        sinks: None, or float32 logits broadcastable to `(..., Tq, 1)`: one
+            more entry of each row's denominator, with no weight returned
+            (a row with no allowed key then has weights 0).
+        select: Whether to mask with a select (`apply_mask`): for scores
+            that carry a bias.
     """
     scores = ops.cast(scores, "float32")
+    if sinks is not None:
+        return _softmax_with_sinks(scores, mask, sinks)
     if _static(scores.shape[-1]) == 1:
         # One key: the weight is 1 (Keras warns on a softmax over one entry).
         weights = ops.ones_like(scores)
         return weights if mask is None else ops.where(mask, weights, 0.0)
     if mask is None:
         return ops.softmax(scores, axis=-1)
-    weights = ops.softmax(apply_mask(scores, mask), axis=-1)
+    weights = ops.softmax(apply_mask(scores, mask, select), axis=-1)
     if zero_empty_rows:
         weights = ops.where(mask, weights, 0.0)
     return weights
+
+
+def _softmax_with_sinks(scores, mask, sinks):
+    """`exp(s_j) / (sum_k exp(s_k) + exp(sink))` over the allowed keys."""
+    if mask is not None:
+        scores = apply_mask(scores, mask, select=True)
+    top = ops.maximum(ops.max(scores, axis=-1, keepdims=True), sinks)
+    exponents = ops.exp(scores - top)
+    if mask is not None:
+        exponents = ops.where(mask, exponents, 0.0)
+    total = ops.sum(exponents, axis=-1, keepdims=True) + ops.exp(sinks - top)
+    return exponents / total
 
 
 def attention_scores(query, key, scale: float):
@@ -92,6 +116,8 @@ def core(
     dropout=None,
     offset=0,
     zero_empty_rows=True,
+    mods=None,
+    bias=None,
 ):
     """softmax(Q K^T * scale) V in the heads-first layout.
 
@@ -104,19 +130,29 @@ def core(
         dropout: None or a `SeededDropout`, applied to the weights.
         offset: The dropout offset (the chunked path's block).
         zero_empty_rows: See `masked_softmax`.
+        mods: None or the call's `score_mods.ScoreMods`.
+        bias: None or the block's float32 bias (`score_mods.bias_block`).
 
     Returns:
         Tuple (output (B, H, Tq, V) in value's dtype, weights (B, H, Tq, Tk)
         in value's dtype, before dropout).
     """
     scores = attention_scores(query, key, scale)
-    weights = ops.cast(masked_softmax(scores, mask, zero_empty_rows), value.dtype)
+    sinks = None
+    if mods is not None:
+        scores = score_mods.modify(scores, mods, bias)
+        if mods.sinks is not None:
+            sinks = score_mods.sink_logits(mods, (1, 1, 1, 1), heads_axis=1)
+    weights = masked_softmax(
+        scores, mask, zero_empty_rows, sinks, select=bias is not None
+    )
+    weights = ops.cast(weights, value.dtype)
     used = weights if dropout is None else dropout(weights, offset)
     return ops.matmul(used, value), weights
 
 
 def explicit_attention(
-    query, key, value, masks, *, scale, dropout=None, return_weights=False
+    query, key, value, masks, *, scale, dropout=None, return_weights=False, mods=None
 ):
     """Attention with the full weights materialized.
 
@@ -128,6 +164,7 @@ def explicit_attention(
         scale: Multiplier of the raw scores.
         dropout: None or a `SeededDropout`.
         return_weights: Whether to return the weights.
+        mods: None or a `score_mods.ScoreMods`.
 
     Returns:
         Tuple (output (B, H, Tq, V), weights (B, H, Tq, Tk) or None). A query
@@ -135,6 +172,9 @@ def explicit_attention(
     """
     query_len, key_len = ops.shape(query)[2], ops.shape(key)[2]
     mask = masks_lib.block(masks, query_len=query_len, key_len=key_len)
+    bias = None
+    if mods is not None:
+        bias = score_mods.bias_block(mods, masks, query_len=query_len, key_len=key_len)
     with keras.name_scope(FUSABLE_CORE_SCOPE):
         # Without an attention mask every query may attend itself (padded
         # queries are zeroed by the layer), so no row needs zeroing.
@@ -146,5 +186,7 @@ def explicit_attention(
             mask,
             dropout,
             zero_empty_rows=masks.attention is not None,
+            mods=mods,
+            bias=bias,
         )
     return output, weights if return_weights else None

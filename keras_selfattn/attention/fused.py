@@ -31,6 +31,8 @@ import keras
 from keras import ops
 
 from keras_selfattn.attention import masks as masks_lib
+from keras_selfattn.attention import score_mods
+from keras_selfattn.attention.explicit import MASK_VALUE
 from keras_selfattn.attention.masks import Masks
 
 
@@ -51,7 +53,7 @@ def _nonempty_rows(mask):
     return ops.logical_or(mask, ops.logical_not(ops.any(mask, axis=-1, keepdims=True)))
 
 
-def _jax_attention(query, key, value, masks: Masks, scale: float):
+def _jax_attention(query, key, value, masks: Masks, scale: float, bias=None):
     import jax
     import jax.numpy as jnp
 
@@ -71,6 +73,7 @@ def _jax_attention(query, key, value, masks: Masks, scale: float):
                 is_causal=masks.causal,
                 local_window_size=window,
                 implementation=implementation,
+                bias=bias,
                 **extra,
             )
 
@@ -126,11 +129,14 @@ def _torch_attention(query, key, value, masks: Masks, scale: float, grouped: boo
     return _dense_mask_attention(query, key, value, masks, scale, grouped)
 
 
-def _dense_mask_attention(query, key, value, masks: Masks, scale, grouped=True):
+def _dense_mask_attention(query, key, value, masks: Masks, scale, grouped, bias=None):
     """The kernel with the call's whole mask as a boolean (B, 1, Tq, Tk) mask:
     for queries that do not start at key 0 (decoding with a cache, where Tq
-    is a few new positions), which `is_causal` would misplace, and for a time
-    of unknown size on JAX (see the module docstring)."""
+    is a few new positions), which `is_causal` would misplace, for a time
+    of unknown size on JAX (see the module docstring), for segments, and
+    with a `bias` (float32 `(B or 1, H or 1, Tq, Tk)`), which PyTorch's
+    kernel takes as a float mask: the bias where allowed, `MASK_VALUE`
+    elsewhere (selected, so a non-finite bias there changes nothing)."""
     query_len, key_len = ops.shape(query)[1], ops.shape(key)[1]
     mask = masks_lib.block(masks, query_len=query_len, key_len=key_len)
     if mask is not None:  # None: nothing is masked
@@ -138,7 +144,13 @@ def _dense_mask_attention(query, key, value, masks: Masks, scale, grouped=True):
     if keras.backend.backend() == "jax":
         import jax
 
-        return jax.nn.dot_product_attention(query, key, value, mask=mask, scale=scale)
+        return jax.nn.dot_product_attention(
+            query, key, value, bias=bias, mask=mask, scale=scale
+        )
+    if bias is not None and mask is not None:
+        mask = ops.where(mask, bias, MASK_VALUE)
+    elif bias is not None:
+        mask = bias
     return _sdpa(query, key, value, scale, grouped, mask)
 
 
@@ -157,6 +169,7 @@ def fused_attention(
     dropout=None,
     return_weights=False,
     grouped_key_value=True,
+    mods=None,
 ):
     """Attention through the backend's fused kernel (JAX or PyTorch).
 
@@ -177,15 +190,26 @@ def fused_attention(
         grouped_key_value: False when key and value have as many heads as
             query (the caller repeated them): PyTorch's kernel is then
             called with `enable_gqa=False`, which its exporters require.
+        mods: None or a `score_mods.ScoreMods` that only adds a bias (the
+            kernels take no soft-cap and no sinks).
 
     Returns:
         Tuple (output (B, Tq, H, V) in the inputs' dtype, None).
     """
     backend = keras.backend.backend()
     grouped = grouped_key_value
-    if masks.decoding or (backend == "jax" and not _static_time(query, key)):
-        output = _dense_mask_attention(query, key, value, masks, scale, grouped)
+    bias = None
+    if mods is not None:
+        query_len, key_len = ops.shape(query)[1], ops.shape(key)[1]
+        bias = score_mods.bias_block(mods, masks, query_len=query_len, key_len=key_len)
+    dense = masks.decoding or masks.segments is not None
+    if backend == "jax":
+        dense = dense or not _static_time(query, key)
+    else:
+        dense = dense or bias is not None
+    if dense:
+        output = _dense_mask_attention(query, key, value, masks, scale, grouped, bias)
         return output, None
     if backend == "jax":
-        return _jax_attention(query, key, value, masks, scale), None
+        return _jax_attention(query, key, value, masks, scale, bias), None
     return _torch_attention(query, key, value, masks, scale, grouped), None

@@ -32,6 +32,8 @@ class Masks:
         query_offset: None when queries and keys are the same sequence;
             when decoding with a key/value cache, the position of the first
             query among the cached keys (an int or scalar int32 tensor).
+        segments: None or int `(B, T)`: packed sequences' ids; a query
+            attends only keys of its own id.
     """
 
     key_padding: Any = None
@@ -39,6 +41,7 @@ class Masks:
     causal: bool = False
     sliding_window: int | None = None
     query_offset: Any = None
+    segments: Any = None
 
     @property
     def has_band(self) -> bool:
@@ -134,11 +137,9 @@ def block(masks: Masks, query_start=0, key_start=0, query_len=None, key_len=None
     """
     rules = []
     if masks.has_band:
-        first_query = query_start
-        if masks.decoding:
-            first_query = ops.add(masks.query_offset, query_start)
-        query_pos = ops.reshape(first_query + positions(query_len), (1, 1, -1, 1))
-        key_pos = ops.reshape(key_start + positions(key_len), (1, 1, 1, -1))
+        query_pos, key_pos = block_positions(
+            masks, query_start, key_start, query_len, key_len
+        )
         rules.append(band(masks, query_pos, key_pos))
     if masks.key_padding is not None:
         keys = cut(ops.cast(masks.key_padding, "bool"), 1, key_start, key_len)
@@ -147,7 +148,32 @@ def block(masks: Masks, query_start=0, key_start=0, query_len=None, key_len=None
         rows = cut(ops.cast(masks.attention, "bool"), 1, query_start, query_len)
         rows = cut(rows, 2, key_start, key_len)
         rules.append(ops.expand_dims(rows, 1))
+    if masks.segments is not None:
+        rules.append(
+            same_segment(masks.segments, query_start, key_start, query_len, key_len)
+        )
     return all_of(rules)
+
+
+def same_segment(segments, query_start=0, key_start=0, query_len=None, key_len=None):
+    """Bool `(B, 1, query_len, key_len)`: whether query and key carry the
+    same id in int `segments` `(B, T)`."""
+    queries = cut(segments, 1, query_start, query_len)
+    keys = cut(segments, 1, key_start, key_len)
+    return ops.equal(ops.expand_dims(queries, (1, 3)), ops.expand_dims(keys, (1, 2)))
+
+
+def block_positions(
+    masks: Masks, query_start=0, key_start=0, query_len=None, key_len=None
+):
+    """int32 positions of a block's queries `(1, 1, query_len, 1)` and keys
+    `(1, 1, 1, key_len)` (queries after `query_offset` when decoding)."""
+    first_query = query_start
+    if masks.decoding:
+        first_query = ops.add(masks.query_offset, query_start)
+    query_pos = ops.reshape(first_query + positions(query_len), (1, 1, -1, 1))
+    key_pos = ops.reshape(key_start + positions(key_len), (1, 1, 1, -1))
+    return query_pos, key_pos
 
 
 def rows_with_keys(masks: Masks, query_len, key_len):

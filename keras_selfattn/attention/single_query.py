@@ -32,6 +32,7 @@ import keras
 from keras import ops
 
 from keras_selfattn.attention import masks as masks_lib
+from keras_selfattn.attention import score_mods
 from keras_selfattn.attention.explicit import MASK_VALUE
 from keras_selfattn.attention.masks import Masks
 
@@ -97,6 +98,7 @@ def single_query_attention(
     return_weights=False,
     grouped_key_value=True,
     time_major=False,
+    mods=None,
 ):
     """Attention of one query per row over time-first keys and values.
 
@@ -112,6 +114,9 @@ def single_query_attention(
             H_kv == H when the caller repeated them).
         time_major: Whether key and value come time-major (a cache read
             within `cache.time_major()`).
+        mods: None or a `score_mods.ScoreMods` without an `attention_bias`
+            (the soft-cap, the position bias of the query at `query_offset`,
+            the sinks).
 
     Returns:
         Tuple (output (B, 1, H, V) in value's dtype, None).
@@ -129,12 +134,30 @@ def single_query_attention(
     scores = [ops.sum(q * key, axis=-1, keepdims=True) for q in queries]
     scores = ops.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
     scores = scores * scale  # (B, Tk, H_kv, G); time-major (Tk, B, H_kv, G)
-    mask = _key_mask(masks, ops.shape(key)[time], time_major)
+    key_len = ops.shape(key)[time]
+    by_head = (1, -1) + tuple(scores.shape[2:])  # head g * G + j at [g, j]
+    if time_major:
+        by_head = by_head[1::-1] + by_head[2:]
+    sinks = None
+    if mods is not None:
+        bias = None
+        if mods.adds_bias:  # no attention_bias: the position bias only
+            distance = masks_lib.positions(key_len) - masks.query_offset
+            bias = ops.reshape(score_mods.position_bias(mods, distance), by_head)
+        scores = score_mods.modify(scores, mods, bias)
+        if mods.sinks is not None:
+            sinks = ops.reshape(ops.cast(mods.sinks, "float32"), (1, 1) + by_head[2:])
+    mask = _key_mask(masks, key_len, time_major)
     if mask is not None:
         scores = ops.where(mask, scores, MASK_VALUE)
-    scores = scores - ops.max(scores, axis=time, keepdims=True)
-    exponents = ops.exp(scores)
-    weights = exponents / ops.sum(exponents, axis=time, keepdims=True)
+    top = ops.max(scores, axis=time, keepdims=True)
+    if sinks is not None:
+        top = ops.maximum(top, sinks)
+    exponents = ops.exp(scores - top)
+    total = ops.sum(exponents, axis=time, keepdims=True)
+    if sinks is not None:
+        total = total + ops.exp(sinks - top)
+    weights = exponents / total
     weights = ops.cast(weights, value.dtype)
     # (B, Tk, H_kv, 1) x (B, Tk, H_kv, V), summed over Tk, for each group
     if len(queries) == 1:
