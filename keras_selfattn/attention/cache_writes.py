@@ -1,0 +1,349 @@
+"""The writes of a cached call's new keys and values into its cache, and
+the keys and values the call then attends.
+
+How a call writes is chosen by one table, `WRITES`, from the static facts
+of the call (`WriteFacts`: backend, layout, flags, whether a `Guard` may
+refuse it), as `dispatch` chooses attention: each write declares what it
+cannot do, and `choose` takes the first that nothing rules out, in the
+order in_place, gathered, strided, sliced, selected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import keras
+from keras import ops
+
+from keras_selfattn import _converting
+from keras_selfattn.attention import cache_modes, masks, nan_safe
+from keras_selfattn.attention.cache_checks import is_static, size
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteFacts:
+    """The static facts of one cached call that decide how it writes.
+
+    Attributes:
+        backend: The Keras backend.
+        time_major: Whether the call is traced within `time_major()`.
+        symbolic_length: Whether JAX traces the number of new positions as
+            a symbol (shape-polymorphic export).
+        gathered: Whether the call is traced within `gathered_writes()`.
+        guarded: Whether a run-time check may refuse the write (`valid`).
+        converter: Whether TensorFlow traces it for a converter.
+        outside_xla: Whether it is traced into a TensorFlow graph that XLA
+            does not compile.
+    """
+
+    backend: str
+    time_major: bool
+    symbolic_length: bool
+    gathered: bool
+    guarded: bool
+    converter: bool
+    outside_xla: bool
+
+    @classmethod
+    def of(cls, key, valid) -> WriteFacts:
+        """The facts of a call writing `key` (and its values) under `valid`."""
+        backend = keras.backend.backend()
+        return cls(
+            backend=backend,
+            time_major=cache_modes.is_time_major(),
+            symbolic_length=backend == "jax" and not is_static(ops.shape(key)[1]),
+            gathered=cache_modes.is_gathered_writes(),
+            guarded=valid is not None,
+            converter=_converting.tracing_for_converter(),
+            outside_xla=cache_modes.outside_xla(),
+        )
+
+
+# What a write cannot do: a predicate over the facts, and the reason (a
+# `str.format` template over the facts' fields).
+Limit = tuple[Callable[[WriteFacts], bool], str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Write:
+    """One way to write a call's keys and values, and what it cannot do.
+
+    Attributes:
+        name: Its name.
+        fn: `fn(cache, key, value, index, valid) -> cache`, the cache in the
+            layout the facts give it.
+        cannot: The `Limit`s that rule it out for a call.
+    """
+
+    name: str
+    fn: Callable
+    cannot: tuple[Limit, ...] = ()
+
+    def reasons(self, facts: WriteFacts) -> list[str]:
+        """Why it cannot serve a call with these facts (empty: it can)."""
+        return [
+            reason.format(**vars(facts))
+            for rules_out, reason in self.cannot
+            if rules_out(facts)
+        ]
+
+
+def _index_dtype() -> str:
+    # int64 on torch: Keras's slice_update indexes with the starts' own
+    # dtype there, and torch.onnx writes int32 indices into an invalid
+    # ScatterND.
+    return "int64" if keras.backend.backend() == "torch" else "int32"
+
+
+def _starts(start) -> tuple:
+    """The starts of a slice at time `start` (every other axis at 0)."""
+    zero = ops.zeros((), _index_dtype())
+    return (zero, zero, start, zero, zero)
+
+
+def _stacked(cache, key, value):
+    """The new keys and values `(B, 2, Tn, G, K)` in the cache's dtype."""
+    return ops.cast(ops.stack([key, value], axis=1), cache.dtype)
+
+
+def _clamped(cache, new, index, valid):
+    """`index` as the starts' dtype, moved into range where a guard may
+    have refused it (the write then keeps the old values)."""
+    start = ops.cast(index, _index_dtype())
+    if valid is None:
+        return start
+    last = ops.subtract(size(cache, 2), size(new, 2))
+    return ops.minimum(ops.maximum(start, 0), ops.maximum(last, 0))
+
+
+def _kept(cache, new, start, valid):
+    """`new`, or where `valid` is False the values it would overwrite."""
+    if valid is None:
+        return new
+    old = ops.slice(cache, _starts(start), ops.shape(new))
+    return nan_safe.where(valid, new, old)
+
+
+def _write_in_place(cache, key, value, index, valid):
+    """The time-major cache `(2, L, B, G, K)` with one new position written
+    at `index`, in the cache's own buffer (`_tf_write_in_place`)."""
+    if key.shape[1] != 1:
+        raise ValueError(
+            "cache.time_major() decodes one position per call. Received: "
+            f"key.shape={tuple(key.shape)}"
+        )
+    new = ops.cast(ops.stack([key, value], axis=0), cache.dtype)  # (2, B, 1, G, K)
+    return _tf_write_in_place(cache, new, index)
+
+
+def _write_gathered(cache, key, value, index, valid):
+    start = ops.cast(index, _index_dtype())
+    return _gather_write(cache, _stacked(cache, key, value), start, valid)
+
+
+def _write_strided(cache, key, value, index, valid):
+    new = _stacked(cache, key, value)
+    start = _clamped(cache, new, index, valid)
+    return _tf_strided_write(cache, _kept(cache, new, start, valid), start)
+
+
+def _write_sliced(cache, key, value, index, valid):
+    new = _stacked(cache, key, value)
+    start = _clamped(cache, new, index, valid)
+    return ops.slice_update(cache, _starts(start), _kept(cache, new, start, valid))
+
+
+def _write_selected(cache, key, value, index, valid):
+    """Keras's torch slice narrows by tensor sizes, which torch.export
+    cannot trace (data-dependent shapes): the whole updated cache is
+    selected instead (the update copies it anyway)."""
+    new = _stacked(cache, key, value)
+    start = _clamped(cache, new, index, valid)
+    updated = ops.slice_update(cache, _starts(start), new)
+    return nan_safe.where(valid, updated, cache)
+
+
+# In the order `choose` prefers them; the last serves every call.
+WRITES = {
+    "in_place": Write(
+        "in_place",
+        _write_in_place,
+        cannot=((lambda f: not f.time_major, "the cache is not time-major"),),
+    ),
+    "gathered": Write(
+        "gathered",
+        _write_gathered,
+        cannot=(
+            (
+                lambda f: not (f.symbolic_length or f.gathered),
+                "a slice fits a known number of new positions, and no "
+                "converter asked for gathers (gathered_writes())",
+            ),
+        ),
+    ),
+    "strided": Write(
+        "strided",
+        _write_strided,
+        cannot=(
+            (
+                lambda f: f.backend != "tensorflow",
+                "TensorStridedSliceUpdate is TensorFlow's",
+            ),
+            (
+                # TensorFlow's converters take XlaDynamicUpdateSlice, not
+                # TensorStridedSliceUpdate (`_converting`).
+                lambda f: f.converter,
+                "TensorFlow's converters take no TensorStridedSliceUpdate",
+            ),
+            (
+                lambda f: not f.outside_xla,
+                "XlaDynamicUpdateSlice runs where XLA compiles or eagerly",
+            ),
+        ),
+    ),
+    "sliced": Write(
+        "sliced",
+        _write_sliced,
+        cannot=(
+            (
+                lambda f: f.guarded and f.backend == "torch",
+                "torch.export cannot trace a guarded torch slice's sizes",
+            ),
+        ),
+    ),
+    "selected": Write("selected", _write_selected),
+}
+
+
+def choose(facts: WriteFacts) -> Write:
+    """The first write in `WRITES` that nothing rules out for `facts`."""
+    return next(write for write in WRITES.values() if not write.reasons(facts))
+
+
+def _gather_write(cache, new, start, valid):
+    """`cache` with `new` written from position `start`, as one gather from
+    both: JAX's shape-polymorphic export (jax2tf, jax2onnx) cannot slice by a
+    symbolic number of new positions, as it cannot prove that they fit the
+    cache. Where `valid` is False the cache is left as it was."""
+    max_length = ops.shape(cache)[2]
+    positions = masks.positions(max_length)
+    offset = ops.subtract(positions, start)
+    written = ops.logical_and(
+        ops.greater_equal(offset, 0), ops.less(offset, ops.shape(new)[2])
+    )
+    if valid is not None:
+        written = ops.logical_and(written, valid)
+    # Position p reads `new` at p - start (behind the cache), or the cache at
+    # p. The concatenation, unlike a select, refuses a batch of other size.
+    source = ops.where(written, ops.add(offset, max_length), positions)
+    return ops.take(ops.concatenate([cache, new], axis=2), source, axis=2)
+
+
+def _tf_strided_write(cache, new, start):
+    """`cache` with `new` written from position `start` (in range) of the
+    time axis, by TensorFlow's TensorStridedSliceUpdate. Keras's
+    `slice_update` is XlaDynamicUpdateSlice there, an op that runs only
+    where XLA may compile, and TF Serving disables XLA on CPUs unless
+    started with `--xla_cpu_compilation_enabled=true`: every request would
+    fail."""
+    import tensorflow as tf
+
+    zero = tf.zeros((), "int32")
+    start = tf.cast(start, "int32")
+    length = new.shape[2] if is_static(new.shape[2]) else tf.shape(new)[2]
+    # Every axis but time whole (begin and end masks): no shape is read.
+    whole = 0b11011
+    return tf.raw_ops.TensorStridedSliceUpdate(
+        input=cache,
+        begin=tf.stack([zero, zero, start, zero, zero]),
+        end=tf.stack([zero, zero, start + length, zero, zero]),
+        strides=tf.ones((5,), "int32"),
+        value=new,
+        begin_mask=whole,
+        end_mask=whole,
+    )
+
+
+def update(cache, key, value, index, valid=None, padding=None):
+    """Writes the new positions' keys and values into the cache.
+
+    Args:
+        cache: `(B, 2, L, G, K)`, or within `time_major()` `(2, L, B, G,
+            K)` (then one new position, and the keys and values returned
+            are those of positions `0 .. index`, `(index + 1, B, G, K)`).
+        key: `(B, Tn, G, K)`, the keys of positions `index .. index + Tn - 1`.
+        value: `(B, Tn, G, K)`, their values.
+        index: The first new position (an int or a scalar int32 tensor).
+        valid: None, or a bool scalar: where False the cache is left as it
+            was (the write is clamped into range and writes the old values,
+            or on torch is not selected).
+        padding: None, or bool `(B, L)`, False at padded positions.
+
+    Returns:
+        Tuple (the updated cache, keys `(B, Lk, G, K)`, values): the keys and
+        values of positions `0 .. Lk - 1` for attention, with `Lk = index +
+        Tn` where sizes may depend on `index` (eager calls, TensorFlow graphs
+        without XLA) and else `L`. Positions no query of the call may attend
+        (padded ones, and those >= index + Tn) read zero, whatever the cache
+        holds there, so their values (NaN, inf) change no output.
+    """
+    cache = choose(WriteFacts.of(key, valid)).fn(cache, key, value, index, valid)
+    if cache_modes.is_time_major():
+        # The keys and values of positions 0 .. index, (index + 1, B, G, K).
+        end = ops.add(index, 1)
+        return cache, cache[0][:end], cache[1][:end]
+    max_length = ops.shape(cache)[2]
+    new_length = ops.shape(key)[1]
+    if is_static(index) and is_static(new_length):
+        end = index + new_length
+    else:
+        end = ops.add(index, size(key, 1))
+    length, visible = None, None
+    if all(is_static(n) for n in (end, max_length)):
+        length = end if end < max_length else None
+    elif cache_modes.outside_xla():
+        # At least one key: an index out of range returns NaN (`Guard`);
+        # within `checked_by_caller()` none is.
+        length = end
+        if not cache_modes.is_checked_by_caller():
+            length = ops.minimum(ops.maximum(end, 1), max_length)
+    else:
+        positions = masks.positions(max_length)
+        visible = ops.expand_dims(ops.less(positions, end), 0)
+    keys, values = cache[:, 0, :length], cache[:, 1, :length]
+    if cache_modes.is_checked_by_caller():
+        # The caller's caches read zero wherever no query may attend.
+        padding, visible = None, None
+    if padding is not None:
+        padding = ops.cast(padding, "bool")[:, :length]
+        visible = padding if visible is None else ops.logical_and(visible, padding)
+    if visible is not None:
+        visible = ops.expand_dims(visible, (2, 3))
+        keys, values = (nan_safe.zero_unless(visible, x) for x in (keys, values))
+    return cache, keys, values
+
+
+def _tf_write_in_place(cache, new, index):
+    """The time-major `cache` `(2, L, B, G, K)` with `new` `(2, B, 1, G, K)`
+    written at time `index`, into the cache's own buffer by TensorFlow's
+    InplaceUpdate: about 10 us per write where TensorStridedSliceUpdate,
+    which also writes in place when it may, took about 100 (batch 8, 8
+    heads of 32; either way whatever `L` is). InplaceUpdate writes into
+    its input even where other ops still read it, so it is for caches that
+    only this write reads: within `time_major()`, each step's cache goes
+    from the loop into one layer's write, which the step's reads follow
+    (the views end at `index`; the next step writes after them)."""
+    import tensorflow as tf
+
+    max_length = cache.shape[1] or tf.shape(cache)[1]
+    at = tf.cast(index, "int32")
+    # Time is 1: (2, B, 1, G, K) -> (2, B G K) keeps the cache's order.
+    rows = tf.raw_ops.InplaceUpdate(
+        x=tf.reshape(cache, (2 * max_length, -1)),  # (2 L, B G K)
+        i=tf.stack([at, at + max_length]),
+        v=tf.reshape(new, (2, -1)),
+    )
+    rows = tf.reshape(rows, tf.shape(cache))
+    rows.set_shape(cache.shape)  # static sizes stay static (the while loop's)
+    return rows
