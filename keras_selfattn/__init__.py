@@ -9,4 +9,4 @@ from keras_selfattn.migration import ConversionReport, convert
 from keras_selfattn.self_attention import SelfAttention
 
 __all__ = ["ConversionReport", "Generated", "SelfAttention", "convert", "generate"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -24,6 +24,7 @@ from collections.abc import Iterator, Mapping
 
 import keras
 
+from keras_selfattn import _tensorflow_extra
 from keras_selfattn.export._target import ExportTarget
 from keras_selfattn.export.formats import ExportError, Writer
 from keras_selfattn.export.formats._base import one_line
@@ -62,6 +63,10 @@ def writer(path: str, export_format: str, max_length: int, jit_compile: bool) ->
     """A `formats.Writer` that writes the generator of the .keras file at
     `path` as `export_format` (`max_length`, `jit_compile` as in
     `export_generator`) in a TensorFlow-backend process."""
+    _tensorflow_extra.require(
+        f"A generator exported from {keras.backend.backend()} (written by a "
+        f"{WRITER_BACKEND} process)"
+    )
 
     def write(target: ExportTarget, staged: str, options: Mapping[str, object]):
         del target  # rebuilt from the .keras file by the TensorFlow process

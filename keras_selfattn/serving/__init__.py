@@ -8,6 +8,8 @@ Serving's protos are built on it) and `GrpcClient` also gRPC.
 
 import importlib
 
+from keras_selfattn import _tensorflow_extra
+
 _MODULES = {
     "GrpcClient": "grpc_client",
     "RestClient": "rest_client",
@@ -30,7 +32,13 @@ __all__ = sorted(_MODULES)
 def __getattr__(name: str):
     if name not in _MODULES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module = importlib.import_module(f"{__name__}.{_MODULES[name]}")
+    try:
+        module = importlib.import_module(f"{__name__}.{_MODULES[name]}")
+    except ImportError as error:
+        if not _tensorflow_extra.is_missing(error):
+            raise
+        what = f"keras_selfattn.serving.{name}"
+        raise _tensorflow_extra.missing(what, error) from None
     return getattr(module, name)
 
 

@@ -96,6 +96,9 @@ SAVED_MODEL = FormatRow(
     verify_metavar="VERSION_DIR",
     help="write BASE_DIR/NAME/VERSION/ (TF Serving layout)",
     runtime="tensorflow",
+    # Not in the base install: JAX and PyTorch users need no TensorFlow.
+    packages=("tensorflow", "tensorflow_serving"),
+    extra="tensorflow",
     refused={"torch": "Keras exports torch models to it only through torch_xla"},
     half=("float16", "bfloat16"),
 )
