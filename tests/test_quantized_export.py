@@ -181,7 +181,7 @@ def test_int8_files_are_at_most_three_tenths_of_the_float_weights(int8):
 
 def _blocks(matrix: np.ndarray) -> list[bytes]:
     """Every FEATURES-wide column block of `matrix` in either orientation
-    (ONNX keeps query, key and value side by side in one matrix)."""
+    (a runtime may keep several projections side by side in one matrix)."""
     found = []
     for oriented in (matrix, matrix.T):
         if oriented.shape[0] == FEATURES and oriented.shape[1] % FEATURES == 0:
@@ -193,8 +193,7 @@ def _blocks(matrix: np.ndarray) -> list[bytes]:
 
 def test_each_file_stores_kerass_integers_once(int8):
     """The int8 matrices in every file are exactly Keras's `_kernel`s (LiteRT
-    and OpenVINO store them transposed, ONNX some side by side), each once,
-    and nothing else."""
+    and OpenVINO store them transposed), each once, and nothing else."""
     model, _, paths = int8
     wanted = _keras_integers(model)
     for artifact, stored in _stored_int8(paths).items():
@@ -221,7 +220,7 @@ def test_onnx_int8_layers_multiply_7_bit_parts_by_int8(int8):
     arrays = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
     producers = {output: node for node in proto.graph.node for output in node.output}
     matmuls = [n for n in proto.graph.node if n.op_type == "MatMulIntegerToFloat"]
-    assert len(matmuls) == 2  # query, key and value side by side; output
+    assert len(matmuls) == len(PROJECTIONS)
     for node in matmuls:
         kernel = arrays[_stored_kernel(proto, node.input[1])]
         assert kernel.dtype == np.int8 and np.abs(kernel).max() <= 127, node.name
