@@ -6,6 +6,7 @@ import keras
 from keras import ops
 
 from keras_selfattn import (
+    _call_plan,
     _checks,
     _config,
     _inputs,
@@ -15,15 +16,12 @@ from keras_selfattn import (
 )
 from keras_selfattn import projections as projections_lib
 from keras_selfattn.attention import (
-    Masks,
     SeededDropout,
-    choose,
     nan_safe,
     rotary,
 )
 from keras_selfattn.attention import cache as cache_lib
 from keras_selfattn.attention import heads as heads_lib
-from keras_selfattn.attention.fused import on_gpu
 
 __all__ = ["SelfAttention"]
 
@@ -32,7 +30,9 @@ _NOT_ARGUMENTS = ("self", "kwargs", "activity_regularizer", "__class__")
 
 
 @keras.saving.register_keras_serializable(package="keras_selfattn")
-class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
+class SelfAttention(
+    _projection_ops.ProjectionMethods, _call_plan.CallPlan, keras.layers.Layer
+):
     """Multi-head scaled dot-product self-attention over a sequence.
 
     Head h computes `softmax(Q_h K_h^T * scale) V_h` from projections of the
@@ -205,76 +205,6 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
             )
         return self._dims.scale
 
-    def _masks(self, mask, attention_mask, query_offset=None, segments=None) -> Masks:
-        return Masks(
-            key_padding=mask,
-            attention=attention_mask,
-            causal=self.causal,
-            sliding_window=self.sliding_window,
-            query_offset=query_offset,
-            segments=segments,
-        )
-
-    def implementation(
-        self,
-        inputs,
-        mask=None,
-        attention_mask=None,
-        training=None,
-        return_attention_scores: bool = False,
-        cache=None,
-        cache_update_index=None,
-        attention_bias=None,
-        segment_ids=None,
-    ) -> str:
-        """The name of the implementation a call with these arguments takes:
-        "fused", "single_query", "chunked" or "explicit" (see
-        docs/attention-paths.md).
-
-        Raises:
-            ValueError: the one the call would raise (checked alike, built or
-                not): bad `inputs`, masks or request, or `flash_attention=True`
-                and the call cannot use the fused kernel.
-        """
-        # The call's checks, in its order: `__call__`'s, `build`'s, `call`'s.
-        input_dim = None if self._dims is None else self._dims.input_dim
-        _inputs.check(self.name, inputs, input_dim)
-        dims = self._dims or _config.dims(self, inputs.shape[-1])
-        offset = self._decoding(
-            inputs,
-            mask,
-            attention_mask,
-            return_attention_scores,
-            cache,
-            cache_update_index,
-            attention_bias,
-            segment_ids,
-        )
-        masks = self._masks(mask, attention_mask, offset, segment_ids)
-        inputs = ops.convert_to_tensor(inputs)
-        mods = _score_weights.names_for_call(self, attention_bias)
-        return self._choose(
-            inputs, masks, training, return_attention_scores, mods, dims
-        ).name
-
-    def _choose(
-        self, inputs, masks: Masks, training, return_scores: bool, mods, dims=None
-    ):
-        dims = dims or self._dims
-        return choose(
-            masks,
-            query_on_gpu=on_gpu(inputs),
-            single_query=inputs.shape[1] == 1,
-            same_head_dims=dims.key_dim == dims.value_dim,
-            dtype=self.compute_dtype,
-            flash_attention=self.flash_attention,
-            chunk_size=self.chunk_size,
-            dropout=self.seed_generator is not None and bool(training),
-            return_weights=return_scores,
-            score_mods=mods,
-            layer_name=self.name,
-        )
-
     def call(
         self,
         inputs,
@@ -364,41 +294,6 @@ class SelfAttention(_projection_ops.ProjectionMethods, keras.layers.Layer):
         if return_attention_scores:
             return output, weights
         return output
-
-    def _decoding(
-        self,
-        inputs,
-        mask,
-        attention_mask,
-        return_attention_scores,
-        cache,
-        index,
-        attention_bias=None,
-        segment_ids=None,
-    ):
-        """Raises the call's ValueErrors; returns None without a cache, else
-        `index` converted (`cache_lib.index_of`): the call reads it once (an
-        eager tensor's value waits for the device)."""
-        if cache is None:
-            cache_lib.check_no_index(index, self.name)
-            _inputs.check_masks(self.name, inputs.shape, mask, attention_mask)
-            _inputs.check_scores_request(
-                self.name, self.chunk_size, return_attention_scores
-            )
-            _inputs.check_score_inputs(
-                self.name, inputs.shape, self.num_heads, attention_bias, segment_ids
-            )
-            return None
-        _inputs.check_decoding_scores(
-            self.name, inputs.shape, self.num_heads, cache, attention_bias, segment_ids
-        )
-        index = cache_lib.check_call(
-            self, inputs, cache, index, attention_mask, return_attention_scores
-        )
-        _inputs.check_decoding_mask(
-            self.name, inputs, cache_lib.max_length(cache), mask
-        )
-        return index
 
     def empty_cache(self, batch_size: int, max_length: int):
         """A key/value cache of zeros for `layer(x, cache=..., cache_update_index=...)`.

@@ -161,8 +161,10 @@ def position_bias(mods: ScoreMods, distance):
     position) from their queries: float32 of shape `distance.shape + (H,)`,
     or None."""
     if mods.alibi_slopes is not None:
-        slopes = np.asarray(mods.alibi_slopes, "float32")
-        return ops.expand_dims(ops.cast(ops.abs(distance), "float32"), -1) * -slopes
+        # A tensor: under PyTorch's exporters a numpy operand would be read
+        # back from the traced tensor.
+        slopes = ops.convert_to_tensor(-np.asarray(mods.alibi_slopes, "float32"))
+        return ops.expand_dims(ops.cast(ops.abs(distance), "float32"), -1) * slopes
     if mods.relative_table is not None:
         index = ops.clip(distance, -mods.max_distance, mods.max_distance)
         return ops.take(mods.relative_table, index + mods.max_distance, axis=0)
