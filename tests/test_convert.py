@@ -72,6 +72,9 @@ def test_encoder_block_converts_with_its_outputs(encoder):
         "SelfAttention"
     ]
     assert "mha (MultiHeadAttention) -> SelfAttention" in str(new.conversion_report)
+    assert [x._keras_history.operation.name for x in new.inputs] == [
+        x._keras_history.operation.name for x in model.inputs
+    ]
 
 
 @jax_slow

@@ -73,6 +73,13 @@ def _why_not(calls: list[dict]) -> str | None:
     return None
 
 
+def _input_like(x) -> keras.KerasTensor:
+    """A new `keras.Input` like the model input `x`, its layer's name kept
+    (exports name their inputs after it)."""
+    name = x._keras_history.operation.name
+    return keras.Input(batch_shape=x.shape, dtype=x.dtype, name=name)
+
+
 def _copy(layer: keras.layers.Layer) -> keras.layers.Layer:
     return layer.__class__.from_config(layer.get_config())
 
@@ -144,10 +151,7 @@ class _Converter:
                 f"call it once before convert. Received: model={model.name!r}"
             )
         layers = [self._layer(layer, path) for layer in model.layers]
-        first = model.inputs[0]
-        inputs = keras.Input(
-            batch_shape=first.shape, dtype=first.dtype, name=first.name
-        )
+        inputs = _input_like(model.inputs[0])
         return keras.Sequential([inputs, *layers], name=model.name)
 
     def _functional(self, model, path: str) -> keras.Model:
@@ -156,10 +160,7 @@ class _Converter:
             for node in nodes:
                 if isinstance(node.operation, layer_lib.CONVERTIBLE):
                     calls.setdefault(id(node.operation), []).append(_bound(node))
-        inputs = keras.tree.map_structure(
-            lambda x: keras.Input(batch_shape=x.shape, dtype=x.dtype, name=x.name),
-            model.input,
-        )
+        inputs = keras.tree.map_structure(_input_like, model.input)
 
         def call(layer, *args, **kwargs):
             new = self._layer(layer, path, calls.get(id(layer)))
