@@ -213,6 +213,34 @@ def test_what_is_not_converted_is_named():
     assert "inside _Holder 'holder'" in report.kept[0]
 
 
+class _CachedLike(keras.layers.MultiHeadAttention):
+    """Overrides `call` only, as keras-hub's CachedMultiHeadAttention does."""
+
+    def call(self, query, value, key=None, **kwargs):
+        return super().call(query, value, key, **kwargs)
+
+
+class _OtherSoftmax(keras.layers.MultiHeadAttention):
+    def _masked_softmax(self, scores, attention_mask=None):
+        return super()._masked_softmax(scores * 2.0, attention_mask)
+
+
+def test_subclasses_overriding_only_call_convert_alone():
+    x = keras.Input((None, D))
+    layer = _CachedLike(2, 4, name="cached")
+    model = _randomized(keras.Model(x, layer(x, x)))
+    report = keras_selfattn.convert(model).conversion_report
+    assert (
+        report.converted == [] and "cached: a subclass, _CachedLike" in report.kept[0]
+    )
+    inputs = _x()
+    _equal(SelfAttention.from_multi_head_attention(layer)(inputs), model(inputs))
+    other = _OtherSoftmax(2, 4)
+    other(inputs, inputs)
+    with pytest.raises(ValueError, match="overrides _masked_softmax"):
+        SelfAttention.from_multi_head_attention(other)
+
+
 def test_refusals_are_one_line():
     class Sub(keras.Model):
         def call(self, x):

@@ -15,6 +15,10 @@ import numpy as np
 MultiHeadAttention = keras.layers.MultiHeadAttention
 GroupedQueryAttention = keras.layers.GroupQueryAttention
 CONVERTIBLE = (MultiHeadAttention, GroupedQueryAttention)
+# What computes the projections and the attention: a subclass overriding one
+# may compute otherwise (keras-hub's CachedMultiHeadAttention overrides only
+# `call`, to add its cache).
+_COMPUTING = ("build", "_compute_attention", "_masked_softmax")
 
 # Keras's sublayer attribute of each SelfAttention projection.
 _SUBLAYERS = {
@@ -35,15 +39,15 @@ def _refuse(layer, why: str) -> None:
 
 def _check(layer) -> None:
     """Raises ValueError for what SelfAttention does not compute alike."""
-    if type(layer) not in CONVERTIBLE:
-        _refuse(
-            layer,
-            "only keras.layers.MultiHeadAttention and GroupedQueryAttention "
-            "themselves convert (a subclass may compute attention otherwise)",
-        )
+    base = next((base for base in CONVERTIBLE if isinstance(layer, base)), None)
+    if base is None:
+        _refuse(layer, "it is not a MultiHeadAttention or GroupQueryAttention")
+    for method in _COMPUTING:
+        if getattr(type(layer), method) is not getattr(base, method):
+            _refuse(layer, f"its class overrides {method}: it may compute otherwise")
     if not layer.built:
         _refuse(layer, "it is not built (call it once, or load its weights)")
-    if isinstance(layer, MultiHeadAttention):
+    if base is MultiHeadAttention:
         if layer._query_dense.equation != "abc,cde->abde" or layer._attention_axes != (
             1,
         ):
@@ -158,7 +162,8 @@ def from_multi_head_attention(cls, layer: keras.layers.Layer, causal: bool = Fal
 
     Raises:
         ValueError: one line naming what SelfAttention does not compute
-            alike (a subclass, other attention axes, a multi-axis
+            alike (a subclass overriding `build`, `_compute_attention` or
+            `_masked_softmax`, other attention axes, a multi-axis
             `output_shape`, a cross-attention build, quantized kernels, an
             `activity_regularizer`), or if `layer` is not built.
 

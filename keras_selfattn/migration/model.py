@@ -111,8 +111,15 @@ class _Converter:
         name = f"{path}{layer.name}"
         if isinstance(layer, keras.Model):
             new = self.model(layer, f"{name}/")
-        elif isinstance(layer, layer_lib.CONVERTIBLE) and calls is not None:
+        elif type(layer) in layer_lib.CONVERTIBLE and calls is not None:
             new = self._attention(layer, name, calls)
+        elif isinstance(layer, layer_lib.CONVERTIBLE):
+            self.report.kept.append(
+                f"{name}: a subclass, {type(layer).__name__}, whose call may "
+                "differ (SelfAttention.from_multi_head_attention converts it "
+                "where it computes what its base class does)"
+            )
+            new = _copy(layer)
         else:
             self._inner(layer, name)
             new = _copy(layer)
@@ -158,7 +165,7 @@ class _Converter:
         calls = {}
         for nodes in model._nodes_by_depth.values():
             for node in nodes:
-                if isinstance(node.operation, layer_lib.CONVERTIBLE):
+                if type(node.operation) in layer_lib.CONVERTIBLE:
                     calls.setdefault(id(node.operation), []).append(_bound(node))
         inputs = keras.tree.map_structure(_input_like, model.input)
 
