@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import email.parser
 import importlib.metadata
+import importlib.util
 import os
 import re
 import shutil
@@ -71,6 +72,23 @@ def test_the_version_has_one_home():
     assert re.fullmatch(r"\d+\.\d+\.\d+", keras_selfattn.__version__)
     changelog = (REPO / "CHANGELOG.md").read_text()
     assert f"## {keras_selfattn.__version__}" in changelog
+
+
+def test_tensorflow_written_generators_name_the_extra(monkeypatch):
+    from keras_selfattn.export import _tf_writer
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "tensorflow" else real(name, *a),
+    )
+    with pytest.raises(ImportError) as error:
+        _tf_writer.writer("model.keras", "onnx", 8, False)
+    message = str(error.value)
+    assert message.startswith("A generator exported from ")
+    assert "pip install 'keras_selfattn[tensorflow]'" in message
+    assert "\n" not in message
 
 
 def _run(argv, cwd, env=None, timeout=TIMEOUT) -> str:
@@ -224,6 +242,12 @@ _ROUND_TRIP = textwrap.dedent(
         export_saved_model(model, "sm", "m")
     except ImportError as error:
         print("saved_model:", error)
+    from keras_selfattn import serving
+    assert serving.RestClient  # TF Serving's REST client needs no TensorFlow
+    try:
+        serving.build_predict_request
+    except ImportError as error:
+        print("serving:", error)
     print("trained on", keras.backend.backend(), keras_selfattn.__version__)
     """
 )
@@ -248,5 +272,8 @@ def test_the_wheel_runs_outside_the_checkout_without_tensorflow(venv, tmp_path):
     python = venv / "bin" / "python"
     out = _run([python, "-c", _ROUND_TRIP], tmp_path, env)
     assert f"trained on jax {keras_selfattn.__version__}" in out
-    assert "pip install 'keras_selfattn[tensorflow]'" in out
+    extra = "pip install 'keras_selfattn[tensorflow]'"
+    for line in ("saved_model: SavedModel export needs tensorflow", "serving: "):
+        (printed,) = [x for x in out.splitlines() if x.startswith(line)]
+        assert extra in printed, out
     assert "loaded SelfAttention" in _run([python, "-c", _LOAD], tmp_path, env)
