@@ -165,19 +165,25 @@ def test_nested_models_and_sequential_convert():
 
 
 @jax_slow
-@pytest.mark.parametrize("use_gate", [False, True])
-def test_from_multi_head_attention_value_dim_and_output_shape(use_gate):
+@pytest.mark.parametrize(
+    "options", [{}, {"use_gate": True, "sliding_window": 3}], ids=["plain", "gated"]
+)
+def test_from_multi_head_attention_value_dim_and_output_shape(options):
     mha = keras.layers.MultiHeadAttention(
-        3, 4, value_dim=6, output_shape=10, use_gate=use_gate, dropout=0.1, seed=3
+        3, 4, value_dim=6, output_shape=10, dropout=0.1, seed=3, **options
     )
     x = _x()
     mha(x, x)
     _randomized(mha, seed=4)
     sa = SelfAttention.from_multi_head_attention(mha)
     assert (sa.value_dim, sa.output_dim, sa.dropout, sa.seed) == (6, 10, 0.1, 3)
+    assert (sa.use_gate, sa.sliding_window) == (
+        options.get("use_gate", False),
+        options.get("sliding_window"),
+    )
     _equal(sa(x), mha(x, x))
     mask = np.random.default_rng(5).random((2, 6, 6)) < 0.7
-    mask[:, :, 0] = True
+    mask |= np.eye(6, dtype=bool)  # every query attends something
     _equal(sa(x, attention_mask=mask), mha(x, x, attention_mask=mask))
 
 
