@@ -46,9 +46,9 @@ class ConversionReport:
         lines += [f"not converted: {line}" for line in self.kept]
         if self.padded:
             lines.append(
-                "padded positions (the Keras mask's False) now output zeros; "
-                "MultiHeadAttention output an average of every value there. "
-                "Real positions are unchanged."
+                "padded positions (the Keras mask's False) now output zeros, "
+                "where Keras's attention layer output an average of the values; "
+                "real positions are unchanged"
             )
         return "\n".join(lines)
 
