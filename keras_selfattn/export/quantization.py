@@ -11,7 +11,8 @@ dequantization formula) in one of two forms (`traced`):
 
 - `VARIABLES`: the graph reads the stored integer variables and dequantizes
   them once per call (SavedModel, `.pt2`): the file keeps the integers,
-  the arithmetic is float.
+  the arithmetic is float (int8 in float32: the input times the integers,
+  then each output column times 1 / scale, `_scales_outputs`).
 - `CONSTANTS`: the graph holds the dequantized kernel as a constant, which
   the format's own pass then stores again as Keras's integers for its
   runtime's integer kernels (ONNX `MatMulInteger`/`MatMulNBits`, LiteRT's
@@ -288,13 +289,34 @@ def _dequantize_groups(quantized: QuantizedDense, values, scale, zero, axis: int
     return ops.reshape(ops.multiply(ops.subtract(values, zero), scale), shape)
 
 
+def _scales_outputs(quantized: QuantizedDense, form: str, inputs) -> bool:
+    """Whether the traced call multiplies the float32 input by the int8
+    integers and then each output column by 1 / scale (`VARIABLES`, int8 per
+    channel, float32): one cast of the integers per call instead of a cast
+    and a divide of the whole kernel. The same products within float32
+    rounding (each kernel element and each output an ulp apart); in float16
+    integer-valued products could overflow, so half inputs keep the
+    dequantized kernel."""
+    return (
+        form == VARIABLES
+        and quantized.mode == "int8"
+        and keras.backend.standardize_dtype(inputs.dtype) == "float32"
+    )
+
+
 def _dense_call(quantized: QuantizedDense, form: str):
     """`Dense.call` with the kernel `_kernel_of` gives (LoRA kept)."""
     layer = quantized.layer
 
     def call(inputs, training=None):
-        kernel = ops.cast(_kernel_of(quantized, form), inputs.dtype)
-        x = ops.matmul(inputs, kernel)
+        if _scales_outputs(quantized, form, inputs):
+            integers = ops.cast(layer._kernel, "float32")
+            x = ops.multiply(
+                ops.matmul(inputs, integers), ops.reciprocal(layer.kernel_scale)
+            )
+        else:
+            kernel = ops.cast(_kernel_of(quantized, form), inputs.dtype)
+            x = ops.matmul(inputs, kernel)
         if layer.lora_enabled:
             lora = ops.matmul(
                 ops.matmul(inputs, layer.lora_kernel_a), layer.lora_kernel_b
