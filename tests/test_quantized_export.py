@@ -239,6 +239,30 @@ def test_onnx_int8_layers_multiply_7_bit_parts_by_int8(int8):
         assert list(negated.input) == [positive.input[0]], node.name
 
 
+@pytest.mark.slow
+def test_the_default_int8_file_is_exact_at_the_extreme_codes(tmp_path):
+    """Activation and kernel integers at +-127, the largest pair sums the
+    split can form (2 * 127 * 127): ONNX Runtime's result is the quantized
+    Keras model's, and (+-2.5 and +-1 are exact at those codes) numpy's
+    float product's."""
+    import onnxruntime
+
+    x = keras.Input((None, 16), name="x")
+    model = keras.Model(x, keras.layers.Dense(32, use_bias=False, name="d")(x))
+    signs = np.random.default_rng(0).choice([-1.0, 1.0], (16, 32))
+    model.get_layer("d").kernel.assign(signs.astype("float32"))
+    model.quantize("int8")
+    path = export_onnx(model, tmp_path / "extreme.onnx")
+    rows = np.random.default_rng(1).choice([-2.5, 2.5], (3, 5, 16))
+    rows[0, 0] = np.linspace(-2.5, 2.5, 16)  # codes between the extremes too
+    rows = rows.astype("float32")
+    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {"x": rows})
+    expected = keras.ops.convert_to_numpy(model(rows))
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(got[1:], rows[1:] @ signs, rtol=1e-6, atol=1e-5)
+
+
 def _cpu_has_vnni() -> bool | None:
     """Whether this CPU has VNNI (`avx512_vnni`, `avx_vnni`, AMX's
     `amx_int8`); None where /proc/cpuinfo does not say."""
