@@ -83,7 +83,7 @@ lock:
 
 bench: install
 	$(PY) -m benchmarks.cpu && $(PY) -m benchmarks.runtimes && $(PY) -m benchmarks.quantized \
-		&& $(PY) -m benchmarks.generation
+		&& $(PY) -m benchmarks.generation && $(PY) -m benchmarks.score_mods
 
 clean:
 	rm -rf $(VENV) $(LATEST_VENV) $(TOOLS_VENV) artifacts .pytest_cache .ruff_cache

@@ -79,6 +79,7 @@ class CallPlan:
             flash_attention=self.flash_attention,
             chunk_size=self.chunk_size,
             dropout=self.seed_generator is not None and bool(training),
+            training=bool(training),
             return_weights=return_scores,
             score_mods=mods,
             layer_name=self.name,

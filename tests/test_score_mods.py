@@ -308,3 +308,24 @@ def test_decoding_refuses_segment_ids():
             cache_update_index=0,
             segment_ids=np.zeros((B, 1), "int32"),
         )
+
+
+@_JAX_SLOW
+def test_the_packed_path_and_its_gradients_equal_the_explicit_paths():
+    config = {"position_bias": "alibi", "use_sinks": True, "causal": True}
+    packed = _layer(config, "chunked")
+    explicit = _layer(config, "explicit")
+    explicit.set_weights(packed.get_weights())
+    call = {"mask": PADDING, "segment_ids": SEGMENTS}
+    assert packed.implementation(X, **call) == "packed"
+    results = []
+    for layer in (packed, explicit):
+
+        def loss(x, layer=layer):
+            return keras.ops.sum(keras.ops.square(layer(x, **call)))
+
+        results.append(value_and_grad(loss, [layer.sinks], [X]))
+    (loss_packed, grads_packed), (loss_explicit, grads_explicit) = results
+    np.testing.assert_allclose(loss_packed, loss_explicit, rtol=1e-5)
+    for got, want in zip(grads_packed, grads_explicit, strict=True):
+        np.testing.assert_allclose(to_numpy(got), to_numpy(want), rtol=1e-4, atol=1e-5)

@@ -57,7 +57,7 @@ def _key_span(block, time, masks: masks_lib.Masks):
     return _minimum(span, time)
 
 
-def _map_sequentially(fn, starts, dtype):
+def map_sequentially(fn, starts, dtype):
     """Stacks fn(start) over `starts`, one block after the other.
 
     On TensorFlow this is `tf.map_fn(parallel_iterations=1)`: `ops.map` is
@@ -73,7 +73,7 @@ def _map_sequentially(fn, starts, dtype):
     return tf.map_fn(fn, starts, fn_output_signature=dtype, parallel_iterations=1)
 
 
-def _assemble(blocks, time, block, num_blocks):
+def assemble(blocks, time, block, num_blocks):
     """(n, B, H, C, V) blocks -> (B, H, T, V).
 
     Every block but the last starts at i * C; the last one starts at T - C
@@ -194,5 +194,5 @@ def _blocks(query, key, value, masks, scale, chunk_size, dropout, mods):
         return keras.remat(this_block)(query, key, value, *tensors)
 
     starts = ops.minimum(ops.arange(num_blocks, dtype="int32") * block, time - block)
-    blocks = _map_sequentially(attend, starts, value.dtype)
-    return _assemble(blocks, time, block, num_blocks)
+    blocks = map_sequentially(attend, starts, value.dtype)
+    return assemble(blocks, time, block, num_blocks)

@@ -17,7 +17,7 @@ tracing it for export, whether it is made within `exact_unchunked()`), never
 by tensor values, so a traced or exported call takes one fixed path. Each
 implementation in `IMPLEMENTATIONS` declares what it cannot do, as
 (predicate over the facts, reason) pairs, and `choose` takes the first one,
-in the order fused, single_query, chunked, explicit, that nothing rules
+in the order fused, single_query, packed, chunked, explicit, that nothing rules
 out; those declarations are the only rules.
 
 While PyTorch traces a call for export, the path taken is one its exporters
@@ -54,6 +54,7 @@ from keras_selfattn.attention import (
     explicit,
     fused,
     heads,
+    packed,
     single_query,
 )
 from keras_selfattn.attention.masks import Masks
@@ -139,6 +140,7 @@ class CallFacts:
         score_mods: The names of the call's score modifications
             (`score_mods.ScoreMods.names`).
         segments: Whether the call has `segment_ids`.
+        training: Whether the call is made in training.
     """
 
     backend: str
@@ -158,6 +160,7 @@ class CallFacts:
     time_major_cache: bool
     score_mods: tuple[str, ...] = ()
     segments: bool = False
+    training: bool = False
 
     @classmethod
     def of(
@@ -173,6 +176,7 @@ class CallFacts:
         dropout: bool,
         return_weights: bool,
         score_mods: tuple[str, ...] = (),
+        training: bool = False,
     ) -> CallFacts:
         """The facts of a call with these masks and arguments.
 
@@ -191,6 +195,7 @@ class CallFacts:
             dropout: Whether dropout is active in this call.
             return_weights: Whether the weights are returned.
             score_mods: The names of the call's score modifications.
+            training: Whether the call is made in training.
         """
         if flash_attention is None:
             flash_attention = keras.config.is_flash_attention_enabled()
@@ -212,6 +217,7 @@ class CallFacts:
             time_major_cache=cache.is_time_major(),
             score_mods=score_mods,
             segments=masks.segments is not None,
+            training=training,
         )
 
 
@@ -369,6 +375,35 @@ IMPLEMENTATIONS = {
             "grouped_key_value": True,
             "time_major": f.time_major_cache,
         },
+    ),
+    "packed": Implementation(
+        "packed",
+        packed.packed_attention,
+        heads.HEADS_FIRST,
+        cannot=(
+            (lambda f: not f.segments, "the call has no segment_ids"),
+            (lambda f: f.chunk_size is None, "the layer has no chunk_size"),
+            (lambda f: f.return_weights, _WEIGHTS),
+            (lambda f: f.dropout, "it applies no dropout"),
+            (
+                # Measured (benchmarks.score_mods): a training step 2x to 5x
+                # the padded batch's on TensorFlow and JAX, where its forward
+                # pass is 1.0x to 2.2x faster.
+                lambda f: f.training,
+                "its gradient through the loop over key blocks is slower than "
+                "the chunked path's, so training takes that one",
+            ),
+            (
+                lambda f: f.exporting,
+                "PyTorch's exporters would unroll its blocks at the traced length",
+            ),
+            (
+                lambda f: f.unchunked,
+                "the call is traced within exact_unchunked(), for a format "
+                "that cannot hold its loop over blocks",
+            ),
+        ),
+        arguments=lambda f: {"chunk_size": f.chunk_size},
     ),
     "chunked": Implementation(
         "chunked",
