@@ -329,3 +329,35 @@ def test_the_packed_path_and_its_gradients_equal_the_explicit_paths():
     np.testing.assert_allclose(loss_packed, loss_explicit, rtol=1e-5)
     for got, want in zip(grads_packed, grads_explicit, strict=True):
         np.testing.assert_allclose(to_numpy(got), to_numpy(want), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_keeps_biases_sinks_and_the_cap_in_float32(policy):
+    # Long distances make ALiBi's bias large next to the scores, where a
+    # half-precision bias would round visibly.
+    time = 300
+    x = RNG.normal(size=(1, time, D)).astype("float32")
+    config = {"position_bias": "alibi", "use_sinks": True, "logit_soft_cap": 5.0}
+    full = _layer(config)
+    half = _layer(config, dtype=policy)
+    half.set_weights(full.get_weights())
+    assert half.sinks.dtype == "float32"
+    expected = reference.for_layer(full, x)[0]
+    got = to_numpy(keras.ops.cast(half(x), "float32"))
+    assert np.isfinite(got).all()
+    tolerance = {"mixed_float16": 5e-3, "mixed_bfloat16": 3e-2}[policy]
+    assert np.abs(got - expected).max() <= tolerance * np.abs(expected).max()
+
+
+def test_quantize_and_lora_leave_the_new_weights_as_they_are():
+    layer = _layer(CONFIGS["everything"])
+    before = [to_numpy(layer.relative_attention_bias), to_numpy(layer.sinks)]
+    layer.quantize("int8")
+    after = [to_numpy(layer.relative_attention_bias), to_numpy(layer.sinks)]
+    for old, new in zip(before, after, strict=True):
+        np.testing.assert_array_equal(old, new)
+    assert layer.sinks.dtype == "float32"
+    lora = _layer(CONFIGS["everything"])
+    lora.enable_lora(2)
+    assert not lora.relative_attention_bias.trainable and not lora.sinks.trainable
+    assert all("lora" in w.name for w in lora.trainable_weights)

@@ -139,8 +139,8 @@ def core(
     """
     scores = attention_scores(query, key, scale)
     sinks = None
-    if mods is not None:
-        scores = score_mods.modify(scores, mods, bias)
+    if mods is not None:  # in float32 (bfloat16 scores stay bfloat16 until here)
+        scores = score_mods.modify(ops.cast(scores, "float32"), mods, bias)
         if mods.sinks is not None:
             sinks = score_mods.sink_logits(mods, (1, 1, 1, 1), heads_axis=1)
     weights = masked_softmax(

@@ -222,7 +222,7 @@ def _key_block(rows, blocks, masks, mods, scale, index, positions, state):
     keys = ops.expand_dims(ops.take(blocks[0], index, axis=0), 0)
     values = ops.expand_dims(ops.take(blocks[1], index, axis=0), 0)
     block = keys.shape[2]
-    scores = explicit.attention_scores(rows, keys, scale)  # (1, H, C, C)
+    scores = ops.cast(explicit.attention_scores(rows, keys, scale), "float32")
     mask = masks_lib.block(masks, query_start, key_start, block, block)
     # The last block starts before its nominal start: keys the block before
     # it covered are not counted again.
@@ -233,7 +233,7 @@ def _key_block(rows, blocks, masks, mods, scale, index, positions, state):
     if mods is not None:
         bias = score_mods.bias_block(mods, masks, query_start, key_start, block, block)
         scores = score_mods.modify(scores, mods, bias)
-    scores = ops.where(mask, ops.cast(scores, "float32"), explicit.MASK_VALUE)
+    scores = ops.where(mask, scores, explicit.MASK_VALUE)
     new_top = ops.maximum(top, ops.max(scores, axis=-1, keepdims=True))
     weights = ops.where(mask, ops.exp(scores - new_top), 0.0)
     decay = ops.exp(top - new_top)
