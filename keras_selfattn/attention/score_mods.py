@@ -158,16 +158,21 @@ def relative_table(weight, num_buckets: int, max_distance: int, bidirectional: b
 
 def position_bias(mods: ScoreMods, distance):
     """The position bias of keys `distance` (int32, key position minus query
-    position) from their queries: float32 of shape `distance.shape + (H,)`,
-    or None."""
+    position) from their queries: float32 of shape `(H,) + distance.shape`
+    (heads first: a block's bias is made in the scores' layout, with no
+    transposed copy), or None."""
     if mods.alibi_slopes is not None:
         # A tensor: under PyTorch's exporters a numpy operand would be read
         # back from the traced tensor.
-        slopes = ops.convert_to_tensor(-np.asarray(mods.alibi_slopes, "float32"))
-        return ops.expand_dims(ops.cast(ops.abs(distance), "float32"), -1) * slopes
+        slopes = -np.asarray(mods.alibi_slopes, "float32")
+        slopes = ops.convert_to_tensor(
+            np.reshape(slopes, (-1,) + (1,) * len(distance.shape))
+        )
+        return ops.expand_dims(ops.cast(ops.abs(distance), "float32"), 0) * slopes
     if mods.relative_table is not None:
         index = ops.clip(distance, -mods.max_distance, mods.max_distance)
-        return ops.take(mods.relative_table, index + mods.max_distance, axis=0)
+        by_head = ops.transpose(mods.relative_table)  # (H, 2 * max_distance + 1)
+        return ops.take(by_head, index + mods.max_distance, axis=1)
     return None
 
 
@@ -189,8 +194,7 @@ def bias_block(
             masks, query_start, key_start, query_len, key_len
         )
         distance = ops.reshape(key_pos, (1, -1)) - ops.reshape(query_pos, (-1, 1))
-        bias = ops.transpose(position_bias(mods, distance), (2, 0, 1))
-        terms.append(ops.expand_dims(bias, 0))  # (1, H, Tq, Tk)
+        terms.append(ops.expand_dims(position_bias(mods, distance), 0))
     if mods.bias is not None:
         bias = ops.cast(mods.bias, "float32")
         for axis, start, length in (

@@ -143,7 +143,8 @@ def single_query_attention(
         bias = None
         if mods.adds_bias:  # no attention_bias: the position bias only
             distance = masks_lib.positions(key_len) - masks.query_offset
-            bias = ops.reshape(score_mods.position_bias(mods, distance), by_head)
+            bias = ops.transpose(score_mods.position_bias(mods, distance))  # (Tk, H)
+            bias = ops.reshape(bias, by_head)
         scores = score_mods.modify(scores, mods, bias)
         if mods.sinks is not None:
             sinks = ops.reshape(ops.cast(mods.sinks, "float32"), (1, 1) + by_head[2:])
