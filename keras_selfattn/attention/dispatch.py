@@ -289,6 +289,20 @@ class Implementation:
 
 
 _WEIGHTS = "return_attention_scores=True needs the weights"
+# What the paths with a loop over blocks (packed, chunked) cannot do.
+_LOOP_OVER_BLOCKS: tuple[Limit, ...] = (
+    (lambda f: f.chunk_size is None, "the layer has no chunk_size"),
+    (lambda f: f.return_weights, _WEIGHTS),
+    (
+        lambda f: f.exporting,
+        "PyTorch's exporters would unroll its blocks at the traced length",
+    ),
+    (
+        lambda f: f.unchunked,
+        "the call is traced within exact_unchunked(), for a format "
+        "that cannot hold its loop over blocks",
+    ),
+)
 # The score modifications that add a bias to the scores.
 _BIASES = {"alibi", "relative", "attention_bias"}
 
@@ -382,8 +396,6 @@ IMPLEMENTATIONS = {
         heads.HEADS_FIRST,
         cannot=(
             (lambda f: not f.segments, "the call has no segment_ids"),
-            (lambda f: f.chunk_size is None, "the layer has no chunk_size"),
-            (lambda f: f.return_weights, _WEIGHTS),
             (lambda f: f.dropout, "it applies no dropout"),
             (
                 # Measured on the packing benchmark (benchmarks.score_mods):
@@ -393,15 +405,7 @@ IMPLEMENTATIONS = {
                 "its gradient through the loop over key blocks is slower than "
                 "the chunked path's, so training takes that one",
             ),
-            (
-                lambda f: f.exporting,
-                "PyTorch's exporters would unroll its blocks at the traced length",
-            ),
-            (
-                lambda f: f.unchunked,
-                "the call is traced within exact_unchunked(), for a format "
-                "that cannot hold its loop over blocks",
-            ),
+            *_LOOP_OVER_BLOCKS,
         ),
         arguments=lambda f: {"chunk_size": f.chunk_size},
     ),
@@ -410,22 +414,12 @@ IMPLEMENTATIONS = {
         chunked.chunked_attention,
         heads.HEADS_FIRST,
         cannot=(
-            (lambda f: f.chunk_size is None, "the layer has no chunk_size"),
             (
                 lambda f: f.decoding,
                 "decoding with a cache attends a few new queries, not the "
                 "blocks of a whole sequence",
             ),
-            (lambda f: f.return_weights, _WEIGHTS),
-            (
-                lambda f: f.exporting,
-                "PyTorch's exporters would unroll its blocks at the traced length",
-            ),
-            (
-                lambda f: f.unchunked,
-                "the call is traced within exact_unchunked(), for a format "
-                "that cannot hold its loop over blocks",
-            ),
+            *_LOOP_OVER_BLOCKS,
         ),
         arguments=lambda f: {"chunk_size": f.chunk_size},
     ),
