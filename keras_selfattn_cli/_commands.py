@@ -20,7 +20,13 @@ from typing import Any
 import keras
 
 import keras_selfattn  # noqa: F401  (registers SelfAttention)
-from keras_selfattn.export import decode_step, formats, generator, pipeline
+from keras_selfattn.export import (
+    decode_step,
+    formats,
+    generator,
+    generator_graph,
+    pipeline,
+)
 from keras_selfattn.export._endpoint import build_endpoint
 from keras_selfattn.export._target import SERVING_SIGNATURE
 from keras_selfattn.export.formats import table
@@ -188,7 +194,9 @@ def run_export(args: argparse.Namespace) -> int:
         )
         target = step.target()
     elif args.generate:
-        built = generator.build_generator(model, args.max_length, args.jit_compile)
+        built = generator_graph.build_generator(
+            model, args.max_length, args.jit_compile
+        )
         target = built.target()
         model_path = os.path.abspath(args.model)
         writers = {f: generator.writer(built, model_path, f) for f in destinations}

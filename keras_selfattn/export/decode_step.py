@@ -9,10 +9,9 @@ only, with one key/value cache per causal SelfAttention layer:
     outputs: <model output>       (batch, new, ...)   the new positions' outputs
              updated_cache_<layer name>              the caches after the step
 
-This module holds only what is the step's own: finding the cached layers
-(`build_decode_step`), threading the caches through the model
-(`DecodeStep.call`), and the step-by-step check against Keras
-(`verify_decode_step`). The step is an `ExportTarget` (`DecodeStep.target()`)
+The step's graph is `decode_step_graph` (finding the cached layers,
+threading the caches through the model), its step-by-step check against
+Keras `decode_step_check`. The step is an `ExportTarget` (`DecodeStep.target()`)
 and rides the forward export's pipeline: `export_decode_step` writes it in
 any format the backend can export (`formats.table`; SavedModel signature
 "decode_step" for TF Serving, also aliased as "serving_default"; ONNX with
@@ -36,348 +35,41 @@ padding masks (`mask_zero=True`, `Masking`).
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Sequence
 
 import keras
-import numpy as np
 
-from keras_selfattn import _checks
-from keras_selfattn.export import _runtimes, pipeline, quantization
-from keras_selfattn.export._endpoint import _output_names, model_inputs
-from keras_selfattn.export._inputs import vocabulary_size
-from keras_selfattn.export._target import ExportTarget, NamedInput
-from keras_selfattn.export.formats import table
-from keras_selfattn.export.parity.arguments import (
-    PATH_ARGUMENT,
-    artifact_paths,
-    check_tolerance,
+from keras_selfattn.export import pipeline
+from keras_selfattn.export.decode_step_check import (
+    keras_decode,
+    schedule,
+    teacher_inputs,
+    verify_decode_step,
 )
-from keras_selfattn.export.parity.engine import check_artifacts, collect_artifacts
-from keras_selfattn.export.parity.report import ParityReport, finish_report
-from keras_selfattn.export.parity.rules import DEFAULT_ATOL, DEFAULT_RTOL, parity_row
-from keras_selfattn.generation import cached_model
-from keras_selfattn.self_attention import SelfAttention
+from keras_selfattn.export.decode_step_graph import (
+    INDEX_NAME,
+    DecodeStep,
+    build_decode_step,
+    refuse_quantized,
+)
+from keras_selfattn.export.formats import table
+from keras_selfattn.export.parity.rules import DEFAULT_ATOL, DEFAULT_RTOL
 
-_ACTION = "export a decoding step of"
-STEP_SIGNATURE = "decode_step"
-INDEX_NAME = "cache_update_index"
-CACHE_PREFIX = "cache_"
-UPDATED_CACHE_PREFIX = "updated_cache_"
-# (batch, prompt length) of the sequences `verify_decode_step` decodes: one
-# position per step from the start, a prompt of 3, and the whole sequence in
-# one step (prompts longer than max_length are cut to it).
-DEFAULT_SCHEDULES: tuple[tuple[int, int], ...] = ((1, 1), (2, 3), (3, 1 << 30))
-
-
-def _refuse(model: keras.Model, why: str) -> ValueError:
-    return cached_model.refusal(model, why, _ACTION)
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeStep:
-    """A model's decoding step: what it takes and returns, and how to run it.
-
-    Attributes:
-        model: The user's model.
-        input: The model's input, with dynamic batch and time axes.
-        output_name: Name of the model's output.
-        layers: The SelfAttention layers, in call order.
-        max_length: The caches' length: positions 0 .. max_length - 1.
-    """
-
-    model: keras.Model
-    input: NamedInput
-    output_name: str
-    layers: tuple[SelfAttention, ...]
-    max_length: int
-
-    @property
-    def cache_names(self) -> tuple[str, ...]:
-        """Input names of the caches, one per layer."""
-        return tuple(CACHE_PREFIX + layer.name for layer in self.layers)
-
-    @property
-    def updated_cache_names(self) -> tuple[str, ...]:
-        """Output names of the updated caches, one per layer."""
-        return tuple(UPDATED_CACHE_PREFIX + layer.name for layer in self.layers)
-
-    @property
-    def input_names(self) -> tuple[str, ...]:
-        return (self.input.name, *self.cache_names, INDEX_NAME)
-
-    @property
-    def output_names(self) -> tuple[str, ...]:
-        return (self.output_name, *self.updated_cache_names)
-
-    def empty_caches(self, batch: int) -> dict[str, np.ndarray]:
-        """Zero caches for a new sequence, keyed by input name."""
-        return {
-            name: keras.ops.convert_to_numpy(layer.empty_cache(batch, self.max_length))
-            for name, layer in zip(self.cache_names, self.layers, strict=True)
-        }
-
-    def call(self, inputs, caches: Sequence, index):
-        """Runs the step with Keras; returns (output, [updated caches])."""
-        return cached_model.run_cached(self.model, self.layers, inputs, caches, index)
-
-    def target(
-        self, signature_name: str = STEP_SIGNATURE, new: int | None = None
-    ) -> ExportTarget:
-        """The step as an `ExportTarget`.
-
-        Args:
-            signature_name: Its signature. Defaults to "decode_step".
-            new: The new positions a call takes, fixed (a generator's
-                LiteRT "decode": 1), or None for any number.
-        """
-        caches = tuple(
-            NamedInput(
-                name,
-                (None, *tuple(layer.empty_cache(1, self.max_length).shape)[1:]),
-                layer.compute_dtype,
-            )
-            for name, layer in zip(self.cache_names, self.layers, strict=True)
-        )
-        step_input = NamedInput(
-            self.input.name, (None, new, *self.input.shape[2:]), self.input.dtype
-        )
-
-        def function(tensors):
-            inputs, *caches_in, index = tensors
-            output, caches_out = self.call(inputs, caches_in, index)
-            return [output, *caches_out]
-
-        return ExportTarget(
-            self.model,
-            (step_input, *caches, NamedInput(INDEX_NAME, (), "int32")),
-            self.output_names,
-            function,
-            signature_name=signature_name,
-            what="decode step",
-        )
-
-
-# Formats whose converters cannot take Keras's quantized layers inside a
-# decoding step or a generator (the forward export gives them their own
-# quantized forms, which a step-by-step check would not accept).
-_NO_QUANTIZED_DECODING = {
-    table.LITERT.name: "LiteRT's converter has no int8 batch matmul",
-    table.OPENVINO.name: "OpenVINO's conversion computes other numbers",
-}
-
-
-def refuse_quantized(model: keras.Model, export_format: str, what: str) -> None:
-    """Raises ValueError (one line) for a quantized `model`'s decoding step or
-    generator (`what`) in a format that cannot compute its quantized layers
-    as Keras does (`_NO_QUANTIZED_DECODING`)."""
-    why = _NO_QUANTIZED_DECODING.get(export_format)
-    if why is None:
-        return
-    layers = [q.layer.path for q in quantization.quantized_layers(model)]
-    layers += [layer.path for layer in quantization.quantized_embeddings(model)]
-    if not layers:
-        return
-    raise ValueError(
-        f"A {what} of a quantized model exports as SavedModel or ONNX, which "
-        f"compute its integer layers as Keras does: {why}. Export the float "
-        f"model's {what} in {table.BY_NAME[export_format].title}, or the "
-        "quantized model's forward pass. Received: export_format="
-        f"{export_format!r}, quantized layers {sorted(layers)}"
-    )
-
-
-def build_decode_step(model: keras.Model, max_length: int) -> DecodeStep:
-    """Checks the model's structure (module docstring) and builds its step.
-
-    Raises:
-        TypeError: if `model` is not a keras.Model.
-        ValueError: for an unsupported model or `max_length`.
-    """
-    max_length = _checks.positive_int("max_length", max_length)
-    inputs = model_inputs(model)  # named, non-subclassed
-    if not isinstance(model, keras.Sequential) and not hasattr(
-        model, "_nodes_by_depth"
-    ):
-        raise _refuse(model, "it is not a Sequential or Functional model")
-    if len(inputs) != 1:
-        raise _refuse(model, f"it has {len(inputs)} inputs")
-    outputs = _output_names(model)
-    if len(outputs) != 1:
-        raise _refuse(model, f"it has {len(outputs)} outputs")
-    if len(inputs[0].shape) < 2:
-        raise _refuse(model, "its input has no time axis (batch, time, ...)")
-    layers = cached_model.cached_layers(model, _ACTION)
-    names = [inputs[0].name, outputs[0], INDEX_NAME]
-    names += [CACHE_PREFIX + layer.name for layer in layers]
-    names += [UPDATED_CACHE_PREFIX + layer.name for layer in layers]
-    if len(set(names)) != len(names):
-        raise _refuse(model, f"its input/output names clash: {names}")
-    return DecodeStep(model, inputs[0], outputs[0], layers, max_length)
-
-
-# -- verification -------------------------------------------------------------
-
-
-def teacher_inputs(step: DecodeStep, batch: int, seed: int = 0) -> np.ndarray:
-    """A whole random input sequence (batch, max_length, ...) without padding.
-
-    Token ids are in [1, vocabulary) (no 0: padding is not supported), float
-    features standard normal.
-    """
-    rng = np.random.default_rng(seed)
-    shape = (batch, step.max_length, *step.input.shape[2:])
-    if "int" in step.input.dtype:
-        values = rng.integers(1, max(vocabulary_size(step.model), 2), size=shape)
-    elif step.input.dtype == "bool":
-        values = np.ones(shape, bool)
-    else:
-        values = rng.standard_normal(shape)
-    return values.astype(step.input.dtype)
-
-
-def schedule(step: DecodeStep, sequence: np.ndarray, prompt_length: int):
-    """The `_runtimes.Run` decoding `sequence`: the prompt, then one per step.
-
-    The first step gets empty caches; later steps get the caches the step
-    before returned (the run's feedback).
-    """
-    steps, index = [], 0
-    while index < sequence.shape[1]:
-        new = prompt_length if index == 0 else 1
-        arrays = {
-            step.input.name: sequence[:, index : index + new],
-            INDEX_NAME: np.asarray(index, np.int32),
-        }
-        if index == 0:
-            arrays.update(step.empty_caches(sequence.shape[0]))
-        steps.append(arrays)
-        index += new
-    feedback = dict(zip(step.updated_cache_names, step.cache_names, strict=True))
-    return _runtimes.Run(tuple(steps), feedback)
-
-
-def _reference_call(target: ExportTarget):
-    """`target.call_named`, under `jax.jit` on JAX: eagerly, every step's
-    keys would have a new length (`cache_update_index` + new positions), and
-    JAX compiles each op anew for each shape (about a second a step, most of
-    an export's check). Compiled, the index is traced as in the exports (one
-    program per input shape), with the model's variables as arguments."""
-    if keras.backend.backend() != "jax":
-        return target.call_named
-    import jax
-
-    variables = target.model.variables
-
-    @jax.jit
-    def stateless(values, arrays):
-        mapping = list(zip(variables, values, strict=True))
-        with keras.StatelessScope(state_mapping=mapping):
-            return target.call_named(arrays)
-
-    return lambda arrays: stateless([v.value for v in variables], arrays)
-
-
-def keras_decode(step: DecodeStep, run: _runtimes.Run) -> list[dict[str, np.ndarray]]:
-    """Keras's cached calls over `run` (eager; compiled on JAX, see
-    `_reference_call`): the exports' reference."""
-    results, state, target = [], {}, step.target()
-    call = _reference_call(target)
-    for arrays in run.steps:
-        outputs = call({**arrays, **state})
-        result = {k: keras.ops.convert_to_numpy(v) for k, v in outputs.items()}
-        results.append(result)
-        state = {inp: result[out] for out, inp in run.feedback.items()}
-    return results
-
-
-def verify_decode_step(
-    model: keras.Model,
-    saved_model_dir: str | os.PathLike | None = None,
-    onnx_path: str | os.PathLike | None = None,
-    *,
-    max_length: int,
-    litert_path: str | os.PathLike | None = None,
-    openvino_path: str | os.PathLike | None = None,
-    torch_path: str | os.PathLike | None = None,
-    schedules: Sequence[tuple[int, int]] = DEFAULT_SCHEDULES,
-    atol: float = DEFAULT_ATOL,
-    rtol: float = DEFAULT_RTOL,
-    seed: int = 0,
-) -> ParityReport:
-    """Decodes whole sequences step by step and compares every step.
-
-    For each (batch, prompt length) in `schedules`, a random sequence of
-    `max_length` positions (teacher forcing: the inputs are fixed, not
-    generated) is decoded from empty caches: the prompt in one step, then
-    one position per step. Rows of the report:
-
-    - "keras_cache": Keras's cached calls, all steps' outputs concatenated,
-      against the model's full uncached forward on the whole sequence.
-    - "saved_model" / "onnx" / "litert" / "openvino" / "torch": each step's
-      output and updated caches against Keras's cached call on the same
-      inputs and caches, the export decoding in a fresh process of its
-      runtime (caches fed back there).
-
-    With no export given, only the "keras_cache" rows are computed
-    (whether the model decodes at all).
-
-    Returns:
-        The `ParityReport`, every row within |err| <= atol + rtol |keras|.
-
-    Raises:
-        ParityError: beyond tolerance, or if an export's names differ.
-        ValueError: for an unsupported model or argument.
-    """
-    step = build_decode_step(model, max_length)
-    atol = check_tolerance("atol", atol)
-    rtol = check_tolerance("rtol", rtol)
-    paths = artifact_paths(
-        saved_model_dir, onnx_path, litert_path, openvino_path, torch_path
-    )
-    artifacts = (
-        {} if all(p is None for p in paths.values()) else collect_artifacts(paths)
-    )
-    runs, expected, labels, rows = [], [], [], []
-    for number, (batch, prompt) in enumerate(schedules):
-        prompt = min(prompt, step.max_length)
-        label = f"{batch}x{step.max_length} prompt {prompt}"
-        sequence = teacher_inputs(step, batch, seed + number)
-        run = schedule(step, sequence, prompt)
-        steps = keras_decode(step, run)
-        full = keras.ops.convert_to_numpy(model(sequence, training=False))
-        cached = np.concatenate([r[step.output_name] for r in steps], axis=1)
-        rows.append(parity_row("keras_cache", label, [(full, cached)], atol, rtol))
-        runs.append(run)
-        expected.append(steps)
-        labels.append(label)
-    if artifacts:
-        checked = check_artifacts(
-            step.target(),
-            artifacts,
-            runs,
-            expected,
-            labels,
-            atol,
-            rtol,
-            action="decoding {label}",
-        )
-        rows = [
-            row for label in labels for row in [*rows, *checked] if row.shape == label
-        ]
-    worst = min(rows, key=lambda row: (row.ok, -row.max_abs_err))
-    hint = (
-        " (Keras's cached decode differs from the full forward: a layer "
-        "outside SelfAttention mixes positions, so the model cannot be "
-        "decoded step by step)"
-        if worst.runtime == "keras_cache"
-        else ""
-    )
-    return finish_report(rows, atol, rtol, "decode checks differ", hint)
-
-
-# -- exporters ----------------------------------------------------------------
+# What importers of the exporters find here besides them: the step and its
+# check.
+__all__ = [
+    "INDEX_NAME",
+    "DecodeStep",
+    "build_decode_step",
+    "export_decode_step",
+    "export_decode_step_onnx",
+    "export_decode_step_saved_model",
+    "keras_decode",
+    "refuse_quantized",
+    "schedule",
+    "teacher_inputs",
+    "verify_decode_step",
+]
 
 
 def export_decode_step(
@@ -439,16 +131,16 @@ def export_decode_step(
     destination = pipeline.check_destination(export_format, path, **options)
     step = build_decode_step(model, max_length)
 
-    def checked(staged: str) -> None:
-        verify_decode_step(
-            model,
-            max_length=max_length,
-            atol=atol,
-            rtol=rtol,
-            **{PATH_ARGUMENT[export_format]: staged},
-        )
-
-    return pipeline.export(step.target(), destination, checked if check else None)
+    checked = pipeline.staged_check(
+        verify_decode_step,
+        model,
+        export_format,
+        check,
+        max_length=max_length,
+        atol=atol,
+        rtol=rtol,
+    )
+    return pipeline.export(step.target(), destination, checked)
 
 
 def export_decode_step_saved_model(

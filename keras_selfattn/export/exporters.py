@@ -40,19 +40,19 @@ def _export(
         endpoint = build_endpoint(model, attention_outputs)
         runtime_options["openvino_precision"] = "bf16"
 
-    def checked(staged: str) -> None:
-        verify(
-            model,
-            attention_outputs=attention_outputs,
-            atol=atol,
-            rtol=rtol,
-            shapes=None if fixed is None else [fixed],
-            precision=precision,
-            **runtime_options,
-            **{row.path_argument: staged},
-        )
-
-    return pipeline.export(endpoint.target(), destination, checked if check else None)
+    checked = pipeline.staged_check(
+        verify,
+        model,
+        row.name,
+        check,
+        attention_outputs=attention_outputs,
+        atol=atol,
+        rtol=rtol,
+        shapes=None if fixed is None else [fixed],
+        precision=precision,
+        **runtime_options,
+    )
+    return pipeline.export(endpoint.target(), destination, checked)
 
 
 def _require_half(row: table.FormatRow, endpoint: Endpoint) -> None:

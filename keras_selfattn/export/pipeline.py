@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 from keras_selfattn.export import _files, formats
 from keras_selfattn.export._target import ExportTarget
-from keras_selfattn.export.formats import Destination, Writer
+from keras_selfattn.export.formats import Destination, Writer, table
 
 
 def check_destination(
@@ -71,6 +71,22 @@ def stage(
     export_format = formats.get(destination.format)
     with export_format.stage(target, destination, writer) as staged:
         yield staged
+
+
+def staged_check(
+    verify: Callable[..., object],
+    model: object,
+    export_format: str,
+    check: bool,
+    **arguments: object,
+) -> Callable[[str], object] | None:
+    """The check `export` runs on a staged artifact: `verify(model,
+    **arguments)` with the staged path as the format's path argument
+    (`FormatRow.path_argument`); None when not `check`."""
+    if not check:
+        return None
+    path_argument = table.BY_NAME[export_format].path_argument
+    return lambda staged: verify(model, **arguments, **{path_argument: staged})
 
 
 def export(

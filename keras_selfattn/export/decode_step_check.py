@@ -1,0 +1,186 @@
+"""The check of exported decoding steps: whole sequences decoded step by
+step through each export, in a fresh process of its runtime, and through
+Keras's cached calls, and those against the model's full forward."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import keras
+import numpy as np
+
+from keras_selfattn.export import _runtimes
+from keras_selfattn.export._inputs import vocabulary_size
+from keras_selfattn.export._target import ExportTarget
+from keras_selfattn.export.decode_step_graph import (
+    INDEX_NAME,
+    DecodeStep,
+    build_decode_step,
+)
+from keras_selfattn.export.parity.arguments import artifact_paths, check_tolerance
+from keras_selfattn.export.parity.engine import check_artifacts, collect_artifacts
+from keras_selfattn.export.parity.report import ParityReport, finish_report
+from keras_selfattn.export.parity.rules import DEFAULT_ATOL, DEFAULT_RTOL, parity_row
+
+# (batch, prompt length) of the sequences `verify_decode_step` decodes: one
+# position per step from the start, a prompt of 3, and the whole sequence in
+# one step (prompts longer than max_length are cut to it).
+DEFAULT_SCHEDULES: tuple[tuple[int, int], ...] = ((1, 1), (2, 3), (3, 1 << 30))
+
+
+def teacher_inputs(step: DecodeStep, batch: int, seed: int = 0) -> np.ndarray:
+    """A whole random input sequence (batch, max_length, ...) without padding.
+
+    Token ids are in [1, vocabulary) (no 0: padding is not supported), float
+    features standard normal.
+    """
+    rng = np.random.default_rng(seed)
+    shape = (batch, step.max_length, *step.input.shape[2:])
+    if "int" in step.input.dtype:
+        values = rng.integers(1, max(vocabulary_size(step.model), 2), size=shape)
+    elif step.input.dtype == "bool":
+        values = np.ones(shape, bool)
+    else:
+        values = rng.standard_normal(shape)
+    return values.astype(step.input.dtype)
+
+
+def schedule(step: DecodeStep, sequence: np.ndarray, prompt_length: int):
+    """The `_runtimes.Run` decoding `sequence`: the prompt, then one per step.
+
+    The first step gets empty caches; later steps get the caches the step
+    before returned (the run's feedback).
+    """
+    steps, index = [], 0
+    while index < sequence.shape[1]:
+        new = prompt_length if index == 0 else 1
+        arrays = {
+            step.input.name: sequence[:, index : index + new],
+            INDEX_NAME: np.asarray(index, np.int32),
+        }
+        if index == 0:
+            arrays.update(step.empty_caches(sequence.shape[0]))
+        steps.append(arrays)
+        index += new
+    feedback = dict(zip(step.updated_cache_names, step.cache_names, strict=True))
+    return _runtimes.Run(tuple(steps), feedback)
+
+
+def _reference_call(target: ExportTarget):
+    """`target.call_named`, under `jax.jit` on JAX: eagerly, every step's
+    keys would have a new length (`cache_update_index` + new positions), and
+    JAX compiles each op anew for each shape (about a second a step, most of
+    an export's check). Compiled, the index is traced as in the exports (one
+    program per input shape), with the model's variables as arguments."""
+    if keras.backend.backend() != "jax":
+        return target.call_named
+    import jax
+
+    variables = target.model.variables
+
+    @jax.jit
+    def stateless(values, arrays):
+        mapping = list(zip(variables, values, strict=True))
+        with keras.StatelessScope(state_mapping=mapping):
+            return target.call_named(arrays)
+
+    return lambda arrays: stateless([v.value for v in variables], arrays)
+
+
+def keras_decode(step: DecodeStep, run: _runtimes.Run) -> list[dict[str, np.ndarray]]:
+    """Keras's cached calls over `run` (eager; compiled on JAX, see
+    `_reference_call`): the exports' reference."""
+    results, state, target = [], {}, step.target()
+    call = _reference_call(target)
+    for arrays in run.steps:
+        outputs = call({**arrays, **state})
+        result = {k: keras.ops.convert_to_numpy(v) for k, v in outputs.items()}
+        results.append(result)
+        state = {inp: result[out] for out, inp in run.feedback.items()}
+    return results
+
+
+def verify_decode_step(
+    model: keras.Model,
+    saved_model_dir: str | os.PathLike | None = None,
+    onnx_path: str | os.PathLike | None = None,
+    *,
+    max_length: int,
+    litert_path: str | os.PathLike | None = None,
+    openvino_path: str | os.PathLike | None = None,
+    torch_path: str | os.PathLike | None = None,
+    schedules: Sequence[tuple[int, int]] = DEFAULT_SCHEDULES,
+    atol: float = DEFAULT_ATOL,
+    rtol: float = DEFAULT_RTOL,
+    seed: int = 0,
+) -> ParityReport:
+    """Decodes whole sequences step by step and compares every step.
+
+    For each (batch, prompt length) in `schedules`, a random sequence of
+    `max_length` positions (teacher forcing: the inputs are fixed, not
+    generated) is decoded from empty caches: the prompt in one step, then
+    one position per step. Rows of the report:
+
+    - "keras_cache": Keras's cached calls, all steps' outputs concatenated,
+      against the model's full uncached forward on the whole sequence.
+    - "saved_model" / "onnx" / "litert" / "openvino" / "torch": each step's
+      output and updated caches against Keras's cached call on the same
+      inputs and caches, the export decoding in a fresh process of its
+      runtime (caches fed back there).
+
+    With no export given, only the "keras_cache" rows are computed
+    (whether the model decodes at all).
+
+    Returns:
+        The `ParityReport`, every row within |err| <= atol + rtol |keras|.
+
+    Raises:
+        ParityError: beyond tolerance, or if an export's names differ.
+        ValueError: for an unsupported model or argument.
+    """
+    step = build_decode_step(model, max_length)
+    atol = check_tolerance("atol", atol)
+    rtol = check_tolerance("rtol", rtol)
+    paths = artifact_paths(
+        saved_model_dir, onnx_path, litert_path, openvino_path, torch_path
+    )
+    artifacts = (
+        {} if all(p is None for p in paths.values()) else collect_artifacts(paths)
+    )
+    runs, expected, labels, rows = [], [], [], []
+    for number, (batch, prompt) in enumerate(schedules):
+        prompt = min(prompt, step.max_length)
+        label = f"{batch}x{step.max_length} prompt {prompt}"
+        sequence = teacher_inputs(step, batch, seed + number)
+        run = schedule(step, sequence, prompt)
+        steps = keras_decode(step, run)
+        full = keras.ops.convert_to_numpy(model(sequence, training=False))
+        cached = np.concatenate([r[step.output_name] for r in steps], axis=1)
+        rows.append(parity_row("keras_cache", label, [(full, cached)], atol, rtol))
+        runs.append(run)
+        expected.append(steps)
+        labels.append(label)
+    if artifacts:
+        checked = check_artifacts(
+            step.target(),
+            artifacts,
+            runs,
+            expected,
+            labels,
+            atol,
+            rtol,
+            action="decoding {label}",
+        )
+        rows = [
+            row for label in labels for row in [*rows, *checked] if row.shape == label
+        ]
+    worst = min(rows, key=lambda row: (row.ok, -row.max_abs_err))
+    hint = (
+        " (Keras's cached decode differs from the full forward: a layer "
+        "outside SelfAttention mixes positions, so the model cannot be "
+        "decoded step by step)"
+        if worst.runtime == "keras_cache"
+        else ""
+    )
+    return finish_report(rows, atol, rtol, "decode checks differ", hint)

@@ -1,0 +1,172 @@
+"""A model's decoding step as an export target: finding its cached layers
+(`build_decode_step`), threading the caches through the model
+(`DecodeStep.call`), and the formats that refuse a quantized model's step
+(the module docstring of `decode_step` says what it takes and returns)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import keras
+import numpy as np
+
+from keras_selfattn import _checks
+from keras_selfattn.export import quantization
+from keras_selfattn.export._endpoint import _output_names, model_inputs
+from keras_selfattn.export._target import ExportTarget, NamedInput
+from keras_selfattn.export.formats import table
+from keras_selfattn.generation import cached_model
+from keras_selfattn.self_attention import SelfAttention
+
+_ACTION = "export a decoding step of"
+STEP_SIGNATURE = "decode_step"
+INDEX_NAME = "cache_update_index"
+CACHE_PREFIX = "cache_"
+UPDATED_CACHE_PREFIX = "updated_cache_"
+
+
+def _refuse(model: keras.Model, why: str) -> ValueError:
+    return cached_model.refusal(model, why, _ACTION)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeStep:
+    """A model's decoding step: what it takes and returns, and how to run it.
+
+    Attributes:
+        model: The user's model.
+        input: The model's input, with dynamic batch and time axes.
+        output_name: Name of the model's output.
+        layers: The SelfAttention layers, in call order.
+        max_length: The caches' length: positions 0 .. max_length - 1.
+    """
+
+    model: keras.Model
+    input: NamedInput
+    output_name: str
+    layers: tuple[SelfAttention, ...]
+    max_length: int
+
+    @property
+    def cache_names(self) -> tuple[str, ...]:
+        """Input names of the caches, one per layer."""
+        return tuple(CACHE_PREFIX + layer.name for layer in self.layers)
+
+    @property
+    def updated_cache_names(self) -> tuple[str, ...]:
+        """Output names of the updated caches, one per layer."""
+        return tuple(UPDATED_CACHE_PREFIX + layer.name for layer in self.layers)
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return (self.input.name, *self.cache_names, INDEX_NAME)
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return (self.output_name, *self.updated_cache_names)
+
+    def empty_caches(self, batch: int) -> dict[str, np.ndarray]:
+        """Zero caches for a new sequence, keyed by input name."""
+        return {
+            name: keras.ops.convert_to_numpy(layer.empty_cache(batch, self.max_length))
+            for name, layer in zip(self.cache_names, self.layers, strict=True)
+        }
+
+    def call(self, inputs, caches: Sequence, index):
+        """Runs the step with Keras; returns (output, [updated caches])."""
+        return cached_model.run_cached(self.model, self.layers, inputs, caches, index)
+
+    def target(
+        self, signature_name: str = STEP_SIGNATURE, new: int | None = None
+    ) -> ExportTarget:
+        """The step as an `ExportTarget`.
+
+        Args:
+            signature_name: Its signature. Defaults to "decode_step".
+            new: The new positions a call takes, fixed (a generator's
+                LiteRT "decode": 1), or None for any number.
+        """
+        caches = tuple(
+            NamedInput(
+                name,
+                (None, *tuple(layer.empty_cache(1, self.max_length).shape)[1:]),
+                layer.compute_dtype,
+            )
+            for name, layer in zip(self.cache_names, self.layers, strict=True)
+        )
+        step_input = NamedInput(
+            self.input.name, (None, new, *self.input.shape[2:]), self.input.dtype
+        )
+
+        def function(tensors):
+            inputs, *caches_in, index = tensors
+            output, caches_out = self.call(inputs, caches_in, index)
+            return [output, *caches_out]
+
+        return ExportTarget(
+            self.model,
+            (step_input, *caches, NamedInput(INDEX_NAME, (), "int32")),
+            self.output_names,
+            function,
+            signature_name=signature_name,
+            what="decode step",
+        )
+
+
+# Formats whose converters cannot take Keras's quantized layers inside a
+# decoding step or a generator (the forward export gives them their own
+# quantized forms, which a step-by-step check would not accept).
+_NO_QUANTIZED_DECODING = {
+    table.LITERT.name: "LiteRT's converter has no int8 batch matmul",
+    table.OPENVINO.name: "OpenVINO's conversion computes other numbers",
+}
+
+
+def refuse_quantized(model: keras.Model, export_format: str, what: str) -> None:
+    """Raises ValueError (one line) for a quantized `model`'s decoding step or
+    generator (`what`) in a format that cannot compute its quantized layers
+    as Keras does (`_NO_QUANTIZED_DECODING`)."""
+    why = _NO_QUANTIZED_DECODING.get(export_format)
+    if why is None:
+        return
+    layers = [q.layer.path for q in quantization.quantized_layers(model)]
+    layers += [layer.path for layer in quantization.quantized_embeddings(model)]
+    if not layers:
+        return
+    raise ValueError(
+        f"A {what} of a quantized model exports as SavedModel or ONNX, which "
+        f"compute its integer layers as Keras does: {why}. Export the float "
+        f"model's {what} in {table.BY_NAME[export_format].title}, or the "
+        "quantized model's forward pass. Received: export_format="
+        f"{export_format!r}, quantized layers {sorted(layers)}"
+    )
+
+
+def build_decode_step(model: keras.Model, max_length: int) -> DecodeStep:
+    """Checks the model's structure (module docstring) and builds its step.
+
+    Raises:
+        TypeError: if `model` is not a keras.Model.
+        ValueError: for an unsupported model or `max_length`.
+    """
+    max_length = _checks.positive_int("max_length", max_length)
+    inputs = model_inputs(model)  # named, non-subclassed
+    if not isinstance(model, keras.Sequential) and not hasattr(
+        model, "_nodes_by_depth"
+    ):
+        raise _refuse(model, "it is not a Sequential or Functional model")
+    if len(inputs) != 1:
+        raise _refuse(model, f"it has {len(inputs)} inputs")
+    outputs = _output_names(model)
+    if len(outputs) != 1:
+        raise _refuse(model, f"it has {len(outputs)} outputs")
+    if len(inputs[0].shape) < 2:
+        raise _refuse(model, "its input has no time axis (batch, time, ...)")
+    layers = cached_model.cached_layers(model, _ACTION)
+    names = [inputs[0].name, outputs[0], INDEX_NAME]
+    names += [CACHE_PREFIX + layer.name for layer in layers]
+    names += [UPDATED_CACHE_PREFIX + layer.name for layer in layers]
+    if len(set(names)) != len(names):
+        raise _refuse(model, f"its input/output names clash: {names}")
+    return DecodeStep(model, inputs[0], outputs[0], layers, max_length)

@@ -1,0 +1,205 @@
+"""The check of exported generators: each run in a fresh process of its
+runtime against `keras_selfattn.generate` on the same requests, and a
+LiteRT file's "prefill" and "decode" pair generating one token a call."""
+
+from __future__ import annotations
+
+import os
+
+import keras
+import numpy as np
+
+from keras_selfattn.export._runtimes import Artifact, Run
+from keras_selfattn.export.decode_step_graph import (
+    INDEX_NAME,
+    DecodeStep,
+    build_decode_step,
+)
+from keras_selfattn.export.formats import table
+from keras_selfattn.export.generator_graph import (
+    DECODE_SIGNATURE,
+    PREFILL_SIGNATURE,
+    Generator,
+    build_generator,
+    control_inputs,
+    random_prompts,
+)
+from keras_selfattn.export.parity.arguments import artifact_paths
+from keras_selfattn.export.parity.engine import (
+    check_artifacts,
+    collect_artifacts,
+    run_checked,
+)
+from keras_selfattn.export.parity.report import ParityReport, finish_report
+from keras_selfattn.export.parity.rules import ParityRow, parity_row
+from keras_selfattn.generation import generate
+
+# The check's report row of the LiteRT pair generating.
+PAIR_RUNTIME = "litert prefill/decode"
+# The checks' generations: greedy, then seeded top-k / top-p with an end.
+_SAMPLED = {"temperature": 0.9, "top_k": 12, "top_p": 0.9, "seed": 1234}
+
+
+def _sizes(generator: Generator) -> tuple[int, int]:
+    """The checks' (prompt width, new tokens): up to 9 and 12 that fit."""
+    width = max(1, min(9, generator.max_length // 2))
+    return width, min(12, generator.max_length - width)
+
+
+def requests(generator: Generator, seed: int = 0) -> list[tuple[str, dict]]:
+    """The checks' requests: 8 prompts of mixed lengths, greedy and (token
+    models) seeded top-k / top-p with an end token; (label, inputs)."""
+    width, steps = _sizes(generator)
+    prompts, lengths = random_prompts(generator.read, 8, width, seed)
+    base = {
+        generator.prompt_name: prompts,
+        "prompt_lengths": lengths,
+        "max_new_tokens": np.int32(steps),
+    }
+    if not generator.read.tokens:
+        return [(f"8x{width} +{steps}", base)]
+    sampled = {**_SAMPLED, "top_k": min(_SAMPLED["top_k"], generator.read.vocabulary)}
+    return [
+        (f"8x{width} +{steps} greedy", {**base, **control_inputs({}, generator.read)}),
+        (
+            f"8x{width} +{steps} sampled",
+            {**base, **control_inputs({**sampled, "end_token": 0}, generator.read)},
+        ),
+    ]
+
+
+def keras_generate(generator: Generator, request: dict) -> dict[str, np.ndarray]:
+    """`keras_selfattn.generate` on an exported generator's request."""
+    read = generator.read
+    options = {}
+    if read.tokens:
+        temperature = float(request["temperature"])
+        top_k, top_p = int(request["top_k"]), float(request["top_p"])
+        sampling = temperature > 0
+        options = {
+            "temperature": temperature,
+            "top_k": top_k if sampling and top_k < read.vocabulary else None,
+            "top_p": top_p if sampling and top_p < 1 else None,
+            "seed": int(request["seed"]),
+            "end_token": None
+            if int(request["end_token"]) < 0
+            else int(request["end_token"]),
+        }
+    result = generate(
+        read.model,
+        request[generator.prompt_name],
+        int(request["max_new_tokens"]),
+        prompt_lengths=request["prompt_lengths"],
+        max_length=generator.max_length,
+        **options,
+    )
+    return dict(
+        zip(generator.output_names, (result.tokens, result.lengths), strict=True)
+    )
+
+
+def pair_run(
+    generator: Generator, step: DecodeStep, seed: int = 0
+) -> tuple[str, Run, dict]:
+    """The greedy generation the LiteRT pair is checked on: 4 prompts of one
+    length through "prefill", then one "decode" call per new token, each
+    fed the argmax of the last logits (value models: the last output) and
+    the caches the call before returned.
+
+    Returns:
+        (label, the `Run`, the generator request whose tokens it must give).
+    """
+    width, steps = _sizes(generator)
+    prompts, lengths = random_prompts(generator.read, 4, width, seed, mixed=False)
+    request = {
+        generator.prompt_name: prompts,
+        "prompt_lengths": lengths,
+        "max_new_tokens": np.int32(steps),
+    }
+    if generator.read.tokens:
+        request.update(control_inputs({}, generator.read))
+    prefill = {
+        step.input.name: prompts,
+        **step.empty_caches(len(prompts)),
+        INDEX_NAME: np.asarray(0, np.int32),
+    }
+    decode = [{INDEX_NAME: np.asarray(width + k, np.int32)} for k in range(steps - 1)]
+    run = Run(
+        (prefill, *decode),
+        dict(zip(step.updated_cache_names, step.cache_names, strict=True)),
+        signatures=(PREFILL_SIGNATURE,) + (DECODE_SIGNATURE,) * (steps - 1),
+        generated={step.output_name: step.input.name},
+    )
+    label = f"4x{width} +{steps}" + (" greedy" if generator.read.tokens else "")
+    return label, run, request
+
+
+def _pair_row(
+    generator: Generator, artifact: Artifact, tolerance: float, seed: int
+) -> ParityRow:
+    """The LiteRT file's "prefill" and "decode" generating `pair_run` in a
+    fresh process, against `keras_selfattn.generate`."""
+    step = build_decode_step(generator.read.model, generator.max_length)
+    label, run, request = pair_run(generator, step, seed)
+    outcome = run_checked(
+        step.target(PREFILL_SIGNATURE),
+        {PAIR_RUNTIME: artifact},
+        [run],
+        [label],
+        "generating {label} through prefill and decode",
+        tolerance,
+        tolerance,
+    )[PAIR_RUNTIME]
+    last = np.concatenate(
+        [outputs[step.output_name][:, -1:] for outputs in outcome.outputs[0]], axis=1
+    )
+    produced = np.argmax(last, axis=-1) if generator.read.tokens else last
+    wanted = keras_generate(generator, request)[generator.output_names[0]]
+    return parity_row(PAIR_RUNTIME, label, [(wanted, produced)], tolerance, tolerance)
+
+
+def verify_generator(
+    model: keras.Model,
+    saved_model_dir: str | os.PathLike | None = None,
+    onnx_path: str | os.PathLike | None = None,
+    *,
+    max_length: int,
+    litert_path: str | os.PathLike | None = None,
+    seed: int = 0,
+) -> ParityReport:
+    """Runs exported generators in fresh processes of their runtimes and
+    compares their outputs with `keras_selfattn.generate` on the same
+    requests (`requests`): tokens and lengths must be identical (value
+    models: values within float32 rounding, 1e-5). A LiteRT file also
+    generates through its "prefill" and "decode" signatures (`pair_run`;
+    report row "litert prefill/decode"), whose greedy tokens must be
+    generate's.
+
+    Returns:
+        The `ParityReport`.
+
+    Raises:
+        ParityError: if any output differs, or an export's names differ.
+    """
+    generator = build_generator(model, max_length)
+    paths = artifact_paths(saved_model_dir, onnx_path, litert_path, None, None)
+    artifacts = collect_artifacts(paths)
+    labelled = requests(generator, seed)
+    labels = [label for label, _ in labelled]
+    runs = [Run((request,)) for _, request in labelled]
+    expected = [[keras_generate(generator, request)] for _, request in labelled]
+    tolerance = 0.0 if generator.read.tokens else 1e-5
+    rows = check_artifacts(
+        generator.target(),
+        artifacts,
+        runs,
+        expected,
+        labels,
+        tolerance,
+        tolerance,
+        action="generating {label}",
+    )
+    litert = artifacts.get(table.LITERT.name)
+    if litert is not None:
+        rows += (_pair_row(generator, litert, tolerance, seed),)
+    return finish_report(list(rows), tolerance, tolerance, "generations differ", "")
