@@ -31,7 +31,6 @@ Nothing here asserts a target: the run reports each with its value.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import functools
@@ -502,16 +501,13 @@ def to_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# The help of `--quick` and `--rounds`.
+_HELPS = {"quick": "tiny sizes, 1 round", "rounds": "rounds per batch"}
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 round")
-    parser.add_argument("--out", default=report.RESULTS_DIR, help="output folder")
-    parser.add_argument("--rounds", type=int, default=None, help="rounds per batch")
-    args = parser.parse_args(argv)
-    results = run(quick=args.quick, rounds=args.rounds)
-    paths = report.write(results, args.out, "generation", to_markdown)
-    print(to_markdown(results))
-    print(f"Wrote {paths[0]} and {paths[1]} at {datetime.datetime.now()}")
+    """Runs the benchmark (`--quick`, `--out`, `--rounds`: `report.main`)."""
+    report.main(argv, __doc__, run, to_markdown, "generation", _HELPS)
 
 
 if __name__ == "__main__":

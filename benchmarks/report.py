@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 # Where `make bench` writes its JSON and Markdown results.
 RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
@@ -342,3 +344,33 @@ def write(
     write_json(results, paths[0])
     _replace(paths[1], (markdown or to_markdown)(results))
     return paths
+
+
+def main(
+    argv: Sequence[str] | None,
+    doc: str,
+    run: Callable[..., dict],
+    to_markdown: Callable[[dict], str],
+    stem: str,
+    helps: dict[str, str],
+) -> None:
+    """The command line of a benchmark taking `--quick`, `--out` and
+    `--rounds`: runs `run(quick=..., rounds=...)`, prints its Markdown and
+    writes `stem`.json and `stem`.md into `--out` (`write`).
+
+    Args:
+        argv: The arguments (None: `sys.argv`).
+        doc: The benchmark's docstring; its first line is `--help`'s.
+        run, to_markdown: The benchmark's.
+        stem: The results' file name.
+        helps: The help of "quick" and "rounds".
+    """
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=helps["quick"])
+    parser.add_argument("--out", default=RESULTS_DIR, help="output folder")
+    parser.add_argument("--rounds", type=int, default=None, help=helps["rounds"])
+    args = parser.parse_args(argv)
+    results = run(quick=args.quick, rounds=args.rounds)
+    json_path, markdown_path = write(results, args.out, stem, to_markdown)
+    print(to_markdown(results))
+    print(f"Wrote {json_path} and {markdown_path} at {datetime.datetime.now()}")
