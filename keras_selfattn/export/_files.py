@@ -17,7 +17,7 @@ import re
 import shutil
 from collections.abc import Iterator, Sequence
 
-from keras_selfattn.serving._files import create_exclusively
+from keras_selfattn.serving.atomic_files import create_exclusively
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,8 +16,7 @@ import sys
 import keras
 
 from keras_selfattn.export import formats
-from keras_selfattn.export.formats._base import one_line
-from keras_selfattn.export.generator import build_generator
+from keras_selfattn.export.generator_graph import build_generator
 
 
 def main(argv: list[str]) -> None:
@@ -35,7 +34,7 @@ def main(argv: list[str]) -> None:
             generator.target(), request["path"], options
         )
     except Exception as error:
-        print(f"{type(error).__name__}: {one_line(error)}", file=sys.stderr)
+        print(f"{type(error).__name__}: {formats.one_line(error)}", file=sys.stderr)
         sys.exit(1)
 
 

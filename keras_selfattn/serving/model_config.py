@@ -20,7 +20,7 @@ import posixpath
 from google.protobuf import text_format
 from tensorflow_serving.config import model_server_config_pb2
 
-from keras_selfattn.serving._files import atomic_write_text
+from keras_selfattn.serving.atomic_files import atomic_write_text
 from keras_selfattn.serving.layout import check_model_name
 
 CONFIG_FILE_NAME = "models.config"

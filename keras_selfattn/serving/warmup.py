@@ -15,7 +15,7 @@ import tensorflow as tf
 from google.protobuf.message import DecodeError
 from tensorflow_serving.apis import predict_pb2, prediction_log_pb2
 
-from keras_selfattn.serving._files import atomic_write
+from keras_selfattn.serving.atomic_files import atomic_write
 from keras_selfattn.serving.predict import build_predict_request
 
 # TF Serving refuses a warmup file with more records (WarmupConsts).

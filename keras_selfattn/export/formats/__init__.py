@@ -16,10 +16,20 @@ from keras_selfattn.export.formats._base import (
     ExportError,
     Format,
     Writer,
+    one_line,
 )
 from keras_selfattn.export.formats.table import BY_NAME, NAMES, ROWS
 
-__all__ = ["Destination", "ExportError", "Format", "NAMES", "ROWS", "Writer", "get"]
+__all__ = [
+    "Destination",
+    "ExportError",
+    "Format",
+    "NAMES",
+    "ROWS",
+    "Writer",
+    "get",
+    "one_line",
+]
 
 
 def get(name: str) -> Format:

@@ -12,8 +12,7 @@ import numpy as np
 
 from keras_selfattn.export import _runtimes
 from keras_selfattn.export._target import ExportTarget
-from keras_selfattn.export.formats import table
-from keras_selfattn.export.formats._base import one_line
+from keras_selfattn.export.formats import one_line, table
 from keras_selfattn.export.parity import arguments, rules
 from keras_selfattn.export.parity.report import ParityError, ParityReport
 from keras_selfattn.export.parity.rules import ParityRow
