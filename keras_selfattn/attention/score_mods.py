@@ -138,7 +138,7 @@ class ScoreMods:
 
     @property
     def names(self) -> tuple[str, ...]:
-        """The modifications present, for `dispatch.CallFacts`."""
+        """The modifications present, for `call_facts.CallFacts`."""
         present = {
             "soft_cap": self.soft_cap is not None,
             "alibi": self.alibi_slopes is not None,
