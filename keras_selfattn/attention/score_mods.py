@@ -159,8 +159,7 @@ def relative_table(weight, num_buckets: int, max_distance: int, bidirectional: b
 def position_bias(mods: ScoreMods, distance):
     """The position bias of keys `distance` (int32, key position minus query
     position) from their queries: float32 of shape `(H,) + distance.shape`
-    (heads first: a block's bias is made in the scores' layout, with no
-    transposed copy), or None."""
+    (heads first: a block's bias is made in the scores' layout), or None."""
     if mods.alibi_slopes is not None:
         # A tensor: under PyTorch's exporters a numpy operand would be read
         # back from the traced tensor.
@@ -171,8 +170,12 @@ def position_bias(mods: ScoreMods, distance):
         return ops.expand_dims(ops.cast(ops.abs(distance), "float32"), 0) * slopes
     if mods.relative_table is not None:
         index = ops.clip(distance, -mods.max_distance, mods.max_distance)
-        by_head = ops.transpose(mods.relative_table)  # (H, 2 * max_distance + 1)
-        return ops.take(by_head, index + mods.max_distance, axis=1)
+        # Rows gathered along axis 0, then heads moved first: PyTorch's ONNX
+        # exporter has no `aten::ravel`, which `take` along axis 1 emits there
+        # (a view on PyTorch, fused by XLA).
+        rows = ops.take(mods.relative_table, index + mods.max_distance, axis=0)
+        rank = len(distance.shape)  # positive axes: no Transpose perm of -1
+        return ops.transpose(rows, (rank,) + tuple(range(rank)))
     return None
 
 
