@@ -301,7 +301,7 @@ def _load_onnx(path: str) -> tuple[Callable, str | None]:
     """A CPU session that does not spin between calls."""
     import onnxruntime
 
-    from keras_selfattn.export.formats.onnx_integer import METADATA_KEY
+    from keras_selfattn.export.formats.onnx.integer import METADATA_KEY
 
     options = onnxruntime.SessionOptions()
     # Its threads would spin after each call (its default), taking the two

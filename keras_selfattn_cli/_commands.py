@@ -154,11 +154,9 @@ def _stage_label(destination: formats.Destination, signature_name: str) -> str:
     if row is table.ONNX:
         detail = f" (opset {options['opset'] or 'default'})"
         if options["fuse_attention"]:
-            from keras_selfattn.export.formats import onnx_fused  # needs onnx
+            from keras_selfattn.export.formats.onnx import fused  # needs onnx
 
-            detail = detail.replace(
-                ")", f" -> {onnx_fused.FUSED_OPSET}, fused Attention)"
-            )
+            detail = detail.replace(")", f" -> {fused.FUSED_OPSET}, fused Attention)")
         if options.get("int8_matmul") == "vnni":
             detail = detail.replace(")", ", int8 layers for VNNI CPUs)")
     if options.get("shape"):
@@ -215,9 +213,9 @@ def run_export(args: argparse.Namespace) -> int:
             fusion_log: list[str] = []
             with contextlib.ExitStack() as logging:
                 if destination.options.get("fuse_attention"):
-                    from keras_selfattn.export.formats import onnx_fused
+                    from keras_selfattn.export.formats.onnx import fused
 
-                    fusion_log = logging.enter_context(onnx_fused.collect_log())
+                    fusion_log = logging.enter_context(fused.collect_log())
                 stack = saved_model if fmt == table.SAVED_MODEL.name else files
                 writer = writers.get(fmt)
                 try:

@@ -19,7 +19,7 @@ import pytest
 from keras_selfattn import SelfAttention
 from keras_selfattn.export import ParityError, export_onnx
 from keras_selfattn.export._endpoint import build_endpoint
-from keras_selfattn.export.formats import onnx as onnx_module
+from keras_selfattn.export.formats.onnx import format as onnx_module
 from tests import model_zoo
 
 pytestmark = pytest.mark.tensorflow_only("ONNX export through tf2onnx")
@@ -155,7 +155,7 @@ def test_model_loaded_from_keras_file(tmp_path):
 
 def test_exact_gelu_exports(tmp_path):
     """Keras's exact GELU is erfc on TensorFlow, which tf2onnx cannot
-    convert by itself (onnx_handlers); its tail rounds to 0 (inputs -6)."""
+    convert by itself (onnx.handlers); its tail rounds to 0 (inputs -6)."""
     keras.utils.set_random_seed(0)
     x = keras.Input((None, 8), name="x")
     h = keras.layers.Dense(16, activation="gelu")(x)

@@ -18,7 +18,7 @@ import pytest
 
 from keras_selfattn import SelfAttention
 from keras_selfattn.export import export_onnx, verify
-from keras_selfattn.export.formats.onnx_fused import FUSED_OPSET, collect_log
+from keras_selfattn.export.formats.onnx.fused import FUSED_OPSET, collect_log
 from keras_selfattn.fusable_core import FUSABLE_CORE_SCOPE
 from keras_selfattn_cli import main as cli_main
 from tests import model_zoo
@@ -224,7 +224,7 @@ def test_chunked_layer_falls_back_and_still_matches(tmp_path, caplog):
     model = chunked_then_plain(seed=1)
     path = str(tmp_path / "chunked.onnx")
     with caplog.at_level(
-        logging.INFO, logger="keras_selfattn.export.formats.onnx_fused"
+        logging.INFO, logger="keras_selfattn.export.formats.onnx.fused"
     ):
         export_onnx(model, path, fuse_attention=True)  # with the built-in check
     messages = [record.getMessage() for record in caplog.records]

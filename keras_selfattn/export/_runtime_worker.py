@@ -38,7 +38,7 @@ import numpy as np
 
 _NUMBERED = re.compile(r"^(.*?)(\d+)$")
 # Where the exporters say how a quantized artifact computes (see the
-# formats' modules: onnx_integer.METADATA_KEY, saved_model.DESCRIPTION_PATH,
+# formats' modules: onnx.integer.METADATA_KEY, saved_model.DESCRIPTION_PATH,
 # openvino.SCHEME_KEY); this script imports none of them.
 _ONNX_KEY = "keras_selfattn.quantization"
 _SAVED_MODEL_DESCRIPTION = os.path.join("assets.extra", "keras_selfattn.json")

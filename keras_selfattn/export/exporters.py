@@ -181,7 +181,7 @@ def export_onnx(
     file is written beside `path` and linked into place, so a failure leaves
     nothing at `path`; an existing file is never replaced. A quantized
     model's layers run on ONNX Runtime's integer kernels with Keras's
-    integers (`formats.onnx_integer`).
+    integers (`formats.onnx.integer`).
 
     Args:
         model: A Functional or Sequential model with named `keras.Input`s.
@@ -192,7 +192,7 @@ def export_onnx(
             name (output "attention_weights") or {layer name: output name}.
         fuse_attention: If True, the model is upgraded to opset 23 and each
             SelfAttention call becomes one ONNX `Attention` node (see
-            `keras_selfattn.export.formats.onnx_fused`); a layer that cannot
+            `keras_selfattn.export.formats.onnx.fused`); a layer that cannot
             be fused keeps its decomposed form and is logged with the reason.
         check: Whether to run the onnxruntime comparison (see `verify`).
         atol, rtol: Tolerances of that check.

@@ -42,7 +42,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, version_converter
 
-from keras_selfattn.export.formats import onnx_graph as og
+from keras_selfattn.export.formats.onnx import graph as og
 from keras_selfattn.fusable_core import FUSABLE_CORE_SCOPE
 from keras_selfattn.self_attention import SelfAttention
 

@@ -59,8 +59,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from keras_selfattn.export.formats import onnx_graph as og
-from keras_selfattn.export.formats.onnx import ANY_CPU, VNNI
+from keras_selfattn.export.formats.onnx import graph as og
+from keras_selfattn.export.formats.onnx.int8_matmul import ANY_CPU, VNNI
 from keras_selfattn.export.quantization import QuantizedDense
 
 METADATA_KEY = "keras_selfattn.quantization"
@@ -69,7 +69,7 @@ _CONTRIB_OPS = ("MatMulNBits", "MatMulIntegerToFloat")
 EXACT_INT8 = (
     "int8 activations per token, symmetric (Keras's scheme): MatMulIntegerToFloat"
 )
-# What each `int8_matmul` (`formats.onnx`) adds to the scheme line.
+# What each `int8_matmul` (`int8_matmul`) adds to the scheme line.
 INT8_MATMULS = {
     ANY_CPU: (
         " uint8 x int8, activations split into positive and negative 7-bit "
@@ -334,7 +334,7 @@ def rewrite(
         proto: The converted model, traced with `quantization.CONSTANTS`.
         quantized: The model's quantized `Dense` layers.
         int8_matmul: The integer kernel of int8 layers with quantized
-            activations: `formats.onnx.ANY_CPU` or `VNNI` (module doc).
+            activations: `int8_matmul.ANY_CPU` or `VNNI` (module doc).
 
     Returns:
         The model (changed in place) and each layer's `LayerScheme`, also

@@ -3,7 +3,7 @@
 Conversion -> dynamic axes named "batch" and "time" -> (`fuse_attention`:
 each SelfAttention core becomes one ONNX `Attention` node) -> quantized
 layers stored as Keras's integers on ONNX Runtime's integer kernels
-(`onnx_integer`) -> `onnx.checker` -> the file. TensorFlow and tf2onnx are
+(`integer`) -> `onnx.checker` -> the file. TensorFlow and tf2onnx are
 imported on use.
 """
 
@@ -20,6 +20,7 @@ from keras_selfattn.export import quantization
 from keras_selfattn.export._target import BATCH_AXIS, TIME_AXIS, ExportTarget
 from keras_selfattn.export.formats import table
 from keras_selfattn.export.formats._base import Format, converting
+from keras_selfattn.export.formats.onnx.int8_matmul import ANY_CPU, VNNI
 
 if TYPE_CHECKING:  # onnx is an extra, imported when a file is written
     import onnx
@@ -30,11 +31,6 @@ MIN_OPSET = 13
 MAX_OPSET = 18
 # The backend whose graph the fused-Attention rewrite reads (tf2onnx's names).
 FUSED_BACKEND = "tensorflow"
-# `int8_matmul`: how an int8 layer with quantized activations runs on ONNX
-# Runtime's uint8 x int8 kernel (`onnx_integer`): its activations split into
-# 7-bit positive and negative parts, exact on every CPU, or shifted to uint8,
-# half the work with VNNI or AMX and wrong on x86 without them.
-ANY_CPU, VNNI = "any_cpu", "vnni"
 
 
 def check_opset(opset: object, backend: str | None = None) -> int | None:
@@ -68,13 +64,11 @@ def convert_to_onnx(target: ExportTarget, opset: int) -> onnx.ModelProto:
     Inputs keep the target's input names (through named TensorSpecs) and
     outputs get its output names (the keys of the returned dict). The key/
     value cache write of a decoding step converts through
-    `onnx_handlers.CUSTOM_OP_HANDLERS`.
+    `handlers.CUSTOM_OP_HANDLERS`.
     """
     import tf2onnx
 
-    from keras_selfattn.export.formats.onnx_handlers import (
-        CUSTOM_OP_HANDLERS,
-    )
+    from keras_selfattn.export.formats.onnx.handlers import CUSTOM_OP_HANDLERS
 
     proto, _ = tf2onnx.convert.from_function(
         target.tf_function(),
@@ -170,7 +164,7 @@ class OnnxFormat(Format):
     ) -> None:
         import onnx
 
-        from keras_selfattn.export.formats import onnx_fused, onnx_integer
+        from keras_selfattn.export.formats.onnx import fused, integer
 
         opset = options["opset"]
         with (
@@ -179,7 +173,7 @@ class OnnxFormat(Format):
         ):
             if keras.backend.backend() == "tensorflow":
                 # Ops tf2onnx converts (a decoding step's cache write as
-                # XlaDynamicUpdateSlice, for `onnx_handlers`).
+                # XlaDynamicUpdateSlice, for `handlers`).
                 with _converting.for_converter():
                     proto = convert_to_onnx(target, opset)
             else:
@@ -187,11 +181,9 @@ class OnnxFormat(Format):
                 proto = name_outputs(onnx.load(path), target.output_names)
         proto = name_dynamic_axes(proto)
         if options["fuse_attention"]:
-            proto, _ = onnx_fused.fuse_attention(proto, target.model)
+            proto, _ = fused.fuse_attention(proto, target.model)
         if target.quantized:
-            proto, _ = onnx_integer.rewrite(
-                proto, target.quantized, options["int8_matmul"]
-            )
+            proto, _ = integer.rewrite(proto, target.quantized, options["int8_matmul"])
         onnx.checker.check_model(proto, full_check=True)
         onnx.save(proto, path)
 

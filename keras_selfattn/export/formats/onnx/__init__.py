@@ -1,0 +1,12 @@
+"""ONNX: the format (`format`) and the passes that write its graph.
+
+`format` converts (tf2onnx, whose missing conversions `handlers` adds, or
+Keras's own route), then `fused` replaces each SelfAttention core by ONNX's
+`Attention` op and `integer` puts quantized layers on ONNX Runtime's
+integer kernels (`int8_matmul` the option's values); `graph` holds the
+small utilities both passes share. `formats.get("onnx")` reads `FORMAT`.
+"""
+
+from keras_selfattn.export.formats.onnx.format import FORMAT
+
+__all__ = ["FORMAT"]
