@@ -310,25 +310,73 @@ def test_decoding_refuses_segment_ids():
         )
 
 
+# Ids of one run per sequence, and ids that come back later in their row
+# (which the packed path takes pair by pair where sizes may vary).
+PACKINGS = {
+    "runs": SEGMENTS,
+    "interleaved": np.array([[1, 1, 2, 2, 1, 1, 3], [0, 2, 0, 2, 0, 2, 0]], "int32"),
+}
+
+
 @_JAX_SLOW
-def test_the_packed_path_and_its_gradients_equal_the_explicit_paths():
-    config = {"position_bias": "alibi", "use_sinks": True, "causal": True}
+@pytest.mark.parametrize("segments", list(PACKINGS))
+@pytest.mark.parametrize(
+    "config",
+    [
+        # Learned modifications: off JAX, the runs or pairs differentiated as
+        # they are; on JAX, the loop over key blocks.
+        {"position_bias": "relative", "use_sinks": True, "causal": True},
+        # None learned: on JAX, the packed path's own (FlashAttention's)
+        # gradient.
+        {
+            "position_bias": "alibi",
+            "logit_soft_cap": 1.5,
+            "causal": True,
+            "num_key_value_heads": 2,
+        },
+    ],
+    ids=["learned", "soft_cap"],
+)
+def test_the_packed_path_and_its_gradients_equal_the_explicit_paths(config, segments):
     packed = _layer(config, "chunked")
     explicit = _layer(config, "explicit")
     explicit.set_weights(packed.get_weights())
-    call = {"mask": PADDING, "segment_ids": SEGMENTS}
+    call = {"mask": PADDING, "segment_ids": PACKINGS[segments]}
     assert packed.implementation(X, **call) == "packed"
+    np.testing.assert_allclose(
+        _call(packed, X, call), _expected(packed, X, call), **TOLERANCE
+    )
     results = []
     for layer in (packed, explicit):
 
         def loss(x, layer=layer):
             return keras.ops.sum(keras.ops.square(layer(x, **call)))
 
-        results.append(value_and_grad(loss, [layer.sinks], [X]))
+        results.append(value_and_grad(loss, layer.trainable_weights, [X]))
     (loss_packed, grads_packed), (loss_explicit, grads_explicit) = results
     np.testing.assert_allclose(loss_packed, loss_explicit, rtol=1e-5)
     for got, want in zip(grads_packed, grads_explicit, strict=True):
         np.testing.assert_allclose(to_numpy(got), to_numpy(want), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "config,learned",
+    [
+        ({"position_bias": "alibi", "logit_soft_cap": 2.0}, False),
+        ({"use_sinks": True}, True),
+    ],
+    ids=["alibi_cap", "sinks"],
+)
+def test_training_takes_the_packed_path_where_its_own_gradient_applies(config, learned):
+    layer = _layer(config, "chunked")
+    call = {"mask": PADDING, "segment_ids": SEGMENTS}
+    # JAX needs static sizes: the loop over key blocks, with its own gradient
+    # unless a modification is learned; elsewhere every run at once.
+    own_gradient = not learned or keras.backend.backend() != "jax"
+    assert layer.implementation(X, training=True, **call) == (
+        "packed" if own_gradient else "chunked"
+    )
+    assert layer.implementation(X, training=False, **call) == "packed"
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
