@@ -27,9 +27,9 @@ from keras_selfattn.export import (
     generator_graph,
     pipeline,
 )
-from keras_selfattn.export._endpoint import build_endpoint
-from keras_selfattn.export._target import SERVING_SIGNATURE
+from keras_selfattn.export.endpoint import build_endpoint
 from keras_selfattn.export.formats import table
+from keras_selfattn.export.target import SERVING_SIGNATURE
 from keras_selfattn.export.verify import (
     DEFAULT_ATOL,
     DEFAULT_RTOL,

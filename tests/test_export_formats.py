@@ -251,8 +251,8 @@ def test_the_runtime_process_imports_neither_keras_nor_the_package(
     model_files, tmp_path
 ):
     """The worker on a real ONNX file: only onnxruntime and numpy."""
-    from keras_selfattn.export import _runtimes
-    from keras_selfattn.export._target import ExportTarget, NamedInput
+    from keras_selfattn.export import _artifact_runner
+    from keras_selfattn.export.target import ExportTarget, NamedInput
 
     onnx = pytest.importorskip("onnx")
     from onnx import TensorProto, helper
@@ -269,9 +269,9 @@ def test_the_runtime_process_imports_neither_keras_nor_the_package(
     target = ExportTarget(
         None, (NamedInput("x", (None, None), "float32"),), ("y",), None
     )
-    runs = [_runtimes.Run(({"x": np.arange(6, dtype="float32").reshape(2, 3)},))]
-    (outcome,) = _runtimes.run_artifacts(
-        target, {"onnx": _runtimes.Artifact("onnx", path)}, runs
+    runs = [_artifact_runner.Run(({"x": np.arange(6, dtype="float32").reshape(2, 3)},))]
+    (outcome,) = _artifact_runner.run_artifacts(
+        target, {"onnx": _artifact_runner.Artifact("onnx", path)}, runs
     ).values()
     assert outcome.error == "" and outcome.imported == ()
     # "output_0" says only its position: matched to the target's "y".

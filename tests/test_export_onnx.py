@@ -18,7 +18,7 @@ import pytest
 
 from keras_selfattn import SelfAttention
 from keras_selfattn.export import ParityError, export_onnx
-from keras_selfattn.export._endpoint import build_endpoint
+from keras_selfattn.export.endpoint import build_endpoint
 from keras_selfattn.export.formats.onnx import format as onnx_module
 from tests import model_zoo
 

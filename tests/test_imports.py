@@ -25,7 +25,7 @@ ABOVE_FORMATS = (
     "keras_selfattn.export.pipeline",
     "keras_selfattn.export.exporters",
     "keras_selfattn.export.decode_step",
-    "keras_selfattn.export._runtimes",
+    "keras_selfattn.export._artifact_runner",
 )
 
 

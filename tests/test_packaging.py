@@ -75,7 +75,7 @@ def test_the_version_has_one_home():
 
 
 def test_tensorflow_written_generators_name_the_extra(monkeypatch):
-    from keras_selfattn.export import _tf_writer
+    from keras_selfattn.export import _generator_writer
 
     real = importlib.util.find_spec
     monkeypatch.setattr(
@@ -84,7 +84,7 @@ def test_tensorflow_written_generators_name_the_extra(monkeypatch):
         lambda name, *a: None if name == "tensorflow" else real(name, *a),
     )
     with pytest.raises(ImportError) as error:
-        _tf_writer.writer("model.keras", "onnx", 8, False)
+        _generator_writer.writer("model.keras", "onnx", 8, False)
     message = str(error.value)
     assert message.startswith("A generator exported from ")
     assert "pip install 'keras_selfattn[tensorflow]'" in message

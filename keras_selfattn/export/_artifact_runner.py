@@ -1,7 +1,7 @@
 """Artifacts run in fresh processes, one per runtime, all started at once.
 
 `run_artifacts` writes the inputs as `.npz` files, starts
-`_runtime_worker.py` once per artifact (each loads only its format's
+`_artifact_runner_process.py` once per artifact (each loads only its format's
 runtime, without keras or keras_selfattn) and reads back every step's
 outputs, keyed by the export target's output names.
 """
@@ -18,14 +18,16 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from keras_selfattn.export._target import ExportTarget
+from keras_selfattn.export.target import ExportTarget
 
 # OpenVINO runs at this precision unless told otherwise: on CPUs with
 # AVX512-BF16 its default is bf16, which is not the model's arithmetic.
 OPENVINO_EXACT_PRECISION = "f32"
 # A fresh runtime process: imports and a handful of calls.
 _WORKER_TIMEOUT_S = 600
-_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_runtime_worker.py")
+_WORKER = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "_artifact_runner_process.py"
+)
 
 
 @dataclasses.dataclass(frozen=True)

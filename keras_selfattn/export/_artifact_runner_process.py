@@ -1,6 +1,6 @@
 """Runs exported artifacts in their own runtime, in a process of its own.
 
-Started as a script (`python _runtime_worker.py REQUEST.json`), never
+Started as a script (`python _artifact_runner_process.py REQUEST.json`), never
 imported by the package's other modules at run time: it imports numpy and
 the one runtime of the artifact it runs (TensorFlow for a SavedModel,
 onnxruntime, ai_edge_litert, openvino, torch.export), never keras or

@@ -5,7 +5,7 @@ jax2tf cannot bound the prompt's symbolic length by the cache's ("symbolic
 dimension comparison '- time + max_length' >= '0' is inconclusive") and
 torch.export cannot trace the loop. On JAX and torch, `export_generator`
 saves the model as .keras (`keras_file`), and the pipeline stages the
-artifact with `writer`: `python -m keras_selfattn.export._generator_worker`
+artifact with `writer`: `python -m keras_selfattn.export._generator_writer_process`
 under KERAS_BACKEND=tensorflow loads that file (the saved weights, bit for bit),
 rebuilds the generator and writes the format's artifact at the staged path.
 The caller's pipeline then checks it against `keras_selfattn.generate` on
@@ -25,14 +25,13 @@ from collections.abc import Iterator, Mapping
 import keras
 
 from keras_selfattn import _tensorflow_extra
-from keras_selfattn.export._target import ExportTarget
-from keras_selfattn.export.formats import ExportError, Writer
-from keras_selfattn.export.formats._base import one_line
+from keras_selfattn.export.formats import ExportError, Writer, one_line
+from keras_selfattn.export.target import ExportTarget
 
 WRITER_BACKEND = "tensorflow"
 # The TensorFlow process's entry point (a module of its own: it imports the
 # generator, which imports this module).
-WORKER = "keras_selfattn.export._generator_worker"
+WORKER = "keras_selfattn.export._generator_writer_process"
 # A generator's conversion takes seconds to a few minutes; a hung one fails.
 _TIMEOUT_S = 1800
 

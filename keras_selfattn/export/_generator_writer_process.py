@@ -1,7 +1,7 @@
 """The TensorFlow process that writes a generator from a .keras file.
 
-Started by `_tf_writer.writer` as `python -m
-keras_selfattn.export._generator_worker REQUEST_JSON` under
+Started by `_generator_writer.writer` as `python -m
+keras_selfattn.export._generator_writer_process REQUEST_JSON` under
 KERAS_BACKEND=tensorflow. The request names the .keras file, `max_length`,
 `jit_compile`, the format, the staged path and the format's checked
 options; the worker loads the model, rebuilds its generator and writes the

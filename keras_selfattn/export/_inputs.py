@@ -5,7 +5,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from keras_selfattn.export._target import ExportTarget
+from keras_selfattn.export.target import ExportTarget
 
 # Token range when no Embedding layer tells the vocabulary size.
 _FALLBACK_VOCAB = 10

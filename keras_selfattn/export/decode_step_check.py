@@ -10,9 +10,8 @@ from collections.abc import Sequence
 import keras
 import numpy as np
 
-from keras_selfattn.export import _runtimes
+from keras_selfattn.export import _artifact_runner
 from keras_selfattn.export._inputs import vocabulary_size
-from keras_selfattn.export._target import ExportTarget
 from keras_selfattn.export.decode_step_graph import (
     INDEX_NAME,
     DecodeStep,
@@ -22,6 +21,7 @@ from keras_selfattn.export.parity.arguments import artifact_paths, check_toleran
 from keras_selfattn.export.parity.engine import check_artifacts, collect_artifacts
 from keras_selfattn.export.parity.report import ParityReport, finish_report
 from keras_selfattn.export.parity.rules import DEFAULT_ATOL, DEFAULT_RTOL, parity_row
+from keras_selfattn.export.target import ExportTarget
 
 # (batch, prompt length) of the sequences `verify_decode_step` decodes: one
 # position per step from the start, a prompt of 3, and the whole sequence in
@@ -47,7 +47,7 @@ def teacher_inputs(step: DecodeStep, batch: int, seed: int = 0) -> np.ndarray:
 
 
 def schedule(step: DecodeStep, sequence: np.ndarray, prompt_length: int):
-    """The `_runtimes.Run` decoding `sequence`: the prompt, then one per step.
+    """The `_artifact_runner.Run` decoding `sequence`: the prompt, then one per step.
 
     The first step gets empty caches; later steps get the caches the step
     before returned (the run's feedback).
@@ -64,7 +64,7 @@ def schedule(step: DecodeStep, sequence: np.ndarray, prompt_length: int):
         steps.append(arrays)
         index += new
     feedback = dict(zip(step.updated_cache_names, step.cache_names, strict=True))
-    return _runtimes.Run(tuple(steps), feedback)
+    return _artifact_runner.Run(tuple(steps), feedback)
 
 
 def _reference_call(target: ExportTarget):
@@ -88,7 +88,9 @@ def _reference_call(target: ExportTarget):
     return lambda arrays: stateless([v.value for v in variables], arrays)
 
 
-def keras_decode(step: DecodeStep, run: _runtimes.Run) -> list[dict[str, np.ndarray]]:
+def keras_decode(
+    step: DecodeStep, run: _artifact_runner.Run
+) -> list[dict[str, np.ndarray]]:
     """Keras's cached calls over `run` (eager; compiled on JAX, see
     `_reference_call`): the exports' reference."""
     results, state, target = [], {}, step.target()

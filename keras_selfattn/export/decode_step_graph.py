@@ -13,9 +13,9 @@ import numpy as np
 
 from keras_selfattn import _checks
 from keras_selfattn.export import quantization
-from keras_selfattn.export._endpoint import _output_names, model_inputs
-from keras_selfattn.export._target import ExportTarget, NamedInput
+from keras_selfattn.export.endpoint import model_inputs, model_output_names
 from keras_selfattn.export.formats import table
+from keras_selfattn.export.target import ExportTarget, NamedInput
 from keras_selfattn.generation import cached_model
 from keras_selfattn.self_attention import SelfAttention
 
@@ -158,7 +158,7 @@ def build_decode_step(model: keras.Model, max_length: int) -> DecodeStep:
         raise _refuse(model, "it is not a Sequential or Functional model")
     if len(inputs) != 1:
         raise _refuse(model, f"it has {len(inputs)} inputs")
-    outputs = _output_names(model)
+    outputs = model_output_names(model)
     if len(outputs) != 1:
         raise _refuse(model, f"it has {len(outputs)} outputs")
     if len(inputs[0].shape) < 2:

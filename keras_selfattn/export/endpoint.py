@@ -14,7 +14,7 @@ import keras
 import numpy as np
 
 from keras_selfattn.export import precision, quantization
-from keras_selfattn.export._target import ExportTarget, NamedInput
+from keras_selfattn.export.target import ExportTarget, NamedInput
 from keras_selfattn.self_attention import SelfAttention
 
 # Names Keras gives an unnamed `keras.Input` (Keras 3): input_layer, input_layer_3,
@@ -138,7 +138,7 @@ def _structure(model: keras.Model, which: str):
     return getattr(model, which)
 
 
-def _output_names(model: keras.Model) -> list[str]:
+def model_output_names(model: keras.Model) -> list[str]:
     """The outputs' names in `keras.tree.flatten` order: a dict's keys, else
     the names Keras gives, made unique (the second output of one layer,
     such as its attention scores, is "<layer>_1")."""
@@ -201,7 +201,7 @@ def build_endpoint(
     original = None
     if half is not None and export_precision == precision.FLOAT32:
         original, model, half = model, precision.float32_view(model), None
-    names = _output_names(model)
+    names = model_output_names(model)
     mapping = _attention_mapping(model, attention_outputs)
     graph = keras.Model(model.inputs, keras.tree.flatten(model.outputs))
     if mapping:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import keras
 
 from keras_selfattn.export import pipeline
-from keras_selfattn.export._endpoint import Endpoint, build_endpoint
+from keras_selfattn.export.endpoint import Endpoint, build_endpoint
 from keras_selfattn.export.formats import table
 from keras_selfattn.export.verify import DEFAULT_ATOL, DEFAULT_RTOL, verify
 

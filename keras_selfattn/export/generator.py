@@ -33,7 +33,7 @@ exporters cannot bound the prompt's symbolic length by the cache's
 (jax2tf: "symbolic dimension comparison '- time + max_length' >= '0' is
 inconclusive") and torch.export cannot trace the loop, so on JAX and torch
 a TensorFlow process writes the artifact from the model's .keras file
-(`_tf_writer`).
+(`_generator_writer`).
 
 The LiteRT file has two more signatures, for runtimes that drive the loop
 themselves: "prefill" and "decode", the model's decoding step
@@ -62,7 +62,7 @@ import os
 
 import keras
 
-from keras_selfattn.export import _tf_writer, formats, pipeline
+from keras_selfattn.export import _generator_writer, formats, pipeline
 from keras_selfattn.export.decode_step_graph import refuse_quantized
 from keras_selfattn.export.formats import table
 from keras_selfattn.export.generator_check import PAIR_RUNTIME, verify_generator
@@ -168,9 +168,9 @@ def export_generator(
         verify_generator, model, export_format, check, max_length=max_length
     )
     target = generator.target()
-    if keras.backend.backend() == _tf_writer.WRITER_BACKEND:
+    if keras.backend.backend() == _generator_writer.WRITER_BACKEND:
         return pipeline.export(target, destination, check_staged)
-    with _tf_writer.keras_file(model) as keras_path:
+    with _generator_writer.keras_file(model) as keras_path:
         write = writer(generator, keras_path, export_format)
         return pipeline.export(target, destination, check_staged, write)
 
@@ -180,10 +180,10 @@ def writer(
 ) -> formats.Writer | None:
     """Who writes `generator`'s artifact on this backend: None (the format's
     own writer) on TensorFlow, else a TensorFlow process that loads the
-    model from `keras_path` (`_tf_writer`)."""
-    if keras.backend.backend() == _tf_writer.WRITER_BACKEND:
+    model from `keras_path` (`_generator_writer`)."""
+    if keras.backend.backend() == _generator_writer.WRITER_BACKEND:
         return None
-    return _tf_writer.writer(
+    return _generator_writer.writer(
         keras_path, export_format, generator.max_length, generator.jit_compile
     )
 
@@ -194,5 +194,5 @@ def check_destination(
     """`pipeline.check_destination` for a generator: checked for TensorFlow,
     which writes it from every backend."""
     return pipeline.check_destination(
-        export_format, path, backend=_tf_writer.WRITER_BACKEND, **options
+        export_format, path, backend=_generator_writer.WRITER_BACKEND, **options
     )

@@ -9,7 +9,7 @@ import os
 import keras
 import numpy as np
 
-from keras_selfattn.export._runtimes import Artifact, Run
+from keras_selfattn.export._artifact_runner import Artifact, Run
 from keras_selfattn.export.decode_step_graph import (
     INDEX_NAME,
     DecodeStep,

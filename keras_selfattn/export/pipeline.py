@@ -16,8 +16,8 @@ import os
 from collections.abc import Callable, Iterator
 
 from keras_selfattn.export import _files, formats
-from keras_selfattn.export._target import ExportTarget
 from keras_selfattn.export.formats import Destination, Writer, table
+from keras_selfattn.export.target import ExportTarget
 
 
 def check_destination(
@@ -36,7 +36,7 @@ def check_destination(
         argument: How the caller names `path` in errors (default
             "base_dir" for a SavedModel, else "path").
         backend: The backend that writes the artifact, when another
-            process writes it (`export._tf_writer`); default this process's.
+            process writes it (`export._generator_writer`); default this process's.
         **options: The format's options (`name`, `version`, `warmup`,
             `models_config` for a SavedModel; `opset`, `fuse_attention` for
             ONNX; `shape` for LiteRT).
@@ -63,7 +63,7 @@ def stage(
         target: What to export (`Endpoint.target()`, `DecodeStep.target()`).
         destination: From `check_destination`.
         writer: Writes the staged artifact instead of the format's own
-            `write` (`export._tf_writer`).
+            `write` (`export._generator_writer`).
 
     Yields:
         The `_files.Staged` export (verify `staged.path` in the block).

@@ -31,11 +31,11 @@ from collections.abc import Callable, Iterator, Mapping
 import keras
 
 from keras_selfattn.export import _files
-from keras_selfattn.export._target import ExportTarget
 from keras_selfattn.export.formats.table import FormatRow
+from keras_selfattn.export.target import ExportTarget
 
 # Writes a target's artifact at a staged path with the format's options:
-# `Format.write`, or another process's writer (`export._tf_writer`).
+# `Format.write`, or another process's writer (`export._generator_writer`).
 Writer = Callable[[ExportTarget, str, Mapping[str, object]], None]
 
 

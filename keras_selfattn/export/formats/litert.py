@@ -35,9 +35,9 @@ import numpy as np
 from keras_selfattn import _converting
 from keras_selfattn.attention import dispatch
 from keras_selfattn.export import quantization
-from keras_selfattn.export._target import ExportTarget
 from keras_selfattn.export.formats import litert_signatures, table
 from keras_selfattn.export.formats._base import ExportError, Format, converting
+from keras_selfattn.export.target import ExportTarget
 
 logger = logging.getLogger(__name__)
 # ai_edge_quantizer's recipe for models whose every quantized layer is int8,

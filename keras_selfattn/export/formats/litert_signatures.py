@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import keras
 
-from keras_selfattn.export._target import ExportTarget
+from keras_selfattn.export.target import ExportTarget
 
 
 def _named(target: ExportTarget) -> Callable:

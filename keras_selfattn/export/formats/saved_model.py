@@ -13,7 +13,7 @@ only XLA runs (jax2tf's XlaCallModule, so every SavedModel written on JAX;
 a `jit_compile=True` function; an Xla* op) fails every request without
 it. Such a SavedModel says so in `DESCRIPTION_PATH` (`tf_serving_flags`),
 the export logs it, and the runtime check runs every SavedModel under the
-setting TF Serving would give it (`_runtime_worker`).
+setting TF Serving would give it (`_artifact_runner_process`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import keras
 from keras_selfattn import _checks
 from keras_selfattn.export import _files, quantization
 from keras_selfattn.export._inputs import example_inputs
-from keras_selfattn.export._target import ExportTarget
 from keras_selfattn.export.formats import table
 from keras_selfattn.export.formats._base import (
     Destination,
@@ -37,6 +36,7 @@ from keras_selfattn.export.formats._base import (
     Writer,
     converting,
 )
+from keras_selfattn.export.target import ExportTarget
 from keras_selfattn.serving import layout
 
 # Warmup requests: batch 1 and a few short lengths, the traces TF Serving

@@ -12,9 +12,9 @@ import warnings
 from collections.abc import Mapping
 
 from keras_selfattn.export import quantization
-from keras_selfattn.export._target import ExportTarget
 from keras_selfattn.export.formats import table
 from keras_selfattn.export.formats._base import Format, converting
+from keras_selfattn.export.target import ExportTarget
 
 
 def dynamic_shapes(target: ExportTarget) -> list:

@@ -10,17 +10,17 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from keras_selfattn.export import _runtimes
-from keras_selfattn.export._target import ExportTarget
+from keras_selfattn.export import _artifact_runner
 from keras_selfattn.export.formats import one_line, table
 from keras_selfattn.export.parity import arguments, rules
 from keras_selfattn.export.parity.report import ParityError, ParityReport
 from keras_selfattn.export.parity.rules import ParityRow
+from keras_selfattn.export.target import ExportTarget
 
 
 def collect_artifacts(
     paths: Mapping[str, str | os.PathLike | None], openvino_precision: str = "f32"
-) -> dict[str, _runtimes.Artifact]:
+) -> dict[str, _artifact_runner.Artifact]:
     """{runtime label: Artifact} of the paths given, each found on disk.
 
     Args:
@@ -57,7 +57,7 @@ def require_saved_model_pb(directory: str) -> None:
 
 def artifact(
     export_format: str, path: str | os.PathLike, openvino_precision: str = "f32"
-) -> _runtimes.Artifact:
+) -> _artifact_runner.Artifact:
     """The `Artifact` at `path`, once it is found on disk.
 
     Raises:
@@ -69,30 +69,30 @@ def artifact(
     elif not os.path.isfile(path):
         artifact_title = table.BY_NAME[export_format].artifact
         raise FileNotFoundError(f"{artifact_title} file not found: {path}")
-    return _runtimes.Artifact(export_format, path, openvino_precision)
+    return _artifact_runner.Artifact(export_format, path, openvino_precision)
 
 
 def run_checked(
     target: ExportTarget,
-    artifacts: Mapping[str, _runtimes.Artifact],
-    runs: Sequence[_runtimes.Run],
+    artifacts: Mapping[str, _artifact_runner.Artifact],
+    runs: Sequence[_artifact_runner.Run],
     labels: Sequence[str],
     action: str = "on {label} inputs",
     atol: float = 0.0,
     rtol: float = 0.0,
-) -> dict[str, _runtimes.Outcome]:
+) -> dict[str, _artifact_runner.Outcome]:
     """Runs each artifact in a fresh process; returns what each computed.
 
     Args:
         target: The export target the artifacts were made from.
         artifacts: {runtime label: artifact}.
-        runs: The calls (`_runtimes.Run`).
+        runs: The calls (`_artifact_runner.Run`).
         labels: Each run's label, for errors.
         action: How a failing run is described ("{label}" is filled in).
         atol, rtol: The tolerances the (empty) report of a failure states.
 
     Returns:
-        {runtime label: `_runtimes.Outcome`}, each with every run's outputs.
+        {runtime label: `_artifact_runner.Outcome`}, each with every run's outputs.
 
     Raises:
         ValueError: if a runtime cannot load its artifact.
@@ -100,7 +100,7 @@ def run_checked(
         RuntimeError: if a runtime process imported keras_selfattn (or keras,
             outside TensorFlow's runtime).
     """
-    outcomes = _runtimes.run_artifacts(target, artifacts, runs)
+    outcomes = _artifact_runner.run_artifacts(target, artifacts, runs)
     for runtime, outcome in outcomes.items():
         row_of_format = table.BY_NAME[artifacts[runtime].format]
         what = f"{row_of_format.artifact} {artifacts[runtime].path}"
@@ -123,8 +123,8 @@ def run_checked(
 
 def check_artifacts(
     target: ExportTarget,
-    artifacts: Mapping[str, _runtimes.Artifact],
-    runs: Sequence[_runtimes.Run],
+    artifacts: Mapping[str, _artifact_runner.Artifact],
+    runs: Sequence[_artifact_runner.Run],
     expected: Sequence[Sequence[Mapping[str, np.ndarray]]],
     labels: Sequence[str],
     atol: float,
@@ -139,7 +139,7 @@ def check_artifacts(
     Args:
         target: The export target the artifacts were made from.
         artifacts: {runtime label: artifact}.
-        runs: The calls (`_runtimes.Run`), one report row each per artifact.
+        runs: The calls (`_artifact_runner.Run`), one report row each per artifact.
         expected: Keras's outputs per run, per step, keyed by output name.
         labels: Each run's label in the report.
         atol, rtol: The tolerances.

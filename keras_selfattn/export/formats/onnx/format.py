@@ -17,10 +17,10 @@ import keras
 
 from keras_selfattn import _checks, _converting
 from keras_selfattn.export import quantization
-from keras_selfattn.export._target import BATCH_AXIS, TIME_AXIS, ExportTarget
 from keras_selfattn.export.formats import table
 from keras_selfattn.export.formats._base import Format, converting
 from keras_selfattn.export.formats.onnx.int8_matmul import ANY_CPU, VNNI
+from keras_selfattn.export.target import BATCH_AXIS, TIME_AXIS, ExportTarget
 
 if TYPE_CHECKING:  # onnx is an extra, imported when a file is written
     import onnx
@@ -83,7 +83,7 @@ def name_dynamic_axes(proto: onnx.ModelProto) -> onnx.ModelProto:
     """Names the dynamic axes of graph inputs and outputs "batch" and "time".
 
     Axis 0 is "batch" and every other dynamic axis is "time" (see
-    `_target.TIME_AXIS`). Fixed axes keep their sizes.
+    `target.TIME_AXIS`). Fixed axes keep their sizes.
     """
     for value_info in [*proto.graph.input, *proto.graph.output]:
         for index, dim in enumerate(value_info.type.tensor_type.shape.dim):
