@@ -15,7 +15,7 @@ PIP_TOOLS := pip-tools==7.6.2
 BACKENDS := tensorflow jax torch
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: install demo test test-slow lint bench clean lock test-latest \
+.PHONY: install demo test test-slow lint bench clean lock test-latest gpu-wheels \
 	$(BACKENDS:%=test-%) $(BACKENDS:%=test-slow-%)
 
 # A new virtualenv, git-ignored from the inside (Python < 3.13 does not).
@@ -84,6 +84,16 @@ lock:
 bench: install
 	$(PY) -m benchmarks.cpu && $(PY) -m benchmarks.runtimes && $(PY) -m benchmarks.quantized \
 		&& $(PY) -m benchmarks.generation && $(PY) -m benchmarks.score_mods
+
+# Keras and the packages it needs that the GPU machine's image lacks, for
+# benchmarks/gpu_session.sh (that machine runs Python 3.12 and fetches
+# nothing).
+gpu-wheels: install
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: \
+		--python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl keras==3.15.1 namex==0.1.0 optree==0.20.0
 
 clean:
 	rm -rf $(VENV) $(LATEST_VENV) $(TOOLS_VENV) artifacts .pytest_cache .ruff_cache
