@@ -106,10 +106,16 @@ def _jax_attention(query, key, value, masks: Masks, scale: float, bias=None):
 def _sdpa(query, key, value, scale: float, grouped: bool, mask=None, causal=False):
     """torch's scaled_dot_product_attention on (B, T, H, D) tensors; with
     `grouped`, key and value may have fewer heads (grouped-query attention).
+    A float `mask` that requires grad goes to `sdpa_bias` on the CPU, where
+    the kernel would fall back to its math kernel.
     """
     import torch
 
+    from keras_selfattn.attention import sdpa_bias  # imports torch
+
     query, key, value = (t.transpose(1, 2) for t in (query, key, value))
+    if sdpa_bias.applies(query, mask):  # a learned bias, gradients recorded
+        return sdpa_bias.attention(query, key, value, mask, scale).transpose(1, 2)
     output = torch.nn.functional.scaled_dot_product_attention(
         query,
         key,
