@@ -1,7 +1,7 @@
 """Benchmarks of keras_selfattn, one module per entry point and per job.
 
-Entry points: `python -m benchmarks.cpu`, `benchmarks.backends` (alias
-`benchmarks.gpu`), `benchmarks.decode`, `benchmarks.runtimes`; `make bench`
+Entry points: `python -m benchmarks.cpu`, `benchmarks.backends`,
+`benchmarks.decode`, `benchmarks.runtimes`; `make bench`
 runs cpu then runtimes. Shared: `pairs` (the layer pair and FLOP count),
 `timing`, `machine`, `probe` (RSS in a child process), `report` (tables).
 """

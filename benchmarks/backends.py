@@ -6,8 +6,6 @@ Usage:
     KERAS_BACKEND=torch python -m benchmarks.backends --shapes cpu-t8192
     python -m benchmarks.backends --shapes tiny --repeats 1 --min-round-s 0  # smoke
 
-(`python -m benchmarks.gpu` is the same command under its former name.)
-
 Both layers: D = 256, 4 heads x key_dim 64, output projection to D, biases,
 the same weights (MultiHeadAttention's copied into SelfAttention by reshape,
 checked equal in float32 at a small shape before anything is timed). Each

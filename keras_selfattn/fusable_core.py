@@ -2,7 +2,7 @@
 
 `FUSABLE_CORE_SCOPE` is the contract between the explicit attention path
 (`attention.explicit`, which computes its core under this scope) and
-`export.fused_attention` (which replaces the ops under it by ONNX's Attention
+`export.formats.onnx.fused` (which replaces the ops under it by ONNX's Attention
 operator). It lives in a module of its own because both sides import it:
 the export package imports the layer, so the layer cannot import the export
 package without an import cycle.

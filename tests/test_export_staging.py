@@ -26,6 +26,7 @@ from keras_selfattn.export import (
 from keras_selfattn.export.formats import litert
 from keras_selfattn.serving import write_models_config
 from tests import model_zoo
+from tests.files import atomic_file
 
 pytestmark = pytest.mark.tensorflow_only("LiteRT and OpenVINO from TensorFlow")
 
@@ -124,7 +125,7 @@ def test_next_run_removes_temporaries_of_killed_runs_only(tmp_path):
     other_name = tmp_path / f".n.onnx.tmp-{dead_pid}-ghi"
     for folder in (killed, live, other_name):
         folder.mkdir()
-    with _files.atomic_file(str(tmp_path / "m.onnx")) as tmp:
+    with atomic_file(str(tmp_path / "m.onnx")) as tmp:
         with open(tmp, "w") as handle:
             handle.write("x")
     assert sorted(os.listdir(tmp_path)) == sorted(
@@ -160,7 +161,7 @@ def _write_config(path: str) -> None:
     "write, function, calls",
     [
         (lambda target: _files.atomic_directory(target).__enter__(), "mkdir", 3),
-        (lambda target: _files.atomic_file(target).__enter__(), "mkdir", 3),
+        (lambda target: atomic_file(target).__enter__(), "mkdir", 3),
         (_write_config, "open", 1),
     ],
     ids=["export_directory", "export_file", "models_config"],

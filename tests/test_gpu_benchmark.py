@@ -1,4 +1,4 @@
-"""`python -m benchmarks.backends` (alias `benchmarks.gpu`) runs end to end on the
+"""`python -m benchmarks.backends` runs end to end on the
 current backend, tiny shapes.
 
 The suite runs under each Keras backend, so this runs the GPU benchmark on
@@ -31,7 +31,7 @@ from benchmarks import backends, pairs, probe, subprocesses
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKEND = keras.backend.backend()
 MARKER = "TENSORFLOW_MODULES="
-# Runs benchmarks.gpu as __main__. With "block", sys.modules["tensorflow"] is
+# Runs benchmarks.backends as __main__. With "block", sys.modules["tensorflow"] is
 # None: `import tensorflow` raises ModuleNotFoundError and
 # importlib.util.find_spec("tensorflow") returns None, as when it is not
 # installed. Prints the TensorFlow modules loaded at the end.
@@ -41,9 +41,9 @@ RUNNER = textwrap.dedent(
 
     if sys.argv[1] == "block":
         sys.modules["tensorflow"] = None
-    sys.argv = ["benchmarks.gpu", *sys.argv[2:]]
+    sys.argv = ["benchmarks.backends", *sys.argv[2:]]
     try:
-        runpy.run_module("benchmarks.gpu", run_name="__main__", alter_sys=True)
+        runpy.run_module("benchmarks.backends", run_name="__main__", alter_sys=True)
     finally:
         loaded = [
             name

@@ -21,8 +21,7 @@ import pytest
 import tensorflow as tf
 from tensorflow_serving.apis import predict_pb2
 
-from keras_selfattn.serving import rest_client
-from keras_selfattn.serving.client import (
+from keras_selfattn.serving import (
     GrpcClient,
     RestClient,
     ServingError,
@@ -30,6 +29,7 @@ from keras_selfattn.serving.client import (
     build_rest_request,
     parse_predict_response,
     parse_rest_response,
+    rest_client,
 )
 
 pytestmark = pytest.mark.tensorflow_only("TF Serving's protos and tf.make_tensor_proto")

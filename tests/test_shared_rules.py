@@ -28,6 +28,7 @@ from keras_selfattn.serving import (
     write_warmup_file,
 )
 from tests import model_zoo
+from tests.files import atomic_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAVED_MODEL_BACKENDS = ("tensorflow", "jax")
@@ -145,7 +146,7 @@ def test_export_follows_the_layout(tmp_path):
 def test_one_umask_rule_for_export_and_serving_files(tmp_path):
     previous = os.umask(0o027)
     try:
-        with export_files.atomic_file(str(tmp_path / "exported")) as tmp:
+        with atomic_file(str(tmp_path / "exported")) as tmp:
             open(tmp, "w").close()
         with export_files.atomic_directory(str(tmp_path / "version")):
             pass

@@ -21,7 +21,7 @@ import sys
 
 import numpy as np
 
-from keras_selfattn.serving.client import GrpcClient, RestClient, ServingError
+from keras_selfattn.serving import GrpcClient, RestClient, ServingError
 
 _DEFAULT_DTYPES = {"i": "int32", "u": "int32", "f": "float32", "b": "bool"}
 

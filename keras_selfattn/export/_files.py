@@ -205,17 +205,3 @@ def _remove(temporary: list[str], created: list[str]) -> None:
     for path in temporary:
         shutil.rmtree(path, ignore_errors=True)
     _remove_empty(created)
-
-
-@contextlib.contextmanager
-def atomic_file(target: str) -> Iterator[str]:
-    """Yields a temporary file path that becomes `target` on success.
-
-    The file has `target`'s base name, in a hidden folder beside it (see
-    `atomic_files`).
-
-    Raises:
-        FileExistsError: if `target` exists.
-    """
-    with atomic_files([target]) as folder:
-        yield os.path.join(folder, os.path.basename(target))
