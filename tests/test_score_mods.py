@@ -359,6 +359,32 @@ def test_the_packed_path_and_its_gradients_equal_the_explicit_paths(config, segm
         np.testing.assert_allclose(to_numpy(got), to_numpy(want), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.tensorflow_only("jit_compile=True: the packed loop's own gradient")
+@pytest.mark.parametrize("xla", [True, False], ids=["xla", "graph"])
+def test_packed_training_gradients_in_tensorflow_functions(xla):
+    import tensorflow as tf
+
+    config = {"position_bias": "alibi", "logit_soft_cap": 1.5, "causal": True}
+    packed = _layer(config, "chunked")
+    explicit = _layer(config, "explicit")
+    explicit.set_weights(packed.get_weights())
+    call = {"mask": PADDING, "segment_ids": SEGMENTS, "training": True}
+    assert packed.implementation(X, **call) == "packed"
+    results = []
+    for layer in (packed, explicit):
+
+        @tf.function(jit_compile=xla)
+        def gradients(x, layer=layer):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(tf.square(layer(x, **call)))
+            return tape.gradient(loss, [x, *layer.trainable_variables])
+
+        results.append(gradients(tf.constant(X)))
+    for got, want in zip(*results, strict=True):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "config,learned",
     [
