@@ -38,8 +38,6 @@ from keras_selfattn_cli import _convert, _process, _table
 from keras_selfattn_cli._process import CLIError
 
 PROG = "keras-selfattn"
-# The formats a generator is written in (keras_selfattn.export.generator).
-GENERATOR_FORMATS = ("saved_model", "onnx", "litert")
 TABLE = _table.load()
 
 
@@ -283,11 +281,12 @@ def _check_export_options(args: argparse.Namespace) -> None:
         )
     if args.generate and args.fuse_attention:
         raise CLIError("--fuse-attention does not apply to --generate")
-    other = [row.option for row in _asked(args) if row.name not in GENERATOR_FORMATS]
+    other = [row.option for row in _asked(args) if not row.generator]
     if args.generate and other:
+        writes = [row.option for row in TABLE.ROWS if row.generator]
         raise CLIError(
-            "--generate writes --saved-model, --onnx and --litert (the loop "
-            f"stays in the graph); not {', '.join(other)}"
+            f"--generate writes {', '.join(writes[:-1])} and {writes[-1]} (the "
+            f"loop stays in the graph); not {', '.join(other)}"
         )
 
 

@@ -29,7 +29,6 @@ from keras_selfattn.export import (
 )
 from keras_selfattn.export.endpoint import build_endpoint
 from keras_selfattn.export.formats import table
-from keras_selfattn.export.target import SERVING_SIGNATURE
 from keras_selfattn.export.verify import (
     DEFAULT_ATOL,
     DEFAULT_RTOL,
@@ -91,22 +90,10 @@ def _describe(model: keras.Model) -> None:
 
 
 def _options(row: table.FormatRow, args: argparse.Namespace, name: str) -> dict:
-    """The format's options from the command's arguments."""
-    if row is table.SAVED_MODEL:
-        return {
-            "name": name,
-            "version": args.version,
-            "warmup": args.warmup,
-        }
-    if row is table.ONNX:
-        return {
-            "opset": args.opset,
-            "fuse_attention": args.fuse_attention,
-            "int8_matmul": args.int8_matmul,
-        }
-    if row is table.LITERT:
-        return {"shape": args.litert_shape}
-    return {}
+    """The format's options from the command's arguments (its row's
+    `cli_options`)."""
+    values = {**vars(args), "name": name}
+    return {option: values[argument] for option, argument in row.cli_options.items()}
 
 
 def _check_destinations(args: argparse.Namespace, name: str) -> dict:
@@ -136,33 +123,6 @@ def _check_destinations(args: argparse.Namespace, name: str) -> dict:
                 "--version or omit it)"
             ) from None
     return destinations
-
-
-def _stage_label(destination: formats.Destination, signature_name: str) -> str:
-    row = table.BY_NAME[destination.format]
-    options = destination.options
-    if row is table.SAVED_MODEL:
-        signature = ""
-        if signature_name != SERVING_SIGNATURE:
-            signature = f" (signature {signature_name!r})"
-        warmup = " with warmup requests" if options["warmup"] else ""
-        return (
-            f"Exporting SavedModel {options['name']!r}{signature} "
-            f"under {destination.path}{warmup}"
-        )
-    detail = ""
-    if row is table.ONNX:
-        detail = f" (opset {options['opset'] or 'default'})"
-        if options["fuse_attention"]:
-            from keras_selfattn.export.formats.onnx import fused  # needs onnx
-
-            detail = detail.replace(")", f" -> {fused.FUSED_OPSET}, fused Attention)")
-        if options.get("int8_matmul") == "vnni":
-            detail = detail.replace(")", ", int8 layers for VNNI CPUs)")
-    if options.get("shape"):
-        shape = options["shape"]
-        detail = f" (fixed shape {shape[0]}x{shape[1]})"
-    return f"Exporting {row.title}{detail} to {destination.path}"
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -206,27 +166,23 @@ def run_export(args: argparse.Namespace) -> int:
     else:
         target = build_endpoint(model).target()
     # Files are linked in by the outer stack, after the inner one renamed
-    # the SavedModel's version folder into place.
-    with contextlib.ExitStack() as files, contextlib.ExitStack() as saved_model:
+    # the SavedModel's version folder (the one folder format) into place.
+    with contextlib.ExitStack() as files, contextlib.ExitStack() as folders:
         staged = {}
         for fmt, destination in destinations.items():
-            fusion_log: list[str] = []
-            with contextlib.ExitStack() as logging:
-                if destination.options.get("fuse_attention"):
-                    from keras_selfattn.export.formats.onnx import fused
-
-                    fusion_log = logging.enter_context(fused.collect_log())
-                stack = saved_model if fmt == table.SAVED_MODEL.name else files
-                writer = writers.get(fmt)
+            export_format = formats.get(fmt)
+            stack = files if export_format.row.suffix else folders
+            writer = writers.get(fmt)
+            with export_format.messages(destination.options) as messages:
                 try:
                     staged[fmt] = _step(
-                        _stage_label(destination, target.signature_name),
+                        export_format.label(destination, target.signature_name),
                         lambda d=destination, s=stack, w=writer: s.enter_context(
                             pipeline.stage(target, d, w)
                         ),
                     )
-                finally:  # which layers were fused, also when the export failed
-                    for line in fusion_log:
+                finally:  # e.g. which layers were fused, also after a failure
+                    for line in messages:
                         print(f"  {line}", flush=True)
         paths = {table.BY_NAME[f].path_argument: s.path for f, s in staged.items()}
         if args.decode_step:
@@ -262,8 +218,8 @@ def _verify_paths(
 ) -> ParityReport:
     """`verify` of every path; a fixed-shape LiteRT file at its one shape."""
     shape = args.litert_shape
-    litert = table.LITERT.path_argument
-    fixed = {k: v for k, v in paths.items() if k == litert and shape}
+    fixed_rows = {r.path_argument for r in table.ROWS if "shape" in r.cli_options}
+    fixed = {k: v for k, v in paths.items() if k in fixed_rows and shape}
     dynamic = {k: v for k, v in paths.items() if k not in fixed}
     precision = getattr(args, "openvino_precision", "f32")
     rows: list[Any] = []

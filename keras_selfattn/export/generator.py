@@ -72,7 +72,7 @@ from keras_selfattn.export.generator_graph import Generator, build_generator
 __all__ = ["FORMATS", "PAIR_RUNTIME", "export_generator", "verify_generator"]
 
 # Formats a generator can be written in (by TensorFlow, from every backend).
-FORMATS = ("saved_model", "onnx", "litert")
+FORMATS = tuple(row.name for row in table.ROWS if row.generator)
 
 
 def export_generator(

@@ -234,6 +234,23 @@ class Format:
         """The files an artifact at `path` consists of."""
         return [path]
 
+    def label(self, destination: Destination, signature_name: str) -> str:
+        """The line the command line prints while it stages `destination`
+        (`signature_name`: the target's)."""
+        detail = self.detail(destination.options)
+        return f"Exporting {self.row.title}{detail} to {destination.path}"
+
+    def detail(self, options: Mapping[str, object]) -> str:
+        """What `label` says of the checked `options` (" (...)"), or ""."""
+        return ""
+
+    def messages(
+        self, options: Mapping[str, object]
+    ) -> contextlib.AbstractContextManager[list[str]]:
+        """A context collecting lines to show about a write with the checked
+        `options` (none by default), shown even when the write fails."""
+        return contextlib.nullcontext([])
+
     def check_path(self, path: object, argument: str) -> str:
         """Checks a file target before any work; returns it as a str.
 

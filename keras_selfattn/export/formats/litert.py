@@ -156,6 +156,11 @@ class LiteRTFormat(Format):
             )
         return {"shape": shape}
 
+    def detail(self, options: Mapping[str, object]) -> str:
+        """The fixed shape, if any."""
+        shape = options.get("shape")
+        return f" (fixed shape {shape[0]}x{shape[1]})" if shape else ""
+
     def write(
         self, target: ExportTarget, path: str, options: Mapping[str, object]
     ) -> None:

@@ -36,7 +36,7 @@ from keras_selfattn.export.formats._base import (
     Writer,
     converting,
 )
-from keras_selfattn.export.target import ExportTarget
+from keras_selfattn.export.target import SERVING_SIGNATURE, ExportTarget
 from keras_selfattn.serving import layout
 
 # Warmup requests: batch 1 and a few short lengths, the traces TF Serving
@@ -145,7 +145,7 @@ class SavedModelFormat(Format):
     """TF Serving's SavedModel (TensorFlow; JAX through jax2tf)."""
 
     row = table.SAVED_MODEL
-    quantized_form = quantization.VARIABLES
+    quantized_form = quantization.INTEGERS
     advice = "export ONNX instead, or report the model's layers"
 
     def check_options(
@@ -165,6 +165,19 @@ class SavedModelFormat(Format):
                 "models_config", options.get("models_config", True)
             ),
         }
+
+    def label(self, destination: Destination, signature_name: str) -> str:
+        """The model's name, a signature not TF Serving's default, the base
+        dir and the warmup requests."""
+        options = destination.options
+        signature = ""
+        if signature_name != SERVING_SIGNATURE:
+            signature = f" (signature {signature_name!r})"
+        warmup = " with warmup requests" if options["warmup"] else ""
+        return (
+            f"Exporting SavedModel {options['name']!r}{signature} "
+            f"under {destination.path}{warmup}"
+        )
 
     def destination(
         self,

@@ -45,6 +45,10 @@ class FormatRow:
         half: The half-precision dtypes whose arithmetic an artifact of this
             format keeps (`precision="model"`); other models it computes in
             float32 only.
+        generator: Whether a generator (its loop in the graph) exports to
+            this format (`export_generator`, the command line's `--generate`).
+        cli_options: {option of the format's `check_options`: the command
+            line's argument holding it}; "name" is the command's model name.
     """
 
     name: str
@@ -63,6 +67,8 @@ class FormatRow:
     extra: str | None = None
     refused: Mapping[str, str] = dataclasses.field(default_factory=dict)
     half: tuple[str, ...] = ()
+    generator: bool = False
+    cli_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def option(self) -> str:
@@ -101,6 +107,8 @@ SAVED_MODEL = FormatRow(
     extra="tensorflow",
     refused={"torch": "Keras exports torch models to it only through torch_xla"},
     half=("float16", "bfloat16"),
+    generator=True,
+    cli_options={"name": "name", "version": "version", "warmup": "warmup"},
 )
 ONNX = FormatRow(
     name="onnx",
@@ -116,6 +124,12 @@ ONNX = FormatRow(
     backend_packages={"jax": ("jax2onnx",), "torch": ("onnxscript",)},
     extra="onnx",
     half=("float16",),
+    generator=True,
+    cli_options={
+        "opset": "opset",
+        "fuse_attention": "fuse_attention",
+        "int8_matmul": "int8_matmul",
+    },
 )
 LITERT = FormatRow(
     name="litert",
@@ -131,6 +145,8 @@ LITERT = FormatRow(
     backend_packages={"torch": ("litert_torch",)},
     extra="litert",
     refused={"jax": "Keras converts to LiteRT only from TensorFlow and torch"},
+    generator=True,
+    cli_options={"shape": "litert_shape"},
 )
 OPENVINO = FormatRow(
     name="openvino",

@@ -9,6 +9,7 @@ imported on use.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -158,6 +159,27 @@ class OnnxFormat(Format):
             "fuse_attention": fuse,
             "int8_matmul": int8_matmul,
         }
+
+    def detail(self, options: Mapping[str, object]) -> str:
+        """The opset, the fused opset and the VNNI layers, as asked."""
+        detail = f" (opset {options['opset'] or 'default'})"
+        if options["fuse_attention"]:
+            from keras_selfattn.export.formats.onnx import fused  # needs onnx
+
+            detail = detail.replace(")", f" -> {fused.FUSED_OPSET}, fused Attention)")
+        if options.get("int8_matmul") == VNNI:
+            detail = detail.replace(")", ", int8 layers for VNNI CPUs)")
+        return detail
+
+    def messages(
+        self, options: Mapping[str, object]
+    ) -> contextlib.AbstractContextManager[list[str]]:
+        """With `fuse_attention`: which layers were fused, and why not."""
+        if not options.get("fuse_attention"):
+            return super().messages(options)
+        from keras_selfattn.export.formats.onnx import fused
+
+        return fused.collect_log()
 
     def write(
         self, target: ExportTarget, path: str, options: Mapping[str, object]
