@@ -138,16 +138,20 @@ def _scale_and_cap(graph, nodes, scores: str, layer):
     return factor, cap, walked, tensor
 
 
-def _ancestors(nodes, name: str) -> list[onnx.NodeProto]:
-    """The nodes of `nodes` that `name` is computed from (itself included)."""
-    producer = {output: node for node in nodes for output in node.output}
-    found, stack = {}, [name]
+def _upstream(graph, name: str) -> set[str]:
+    """The tensors `name` is computed from, across the whole graph (itself
+    included); a Shape's input is not among them: only its size is read."""
+    producer = {output: node for node in graph.node for output in node.output}
+    found, stack = set(), [name]
     while stack:
-        node = producer.get(stack.pop())
-        if node is not None and id(node) not in found:
-            found[id(node)] = node
-            stack.extend(node.input)
-    return list(found.values())
+        tensor = stack.pop()
+        if tensor in found:
+            continue
+        found.add(tensor)
+        node = producer.get(tensor)
+        if node is not None and node.op_type != "Shape":
+            stack.extend(input_ for input_ in node.input if input_)
+    return found
 
 
 def _entering(nodes) -> set[str]:
@@ -161,17 +165,18 @@ def _bias(graph, nodes, scores: str, excluded: set[str], types):
     """The bias added to `scores`, its Add and the nodes computing it under
     the scope, or (None, None, []) when the scores' next op is not such an
     Add: an addend computed from the mask (or Q, K, V) is no bias (a mask's
-    additive form)."""
+    additive form). The bias's nodes may leave the scope and come back
+    (tf2onnx's helpers of a Slice's ends)."""
     node = _reader(nodes, scores)
     if node is None or node.op_type != "Add" or len(set(node.input)) != 2:
         return None, None, []
     (bias,) = [name for name in node.input if name != scores]
-    computing = _ancestors(nodes, bias)
-    sources = _entering(computing) if computing else {bias}
-    if sources & excluded or any(scores in n.output for n in computing):
+    upstream = _upstream(graph, bias)
+    if upstream & (excluded | {scores}):
         return None, None, []
     if elem_type(types, bias) != TensorProto.FLOAT or _rank(types, bias) != 4:
         raise NotFusable("the bias added to its scores is not a 4-D float32 tensor")
+    computing = [n for n in nodes if any(name in upstream for name in n.output)]
     return bias, node, computing
 
 
@@ -202,13 +207,11 @@ def analyse(graph, nodes, types, readers, graph_outputs, layer) -> Core:
         if name in graph_outputs
         or any(id(reader) not in inside for reader in readers.get(name, ()))
     )
-    if len(leaving) != 1:
-        raise NotFusable(
-            "its attention weights are used outside the layer (e.g. exported "
-            "with attention_outputs); the fused operator does not return them"
-        )
-    (output,) = leaving
-    (out_node,) = [node for node in nodes if output in node.output]
+    outputs = [n for n in nodes if n.op_type == "MatMul" and n.output[0] in leaving]
+    if len(outputs) != 1:
+        raise NotFusable("the attention core has an unrecognised structure")
+    (out_node,) = outputs
+    output = out_node.output[0]
     matmuls = _only(nodes, "MatMul")
     softmaxes = _only(nodes, "Softmax")
     if out_node.op_type != "MatMul" or len(matmuls) != 2 or len(softmaxes) != 1:
@@ -244,6 +247,11 @@ def analyse(graph, nodes, types, readers, graph_outputs, layer) -> Core:
     scored = [scores_node, *transposes, *walked, *([bias_add] if bias else [])]
     kept = {id(node) for node in computing}
     replaced = [node for node in nodes if id(node) not in kept]
+    if set(leaving) - {output} - {name for n in computing for name in n.output}:
+        raise NotFusable(
+            "its attention weights are used outside the layer (e.g. exported "
+            "with attention_outputs); the fused operator does not return them"
+        )
     rest = [node for node in replaced if all(node is not s for s in scored)]
     unexpected = sorted({node.op_type for node in rest} - _CORE_OPS)
     if unexpected:
