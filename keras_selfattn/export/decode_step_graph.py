@@ -114,20 +114,12 @@ class DecodeStep:
         )
 
 
-# Formats whose converters cannot take Keras's quantized layers inside a
-# decoding step or a generator (the forward export gives them their own
-# quantized forms, which a step-by-step check would not accept).
-_NO_QUANTIZED_DECODING = {
-    table.LITERT.name: "LiteRT's converter has no int8 batch matmul",
-    table.OPENVINO.name: "OpenVINO's conversion computes other numbers",
-}
-
-
 def refuse_quantized(model: keras.Model, export_format: str, what: str) -> None:
     """Raises ValueError (one line) for a quantized `model`'s decoding step or
     generator (`what`) in a format that cannot compute its quantized layers
-    as Keras does (`_NO_QUANTIZED_DECODING`)."""
-    why = _NO_QUANTIZED_DECODING.get(export_format)
+    as Keras does (its row's `no_quantized_decoding`)."""
+    row = table.BY_NAME.get(export_format)
+    why = None if row is None else row.no_quantized_decoding
     if why is None:
         return
     layers = [q.layer.path for q in quantization.quantized_layers(model)]

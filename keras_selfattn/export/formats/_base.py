@@ -234,6 +234,12 @@ class Format:
         """The files an artifact at `path` consists of."""
         return [path]
 
+    def check_artifact(self, path: str) -> None:
+        """Raises FileNotFoundError unless an artifact is at `path` (before
+        a check runs it)."""
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{self.row.artifact} file not found: {path}")
+
     def label(self, destination: Destination, signature_name: str) -> str:
         """The line the command line prints while it stages `destination`
         (`signature_name`: the target's)."""

@@ -49,6 +49,14 @@ class FormatRow:
             this format (`export_generator`, the command line's `--generate`).
         cli_options: {option of the format's `check_options`: the command
             line's argument holding it}; "name" is the command's model name.
+        no_quantized_decoding: Why a quantized model's decoding step or
+            generator is refused in this format (its converter cannot take
+            Keras's quantized layers there; the forward export gives them
+            their own quantized forms, which a step-by-step check would not
+            accept), or None.
+        runtime_imports: What the runtime imports by itself in the process
+            that checks an artifact (TensorFlow imports keras); any other
+            import of keras or keras_selfattn there fails the check.
     """
 
     name: str
@@ -69,6 +77,8 @@ class FormatRow:
     half: tuple[str, ...] = ()
     generator: bool = False
     cli_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    no_quantized_decoding: str | None = None
+    runtime_imports: tuple[str, ...] = ()
 
     @property
     def option(self) -> str:
@@ -109,6 +119,7 @@ SAVED_MODEL = FormatRow(
     half=("float16", "bfloat16"),
     generator=True,
     cli_options={"name": "name", "version": "version", "warmup": "warmup"},
+    runtime_imports=("keras",),
 )
 ONNX = FormatRow(
     name="onnx",
@@ -147,6 +158,7 @@ LITERT = FormatRow(
     refused={"jax": "Keras converts to LiteRT only from TensorFlow and torch"},
     generator=True,
     cli_options={"shape": "litert_shape"},
+    no_quantized_decoding="LiteRT's converter has no int8 batch matmul",
 )
 OPENVINO = FormatRow(
     name="openvino",
@@ -167,6 +179,7 @@ OPENVINO = FormatRow(
     # OpenVINO picks its arithmetic when it compiles (bf16 by default on CPUs
     # with AVX512-BF16): the IR is float32, checked at bf16.
     half=("bfloat16",),
+    no_quantized_decoding="OpenVINO's conversion computes other numbers",
 )
 TORCH = FormatRow(
     name="torch",

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from keras_selfattn.export import _artifact_runner
+from keras_selfattn.export import _artifact_runner, formats
 from keras_selfattn.export.formats import one_line, table
 from keras_selfattn.export.parity import arguments, rules
 from keras_selfattn.export.parity.report import ParityError, ParityReport
@@ -44,17 +44,6 @@ def collect_artifacts(
     return artifacts
 
 
-def require_saved_model_pb(directory: str) -> None:
-    """Raises FileNotFoundError unless `directory` holds a saved_model.pb."""
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"SavedModel directory not found: {directory}")
-    if not os.path.isfile(os.path.join(directory, "saved_model.pb")):
-        raise FileNotFoundError(
-            f"No saved_model.pb in {directory}: pass a version folder "
-            "(BASE_DIR/NAME/VERSION)"
-        )
-
-
 def artifact(
     export_format: str, path: str | os.PathLike, openvino_precision: str = "f32"
 ) -> _artifact_runner.Artifact:
@@ -64,11 +53,7 @@ def artifact(
         FileNotFoundError: if it is missing.
     """
     path = os.fspath(path)
-    if export_format == table.SAVED_MODEL.name:
-        require_saved_model_pb(path)
-    elif not os.path.isfile(path):
-        artifact_title = table.BY_NAME[export_format].artifact
-        raise FileNotFoundError(f"{artifact_title} file not found: {path}")
+    formats.get(export_format).check_artifact(path)
     return _artifact_runner.Artifact(export_format, path, openvino_precision)
 
 
@@ -108,7 +93,7 @@ def run_checked(
             raise ValueError(f"Cannot load {what}: {one_line(outcome.error)}")
         if outcome.stage == "bind":
             raise ParityError(f"{what} {outcome.error}", ParityReport((), 0.0, 0.0))
-        allowed = ("keras",) if row_of_format is table.SAVED_MODEL else ()
+        allowed = row_of_format.runtime_imports
         foreign = [name for name in outcome.imported if name not in allowed]
         if foreign:  # the check would not prove that the artifact stands alone
             raise RuntimeError(f"the runtime process of {what} imported {foreign}")
