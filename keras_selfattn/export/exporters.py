@@ -95,8 +95,9 @@ def export_saved_model(
     renamed into place at the end, so an interrupted or failed export leaves
     no version folder; an existing version is never touched, also when
     another process exports the same version meanwhile (the later rename
-    fails with FileExistsError). A quantized model keeps Keras's integers
-    and dequantizes them once per call.
+    fails with FileExistsError). A quantized model keeps Keras's integers;
+    TensorFlow dequantizes int8 kernels once, when it optimizes the loaded
+    graph, and the other modes once per call.
 
     Args:
         model: A Functional or Sequential model whose `keras.Input`s all have

@@ -13,6 +13,13 @@ dequantization formula) in one of two forms (`traced`):
   them once per call (SavedModel, `.pt2`): the file keeps the integers,
   the arithmetic is float (int8 in float32: the input times the integers,
   then each output column times 1 / scale, `_scales_outputs`).
+- `INTEGERS` (SavedModel): the graph holds each int8 kernel's integers and
+  scales as constants and dequantizes them in the graph: the file keeps the
+  integers (in the graph instead of in variables), and TensorFlow folds the
+  dequantization into a float kernel once, when it optimizes the loaded
+  graph (grappler's constant folding), so a call multiplies floats as the
+  float file does. A kernel whose float form exceeds what the folding takes
+  (`FOLDED_BYTES`), and the other modes, are read as in `VARIABLES`.
 - `CONSTANTS`: the graph holds the dequantized kernel as a constant, which
   the format's own pass then stores again as Keras's integers for its
   runtime's integer kernels (ONNX `MatMulInteger`/`MatMulNBits`, LiteRT's
@@ -42,7 +49,11 @@ import numpy as np
 from keras import ops
 
 VARIABLES = "variables"
+INTEGERS = "integers"
 CONSTANTS = "constants"
+FORMS = (VARIABLES, INTEGERS, CONSTANTS)
+# Grappler folds constants of at most 10 MiB (`max_constant_size_in_bytes`).
+FOLDED_BYTES = 10 * 1024 * 1024
 # Keras's modes whose kernels an export re-expresses (Embedding keeps its
 # own call: a gather of int8 rows, which every converter keeps as integers).
 MODES = ("int8", "int4", "float8", "gptq", "awq")
@@ -264,6 +275,15 @@ def _kernel_of(quantized: QuantizedDense, form: str):
     return kernel
 
 
+def _folded(quantized: QuantizedDense, form: str) -> bool:
+    """Whether the kernel is traced from constant integers (`INTEGERS`)."""
+    return (
+        form == INTEGERS
+        and quantized.mode == "int8"
+        and quantized.kernel.size * 4 <= FOLDED_BYTES
+    )
+
+
 def _dequantize_groups(quantized: QuantizedDense, values, scale, zero, axis: int):
     """Keras's `dequantize_with_sz_map` of `values` grouped along `axis` (the
     input axis; `scale` and `zero` hold one row per group there):
@@ -298,7 +318,8 @@ def _scales_outputs(quantized: QuantizedDense, form: str, inputs) -> bool:
     integer-valued products could overflow, so half inputs keep the
     dequantized kernel."""
     return (
-        form == VARIABLES
+        form in (VARIABLES, INTEGERS)
+        and not _folded(quantized, form)
         and quantized.mode == "int8"
         and keras.backend.standardize_dtype(inputs.dtype) == "float32"
     )
@@ -307,9 +328,17 @@ def _scales_outputs(quantized: QuantizedDense, form: str, inputs) -> bool:
 def _dense_call(quantized: QuantizedDense, form: str):
     """`Dense.call` with the kernel `_kernel_of` gives (LoRA kept)."""
     layer = quantized.layer
+    # Read now: a variable's value cannot be read while a graph is traced.
+    folded = None
+    if _folded(quantized, form):
+        folded = (_numpy(layer._kernel), _numpy(layer.kernel_scale))
 
     def call(inputs, training=None):
-        if _scales_outputs(quantized, form, inputs):
+        if folded is not None:
+            integers, scale = (ops.convert_to_tensor(x) for x in folded)
+            kernel = ops.divide(ops.cast(integers, "float32"), scale)
+            x = ops.matmul(inputs, ops.cast(kernel, inputs.dtype))
+        elif _scales_outputs(quantized, form, inputs):
             integers = ops.cast(layer._kernel, "float32")
             x = ops.multiply(
                 ops.matmul(inputs, integers), ops.reciprocal(layer.kernel_scale)
@@ -358,13 +387,14 @@ def traced(
 
     Args:
         layers: From `quantized_layers`.
-        form: `VARIABLES` (dequantize the stored integers per call) or
-            `CONSTANTS` (the dequantized kernel as a constant).
+        form: `VARIABLES` (dequantize the stored integers per call),
+            `INTEGERS` (the int8 integers as constants, dequantized in the
+            graph) or `CONSTANTS` (the dequantized kernel as a constant).
         embeddings: From `quantized_embeddings`: their export call, in
             either form.
     """
-    if form not in (VARIABLES, CONSTANTS):
-        raise ValueError(f"`form` must be {VARIABLES!r} or {CONSTANTS!r}: {form!r}")
+    if form not in FORMS:
+        raise ValueError(f"`form` must be one of {FORMS}: {form!r}")
     calls = [(q.layer, _dense_call(q, form)) for q in layers]
     calls += [(layer, _embedding_call(layer)) for layer in embeddings]
     replaced = []

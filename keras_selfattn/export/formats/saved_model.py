@@ -2,10 +2,14 @@
 
 The version folder is written into a hidden temporary beside it and renamed
 into place (`_files.atomic_directory`), then `base_dir/models.config` is
-rewritten. Quantized layers read their stored integers and dequantize them
-once per call (`quantization.VARIABLES`): the files keep Keras's integers,
-and TensorFlow computes in float (its CPU has no faster integer matmul for
-Keras's scheme; Keras's own quantized call runs slower than float there).
+rewritten. Quantized layers keep Keras's integers and TensorFlow computes
+in float (its CPU has no faster integer matmul for Keras's scheme; Keras's
+own quantized call runs slower than float there): an int8 kernel's integers
+and scales are constants of the graph, whose dequantization TensorFlow
+folds into a float kernel once, when it optimizes the loaded graph, so a
+call costs what the float file's does; other modes (and int8 kernels too
+large to fold) read their stored integers and dequantize them once per call
+(`quantization.INTEGERS`).
 
 TF Serving disables XLA on CPUs unless started with
 `--xla_cpu_compilation_enabled=true` (`XLA_FLAG`): a graph with an op that
@@ -95,7 +99,10 @@ def write_warmup(target: ExportTarget, directory: str, model_name: str) -> None:
     )
 
 
-SCHEME = "float activations; integer weights dequantized once per call"
+SCHEME = (
+    "float activations; integer weights dequantized in the graph (int8 kernels "
+    "once, when TensorFlow optimizes it)"
+)
 # The TF Serving flag without which XLA does not run on a CPU.
 XLA_FLAG = "--xla_cpu_compilation_enabled=true"
 
