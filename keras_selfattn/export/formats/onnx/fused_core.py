@@ -214,7 +214,7 @@ def analyse(graph, nodes, types, readers, graph_outputs, layer) -> Core:
     output = out_node.output[0]
     matmuls = _only(nodes, "MatMul")
     softmaxes = _only(nodes, "Softmax")
-    if out_node.op_type != "MatMul" or len(matmuls) != 2 or len(softmaxes) != 1:
+    if len(matmuls) != 2 or len(softmaxes) != 1:
         raise NotFusable("the attention core has an unrecognised structure")
     (scores_node,) = [node for node in matmuls if node is not out_node]
     transposes = [node for node in nodes if scores_node.input[1] in node.output]
