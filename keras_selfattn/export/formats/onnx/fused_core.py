@@ -121,8 +121,9 @@ def _scale_and_cap(graph, nodes, scores: str, layer):
         factor *= cap  # cap * tanh(s * scale / cap)
         tensor = after.output[0]
     layer_cap = None if layer is None else layer.logit_soft_cap
-    if (layer_cap is None) != (cap is None) or (
-        cap is not None and not np.isclose(cap, layer_cap, rtol=1e-6)
+    if layer is not None and (
+        (layer_cap is None) != (cap is None)
+        or (cap is not None and not np.isclose(cap, layer_cap, rtol=1e-6))
     ):
         raise NotFusable(
             f"the graph's soft-cap {cap} is not the layer's logit_soft_cap {layer_cap}"
