@@ -114,20 +114,21 @@ def export_decode_step(
         FileExistsError: if the target exists.
         ParityError: if the check fails (nothing is left on disk).
     """
-    if export_format == table.LITERT.name and keras.backend.backend() == "torch":
+    row = table.BY_NAME.get(export_format)
+    backend = keras.backend.backend()
+    if row is not None and backend in row.decoding_refused:
         raise ValueError(
-            "A decoding step exports to LiteRT from TensorFlow: litert-torch "
-            "fixes every input's shape, and a step's number of new positions "
-            "changes from prefill to decode. Save the model as .keras, load it "
-            "under KERAS_BACKEND=tensorflow and export there. Received: "
-            "export_format='litert' on the torch backend"
+            f"{row.decoding_refused[backend]} Received: "
+            f"export_format={export_format!r} on the {backend} backend"
         )
     refuse_quantized(model, export_format, "decoding step")
-    options = {}
-    if export_format == table.SAVED_MODEL.name:
-        options = {"name": name, "version": version, "models_config": models_config}
-    elif export_format == table.ONNX.name:
-        options = {"opset": opset}
+    given = {
+        "name": name,
+        "version": version,
+        "models_config": models_config,
+        "opset": opset,
+    }
+    options = {k: v for k, v in given.items() if row is not None and k in row.options}
     destination = pipeline.check_destination(export_format, path, **options)
     step = build_decode_step(model, max_length)
 

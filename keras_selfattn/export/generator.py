@@ -145,16 +145,15 @@ def export_generator(
             f"{export_format!r}"
         )
     refuse_quantized(model, export_format, "generator")
-    options = {}
-    if export_format == table.SAVED_MODEL.name:
-        options = {
-            "name": name,
-            "version": version,
-            "warmup": warmup,
-            "models_config": models_config,
-        }
-    elif export_format == table.ONNX.name:
-        options = {"opset": opset}
+    given = {
+        "name": name,
+        "version": version,
+        "warmup": warmup,
+        "models_config": models_config,
+        "opset": opset,
+    }
+    row = table.BY_NAME.get(export_format)
+    options = {k: v for k, v in given.items() if row is not None and k in row.options}
     if jit_compile and export_format != table.SAVED_MODEL.name:
         raise ValueError(
             "`jit_compile` compiles a SavedModel's loop with XLA; ONNX and "

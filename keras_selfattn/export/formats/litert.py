@@ -143,7 +143,7 @@ class LiteRTFormat(Format):
         self, options: Mapping[str, object], backend: str | None = None
     ) -> dict[str, object]:
         """`shape`: the fixed (batch, time), required on torch."""
-        unknown = sorted(set(options) - {"shape"})
+        unknown = sorted(set(options) - set(self.row.options))
         if unknown:
             super().check_options({k: options[k] for k in unknown})
         shape = check_shape(options.get("shape"))

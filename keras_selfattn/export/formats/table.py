@@ -45,6 +45,12 @@ class FormatRow:
         half: The half-precision dtypes whose arithmetic an artifact of this
             format keeps (`precision="model"`); other models it computes in
             float32 only.
+        options: The options its `Format.check_options` takes; the
+            exporters of the decoding step and the generator pass it only
+            these of their keywords.
+        decoding_refused: {backend: why a decoding step cannot export to
+            this format from it (one sentence or more, ending with the way
+            that works)}.
         generator: Whether a generator (its loop in the graph) exports to
             this format (`export_generator`, the command line's `--generate`).
         cli_options: {option of the format's `check_options`: the command
@@ -75,6 +81,8 @@ class FormatRow:
     extra: str | None = None
     refused: Mapping[str, str] = dataclasses.field(default_factory=dict)
     half: tuple[str, ...] = ()
+    options: tuple[str, ...] = ()
+    decoding_refused: Mapping[str, str] = dataclasses.field(default_factory=dict)
     generator: bool = False
     cli_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
     no_quantized_decoding: str | None = None
@@ -117,6 +125,7 @@ SAVED_MODEL = FormatRow(
     extra="tensorflow",
     refused={"torch": "Keras exports torch models to it only through torch_xla"},
     half=("float16", "bfloat16"),
+    options=("name", "version", "warmup", "models_config"),
     generator=True,
     cli_options={"name": "name", "version": "version", "warmup": "warmup"},
     runtime_imports=("keras",),
@@ -135,6 +144,7 @@ ONNX = FormatRow(
     backend_packages={"jax": ("jax2onnx",), "torch": ("onnxscript",)},
     extra="onnx",
     half=("float16",),
+    options=("opset", "fuse_attention", "int8_matmul"),
     generator=True,
     cli_options={
         "opset": "opset",
@@ -156,6 +166,13 @@ LITERT = FormatRow(
     backend_packages={"torch": ("litert_torch",)},
     extra="litert",
     refused={"jax": "Keras converts to LiteRT only from TensorFlow and torch"},
+    options=("shape",),
+    decoding_refused={
+        "torch": "A decoding step exports to LiteRT from TensorFlow: litert-torch "
+        "fixes every input's shape, and a step's number of new positions "
+        "changes from prefill to decode. Save the model as .keras, load it "
+        "under KERAS_BACKEND=tensorflow and export there."
+    },
     generator=True,
     cli_options={"shape": "litert_shape"},
     no_quantized_decoding="LiteRT's converter has no int8 batch matmul",
