@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import keras
 from keras import ops
+from keras.src.backend import get_keras_mask
 
 from keras_selfattn import (
     _call_plan,
@@ -193,6 +194,13 @@ class SelfAttention(
         cache = kwargs.get("cache", args[5] if len(args) > 5 else None)
         if cache is not None:
             cache_lib.check_dtype(cache, self.compute_dtype, self.name)
+        elif len(args) < 2 and kwargs.get("mask") is None:
+            # Keras fills `mask` from the input's Keras mask only when the
+            # call has one tensor argument: with an `attention_mask`,
+            # `attention_bias` or `segment_ids` the padding would be lost.
+            mask = get_keras_mask(args[0] if args else kwargs.get("inputs"))
+            if mask is not None:
+                kwargs["mask"] = mask
         return super().__call__(*args, **kwargs)
 
     @property

@@ -386,6 +386,32 @@ def test_packed_training_gradients_in_tensorflow_functions(xla):
 
 
 @pytest.mark.parametrize(
+    "argument", ["attention_mask", "attention_bias", "segment_ids"]
+)
+def test_an_embeddings_keras_mask_holds_beside_other_tensor_arguments(argument):
+    # Keras fills `mask` by itself only for a call with one tensor argument.
+    tokens = np.array([[3, 1, 4, 1, 5, 9, 2], [6, 5, 3, 5, 0, 0, 0]], "int32")
+    extra = {
+        "attention_mask": np.tril(np.ones((B, T, T), bool)),
+        "attention_bias": RNG.normal(size=(B, H, T, T)).astype("float32"),
+        "segment_ids": SEGMENTS,
+    }[argument]
+    embedding = keras.layers.Embedding(10, D, mask_zero=True)
+    layer = _layer({})
+    token_input = keras.Input((None,), dtype="int32", name="tokens")
+    extra_input = keras.Input(extra.shape[1:], dtype=extra.dtype.name, name="extra")
+    outputs = layer(embedding(token_input), **{argument: extra_input})
+    model = keras.Model([token_input, extra_input], outputs)
+    got = to_numpy(model([tokens, extra]))
+    x = to_numpy(embedding(tokens))
+    want = reference.for_layer(layer, x, padding_mask=tokens != 0, **{argument: extra})[
+        0
+    ]
+    np.testing.assert_allclose(got, want, **TOLERANCE)
+    assert not got[1, 4:].any()  # padded positions output zeros
+
+
+@pytest.mark.parametrize(
     "config,learned",
     [
         ({"position_bias": "alibi", "logit_soft_cap": 2.0}, False),
