@@ -83,7 +83,8 @@ lock:
 
 bench: install
 	$(PY) -m benchmarks.cpu && $(PY) -m benchmarks.runtimes && $(PY) -m benchmarks.quantized \
-		&& $(PY) -m benchmarks.generation && $(PY) -m benchmarks.score_mods
+		&& $(PY) -m benchmarks.generation && $(PY) -m benchmarks.score_mods \
+		&& $(PY) -m benchmarks.overhead
 
 # Keras and the packages it needs that the GPU machine's image lacks, for
 # benchmarks/gpu_session.sh (that machine runs Python 3.12 and fetches

@@ -1,16 +1,29 @@
-"""Exact zeros for SelfAttention's queries with nothing to attend."""
+"""Exact zeros for SelfAttention's queries with nothing to attend, and its
+padded inputs."""
 
 from __future__ import annotations
 
 from keras import ops
 
-from keras_selfattn.attention import Masks
+from keras_selfattn.attention import Masks, nan_safe
 from keras_selfattn.attention import masks as masks_lib
+
+
+def zero_unless(keep, x, plain_call: bool):
+    """`x` with exact zeros where the bool `keep` (broadcastable) is False:
+    `nan_safe.zero_unless`, or in a plain call (`_projection_ops.plain`, an
+    eager one) the one select, exact there (`nan_safe`'s form is for the
+    graphs tf2onnx converts)."""
+    if plain_call:
+        return ops.where(keep, x, ops.zeros((), x.dtype))
+    return nan_safe.zero_unless(keep, x)
 
 
 def queries_to_keep(inputs, masks: Masks):
     """Bool (B, Tq): queries with something to attend, or None (all)."""
-    time = ops.shape(inputs)[1]
+    time = inputs.shape[1]
+    if not isinstance(time, int):
+        time = ops.shape(inputs)[1]
     query_padding = masks.key_padding
     if query_padding is not None:
         query_padding = ops.cast(query_padding, "bool")

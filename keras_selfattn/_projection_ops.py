@@ -3,17 +3,29 @@
 `add_all` makes them at build (size and initializer checked);
 `ProjectionMethods` holds the layer's methods on them (quantize, LoRA, the
 weights by their names from before the projections were layers, loading
-files saved then).
+files saved then). `plain`, `heads`, `project` and `merge` compute them in
+a call: in an eager call without Keras's per-layer machinery (`plain`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
-from keras import initializers
+import keras
+from keras import initializers, ops
 
 from keras_selfattn import _checks, _score_weights
 from keras_selfattn import projections as projections_lib
+from keras_selfattn.attention import heads as heads_lib
+
+_BACKEND = keras.backend.backend()
+if _BACKEND == "tensorflow":
+    import tensorflow as tf
+elif _BACKEND == "jax":
+    import jax
+elif _BACKEND == "torch":
+    import torch
 
 
 def add(layer, prefix: str, kernel_shape: tuple[int, int]) -> None:
@@ -202,3 +214,122 @@ class ProjectionMethods:
                 projection.bias.trainable = False
         for name in _score_weights.names(self):
             getattr(self, name).trainable = False
+
+
+def _eager(x) -> bool:
+    """Whether `x` is a value, not traced (tf.function, jax.jit, torch.export)."""
+    if _BACKEND == "tensorflow":
+        return tf.executing_eagerly()
+    if _BACKEND == "jax":
+        return not isinstance(x, jax.core.Tracer)
+    if _BACKEND == "torch":
+        return not (
+            torch.compiler.is_compiling()
+            or torch.compiler.is_exporting()
+            or torch.jit.is_tracing()
+        )
+    return False
+
+
+def plain(layer, x) -> bool:
+    """Whether this call computes the projections with the ops their `call`
+    runs, without Keras's layer call around each (`Layer.__call__`: argument
+    binding, name and autocast scopes, masks: in an eager call nothing but
+    Python per call).
+
+    True for an eager call of `x` in the projections' compute dtype, no
+    `keras.distribution` set, each projection float, without LoRA,
+    rematerialization or (PyTorch) hooks. Traced calls keep the layer calls,
+    so exported graphs keep their names.
+    """
+    if not _eager(x) or keras.distribution.distribution() is not None:
+        return False
+    dtype = layer.compute_dtype
+    for projection in of(layer).values():
+        if (
+            projection.quantization_mode is not None
+            or projection.lora_enabled
+            or projection._remat_mode
+            or (_BACKEND == "torch" and projection._forward_hooks)
+            or (_BACKEND == "torch" and projection._forward_pre_hooks)
+            or projection.compute_dtype != dtype
+        ):
+            return False
+    return keras.backend.standardize_dtype(x.dtype) == dtype
+
+
+@functools.lru_cache(maxsize=64)
+def _tf_constant(values: tuple[int, ...]):
+    """An eager int32 tensor of `values`: TensorFlow's eager Reshape and
+    Transpose take a tensor on their fast path, and convert a tuple on a slow
+    one (about 15 us more per op)."""
+    return tf.constant(values, tf.int32)
+
+
+def _swap_time_heads(x):
+    """(B, T, H, D) <-> (B, H, T, D) in one backend op (`heads_lib.transpose`)."""
+    if _BACKEND == "tensorflow":
+        return tf.transpose(x, _tf_constant((0, 2, 1, 3)))
+    if _BACKEND == "torch":
+        return torch.permute(x, (0, 2, 1, 3))
+    return ops.transpose(x, (0, 2, 1, 3))
+
+
+def _reshape(x, shape: tuple[int, ...]):
+    """`ops.reshape` in one backend op."""
+    if _BACKEND == "tensorflow":
+        return tf.reshape(x, _tf_constant(shape))
+    if _BACKEND == "torch":
+        return torch.reshape(x, shape)
+    return ops.reshape(x, shape)
+
+
+def _apply(projection, x, shape: tuple[int, ...]):
+    """`projection.call(x)` for a plain call (`plain`), reshaped to `shape`
+    ((B, T, N) or (B, T, H, N // H)): on TensorFlow and PyTorch the ops
+    Keras's would run (TensorFlow's `tensordot`: a 2-D MatMul, then the
+    bias), without the Python around them."""
+    if _BACKEND == "tensorflow":
+        batch, time, features = x.shape
+        y = tf.matmul(_reshape(x, (batch * time, features)), projection.kernel.value)
+        if projection.bias is not None:
+            y = tf.nn.bias_add(y, projection.bias.value)
+        return _reshape(y, shape)
+    if _BACKEND == "torch" and x.dtype != torch.float16:
+        # (Keras multiplies float16 in float32 on a CPU.)
+        y = torch.matmul(x, projection.kernel.value)
+        if projection.bias is not None:
+            y = torch.add(y, projection.bias.value)
+        return y if len(shape) == 3 else torch.reshape(y, shape)
+    y = projection.call(x)
+    return y if len(shape) == 3 else _reshape(y, shape)
+
+
+def project(layer, x, prefix: str, plain_call: bool):
+    """The `prefix` projection of `x` (B, T, C)."""
+    projection = getattr(layer, f"{prefix}_dense")
+    if not plain_call:
+        return projection(x)
+    return _apply(projection, x, (*x.shape[:2], projection.units))
+
+
+def heads(layer, x, prefix: str, num_heads: int, layout: str, plain_call: bool):
+    """The `prefix` projection of `x` (B, T, C), split into `num_heads` heads
+    in `layout` (`heads_lib.split`)."""
+    projection = getattr(layer, f"{prefix}_dense")
+    if not plain_call:
+        return heads_lib.split(projection(x), num_heads, layout)
+    batch, time = x.shape[:2]
+    shape = (batch, time, num_heads, projection.units // num_heads)
+    y = _apply(projection, x, shape)
+    return _swap_time_heads(y) if layout == heads_lib.HEADS_FIRST else y
+
+
+def merge(x, layout: str, plain_call: bool):
+    """`heads_lib.merge`, with the sizes an eager call knows."""
+    if not plain_call:
+        return heads_lib.merge(x, layout)
+    if layout == heads_lib.HEADS_FIRST:
+        x = _swap_time_heads(x)
+    batch, time, num_heads, depth = x.shape
+    return _reshape(x, (batch, time, num_heads * depth))

@@ -18,7 +18,6 @@ from keras_selfattn import (
 from keras_selfattn import projections as projections_lib
 from keras_selfattn.attention import (
     SeededDropout,
-    nan_safe,
     rotary,
 )
 from keras_selfattn.attention import cache as cache_lib
@@ -181,9 +180,6 @@ class SelfAttention(
         _score_weights.add(self)
         self._dims = dims
 
-    def _project(self, x, prefix: str):
-        return getattr(self, f"{prefix}_dense")(x)
-
     def __call__(self, *args, **kwargs):
         # Kept because Keras needs the checks before its own steps: `inputs`
         # before Keras builds the layer from its shape (a list or an int
@@ -236,6 +232,7 @@ class SelfAttention(
             segment_ids,
         )
         decoding, guard = cache is not None, None
+        plain = _projection_ops.plain(self, inputs)
         if decoding:
             guard = cache_lib.Guard.of(inputs, cache, offset, self.name)
             inputs, cache = guard.inputs, guard.cache
@@ -243,7 +240,7 @@ class SelfAttention(
             # Padded positions are keys no query attends: zeroed, their
             # values (NaN, inf) change no output.
             keep_input = ops.expand_dims(ops.cast(mask, "bool"), -1)
-            inputs = nan_safe.zero_unless(keep_input, inputs)
+            inputs = _outputs.zero_unless(keep_input, inputs, plain)
         masks = self._masks(mask, attention_mask, offset, segment_ids)
         mods = _score_weights.for_call(self, attention_bias)
         implementation = self._choose(
@@ -252,9 +249,11 @@ class SelfAttention(
         layout = implementation.layout
         # The cache holds keys and values time-first.
         kv_layout = heads_lib.TIME_FIRST if decoding else layout
-        query = heads_lib.split(self._project(inputs, "query"), self.num_heads, layout)
+        query = _projection_ops.heads(
+            self, inputs, "query", self.num_heads, layout, plain
+        )
         key, value = (
-            heads_lib.split(self._project(inputs, name), self._kv_heads, kv_layout)
+            _projection_ops.heads(self, inputs, name, self._kv_heads, kv_layout, plain)
             for name in ("key", "value")
         )
         if self.rope_max_wavelength is not None:
@@ -289,12 +288,12 @@ class SelfAttention(
             return_weights=return_attention_scores,
             mods=mods,
         )
-        output = heads_lib.merge(heads_out, layout)
+        output = _projection_ops.merge(heads_out, layout, plain)
         if self.use_gate:
-            gate = ops.sigmoid(self._project(inputs, "gate"))
-            output = ops.multiply(output, ops.cast(gate, output.dtype))
+            gate = _projection_ops.project(self, inputs, "gate", plain)
+            output = ops.multiply(output, ops.cast(ops.sigmoid(gate), output.dtype))
         if self.output_dim is not None:
-            output = self._project(output, "output")
+            output = _projection_ops.project(self, output, "output", plain)
         if not cache_lib.is_checked_by_caller():
             output, weights = _outputs.zero_unattending(inputs, masks, output, weights)
         if decoding:

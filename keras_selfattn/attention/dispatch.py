@@ -316,6 +316,14 @@ def choose(masks: Masks, *, layer_name: str, **arguments: Any) -> Choice:
                 f"flash_attention={arguments['flash_attention']}, "
                 f"backend={facts.backend!r}"
             )
+    return _first(facts)
+
+
+@functools.lru_cache(maxsize=256)
+def _first(facts: CallFacts) -> Choice:
+    """The first implementation no limit rules out, found once per set of
+    facts (they are static): an eager call would otherwise test every limit,
+    and format the reasons of those that rule a path out, each time."""
     return next(
         implementation.choice(facts)
         for implementation in IMPLEMENTATIONS.values()

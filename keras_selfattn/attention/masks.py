@@ -108,10 +108,11 @@ def all_of(masks: list):
 
 def cut(x, axis: int, start, length):
     """`x[..., start:start + length, ...]` along `axis`; x itself when the
-    window is the whole axis (start 0, length None)."""
-    if length is None:
-        if isinstance(start, int) and start == 0:
+    window is the whole axis (start 0, length None or the axis's known size)."""
+    if isinstance(start, int) and start == 0:
+        if length is None or (type(length) is int and length == x.shape[axis]):
             return x
+    if length is None:
         length = ops.shape(x)[axis] - start
     starts = [0] * len(x.shape)
     sizes = list(ops.shape(x))
