@@ -29,6 +29,8 @@ Shapes use B = batch, H = heads, T = time, K = key_dim, V = value_dim.
 
 from __future__ import annotations
 
+import dataclasses
+
 import keras
 from keras import ops
 
@@ -141,6 +143,57 @@ def chunked_attention(
     return ops.cond(ops.greater(time, 0), blocks, empty), None
 
 
+def block_bias(mods, masks, start, key_start, block, key_span):
+    """`score_mods.bias_block` of one block, its position bias built without
+    a (block, key_span) index.
+
+    A position bias depends on `key position - query position` only, so
+    with C = block and S = key_span, the C + S biases of the distances
+    `concat(0 .. S-1, -C .. -1)` (after the block's offset) are laid out
+    once, repeated C times, and read back in rows of C + S - 1: row i,
+    column c then holds entry (c - i) mod (C + S), the bias of distance
+    c - i. The values are `bias_block`'s; what is alive while they are built
+    is the (H, C, C + S) repetition, not an int (C, S) index with its cast,
+    absolute value or gathered (C, S, H) copy.
+
+    On TensorFlow, `bias_block` itself: its CPU allocator keeps what it frees
+    for reuse, and the repetition's sizes (C + S, then C + S - 1 columns)
+    fragment it (T=16384, chunk 512, causal, 4 heads: a peak resident
+    memory of 814 MiB against `bias_block`'s 674, unmodified 534), while on
+    PyTorch and JAX it took ALiBi from 1.13x and 0.90x the unmodified
+    layer's peak to 0.94x and 0.90x, the relative bias from 1.25x and
+    1.00x to 1.04x and 0.93x.
+    """
+    if keras.backend.backend() == "tensorflow":
+        return score_mods.bias_block(mods, masks, start, key_start, block, key_span)
+    position = None
+    if mods.alibi_slopes is not None or mods.relative_table is not None:
+        first_query = start
+        if masks.decoding:
+            first_query = ops.add(masks.query_offset, start)
+        distance = ops.concatenate(
+            [ops.arange(key_span, dtype="int32"), ops.arange(-block, 0, dtype="int32")]
+        ) + ops.cast(key_start - first_query, "int32")
+        biases = score_mods.position_bias(mods, distance)  # (H, S + C)
+        heads = ops.shape(biases)[0]
+        rows = ops.reshape(
+            ops.broadcast_to(
+                ops.expand_dims(biases, 1), (heads, block, key_span + block)
+            ),
+            (heads, -1),
+        )
+        rows = ops.slice(rows, (0, 0), (heads, block * (key_span + block - 1)))
+        rows = ops.reshape(rows, (heads, block, key_span + block - 1))
+        position = ops.expand_dims(
+            ops.slice(rows, (0, 0, 0), (heads, block, key_span)), 0
+        )
+    if mods.bias is None:
+        return position
+    call_mods = dataclasses.replace(mods, alibi_slopes=None, relative_table=None)
+    call = score_mods.bias_block(call_mods, masks, start, key_start, block, key_span)
+    return call if position is None else position + call
+
+
 def _blocks(query, key, value, masks, scale, chunk_size, dropout, mods):
     """`chunked_attention` of a non-empty sequence."""
     batch, num_heads, time, key_dim = ops.shape(query)
@@ -165,9 +218,12 @@ def _blocks(query, key, value, masks, scale, chunk_size, dropout, mods):
             value, (0, 0, key_start, 0), (batch, num_heads, key_span, value_dim)
         )
         mask = masks_lib.block(masks, start, key_start, block, key_span)
-        bias = None
-        if mods is not None:
-            bias = score_mods.bias_block(mods, masks, start, key_start, block, key_span)
+        make_bias = None
+        if mods is not None and mods.adds_bias:
+
+            def make_bias():
+                return block_bias(mods, masks, start, key_start, block, key_span)
+
         output, _ = explicit.core(
             rows,
             keys,
@@ -178,7 +234,7 @@ def _blocks(query, key, value, masks, scale, chunk_size, dropout, mods):
             offset=start,
             zero_empty_rows=masks.attention is not None,
             mods=mods,
-            bias=bias,
+            make_bias=make_bias,
         )
         return output
 

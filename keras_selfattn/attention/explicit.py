@@ -117,7 +117,7 @@ def core(
     offset=0,
     zero_empty_rows=True,
     mods=None,
-    bias=None,
+    make_bias=None,
 ):
     """softmax(Q K^T * scale) V in the heads-first layout.
 
@@ -131,7 +131,13 @@ def core(
         offset: The dropout offset (the chunked path's block).
         zero_empty_rows: See `masked_softmax`.
         mods: None or the call's `score_mods.ScoreMods`.
-        bias: None or the block's float32 bias (`score_mods.bias_block`).
+        make_bias: None, or a function of no argument returning the block's
+            float32 bias (`score_mods.bias_block`), called once the scores
+            are scaled; the bias is dropped once added. A function that
+            builds the bias (the chunked path's) so keeps it, in eager
+            execution (PyTorch, TensorFlow's eager calls), from being alive
+            beside the scaled scores while they are computed, or beside the
+            softmax's tensors: at batch 1, one score-sized block less.
 
     Returns:
         Tuple (output (B, H, Tq, V) in value's dtype, weights (B, H, Tq, Tk)
@@ -140,11 +146,13 @@ def core(
     scores = attention_scores(query, key, scale)
     sinks = None
     if mods is not None:  # in float32 (bfloat16 scores stay bfloat16 until here)
+        bias = None if make_bias is None else make_bias()
         scores = score_mods.modify(ops.cast(scores, "float32"), mods, bias)
+        del bias  # the only reference: freed before the softmax
         if mods.sinks is not None:
             sinks = score_mods.sink_logits(mods, (1, 1, 1, 1), heads_axis=1)
     weights = masked_softmax(
-        scores, mask, zero_empty_rows, sinks, select=bias is not None
+        scores, mask, zero_empty_rows, sinks, select=make_bias is not None
     )
     weights = ops.cast(weights, value.dtype)
     used = weights if dropout is None else dropout(weights, offset)
@@ -174,6 +182,8 @@ def explicit_attention(
     mask = masks_lib.block(masks, query_len=query_len, key_len=key_len)
     bias = None
     if mods is not None:
+        # Built outside the fusable core's name scope, which the fused ONNX
+        # rewrite reads.
         bias = score_mods.bias_block(mods, masks, query_len=query_len, key_len=key_len)
     with keras.name_scope(FUSABLE_CORE_SCOPE):
         # Without an attention mask every query may attend itself (padded
@@ -187,6 +197,6 @@ def explicit_attention(
             dropout,
             zero_empty_rows=masks.attention is not None,
             mods=mods,
-            bias=bias,
+            make_bias=None if bias is None else lambda: bias,
         )
     return output, weights if return_weights else None
