@@ -154,7 +154,7 @@ def export_generator(
     }
     row = table.BY_NAME.get(export_format)
     options = {k: v for k, v in given.items() if row is not None and k in row.options}
-    if jit_compile and export_format != table.SAVED_MODEL.name:
+    if jit_compile and (row is None or not row.jit_compile):
         raise ValueError(
             "`jit_compile` compiles a SavedModel's loop with XLA; ONNX and "
             "LiteRT runtimes run their own graphs. Received: jit_compile=True, "

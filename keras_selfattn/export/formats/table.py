@@ -53,6 +53,8 @@ class FormatRow:
             that works)}.
         generator: Whether a generator (its loop in the graph) exports to
             this format (`export_generator`, the command line's `--generate`).
+        jit_compile: Whether its runtime runs a generator's loop compiled
+            with XLA (`export_generator`'s `jit_compile`).
         cli_options: {option of the format's `check_options`: the command
             line's argument holding it}; "name" is the command's model name.
         no_quantized_decoding: Why a quantized model's decoding step or
@@ -84,6 +86,7 @@ class FormatRow:
     options: tuple[str, ...] = ()
     decoding_refused: Mapping[str, str] = dataclasses.field(default_factory=dict)
     generator: bool = False
+    jit_compile: bool = False
     cli_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
     no_quantized_decoding: str | None = None
     runtime_imports: tuple[str, ...] = ()
@@ -127,6 +130,7 @@ SAVED_MODEL = FormatRow(
     half=("float16", "bfloat16"),
     options=("name", "version", "warmup", "models_config"),
     generator=True,
+    jit_compile=True,
     cli_options={"name": "name", "version": "version", "warmup": "warmup"},
     runtime_imports=("keras",),
 )
