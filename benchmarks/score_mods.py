@@ -4,9 +4,11 @@ Three measurements, each in a fresh process per Keras backend (TensorFlow,
 JAX, PyTorch; a backend that is not installed is skipped):
 
 - forward: one SelfAttention call (compiled: `tf.function`, `jax.jit`;
-  eager on PyTorch) at B8·T512, D=256, 4 heads, unmodified against ALiBi,
-  T5's relative bias, sinks and a soft-cap, interleaved; ratio = modified
-  time / unmodified time (1.3 is the target for the position biases);
+  eager on PyTorch, both as called, gradients recorded, and in
+  `torch.no_grad()`, as `predict` calls it) at B8·T512, D=256, 4 heads,
+  unmodified against ALiBi, T5's relative bias, sinks and a soft-cap,
+  interleaved; ratio = modified time / unmodified time, with gradients
+  recorded or not alike (1.3 is the target for the position biases);
 - memory: the peak resident memory of one chunked forward at T=16384
   (chunk 512), unmodified against ALiBi and T5's relative bias, each in a
   process of its own; ratio = modified / unmodified peak growth;
@@ -98,26 +100,41 @@ def _forward_rows(sizes: dict) -> list[dict]:
         .astype("float32")
     )
     x = keras.ops.convert_to_tensor(x)
+    torch = keras.backend.backend() == "torch"
     candidates = {}
     for name, arguments in {"unmodified": {}, **MODS}.items():
         layer = SelfAttention(num_heads=4, **arguments)
         layer(x[:, :2])
         fn = _compiled(lambda x, layer=layer: layer(x))
         candidates[name] = lambda fn=fn: keras.ops.convert_to_numpy(fn(x))
+        if torch:  # as `predict` calls it: no gradient recorded
+            candidates[f"{name}, no_grad"] = lambda fn=fn: _no_grad(fn, x)
     timed = interleave(candidates, rounds=sizes["rounds"])
-    probe = SelfAttention(num_heads=4)
-    base = timed.median("unmodified")
-    return [
-        {
-            "modification": name,
-            "path": SelfAttention(num_heads=4, **MODS.get(name, {})).implementation(x)
-            if name != "unmodified"
-            else probe.implementation(x),
-            "ms": round(timed.median(name) * 1e3, 3),
-            "ratio_to_unmodified": round(timed.median(name) / base, 3),
-        }
-        for name in candidates
-    ]
+    rows = []
+    for name in candidates:
+        modification, _, no_grad = name.partition(", ")
+        base = timed.median("unmodified" + (", no_grad" if no_grad else ""))
+        layer = SelfAttention(num_heads=4, **MODS.get(modification, {}))
+        rows.append(
+            {
+                "modification": modification,
+                # Eager PyTorch records gradients unless told not to; the
+                # compiled calls of TensorFlow and JAX record none.
+                "gradients": "recorded" if torch and not no_grad else "not recorded",
+                "path": layer.implementation(x),
+                "ms": round(timed.median(name) * 1e3, 3),
+                "ratio_to_unmodified": round(timed.median(name) / base, 3),
+            }
+        )
+    return rows
+
+
+def _no_grad(fn, x):
+    import keras
+    import torch
+
+    with torch.no_grad():
+        return keras.ops.convert_to_numpy(fn(x))
 
 
 def _peak_child(modification: str, sizes: dict) -> float:
