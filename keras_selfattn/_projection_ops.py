@@ -24,6 +24,7 @@ if _BACKEND == "tensorflow":
     import tensorflow as tf
 elif _BACKEND == "jax":
     import jax
+    import jax.numpy as jnp
 elif _BACKEND == "torch":
     import torch
 
@@ -272,6 +273,8 @@ def _swap_time_heads(x):
         return tf.transpose(x, _tf_constant((0, 2, 1, 3)))
     if _BACKEND == "torch":
         return torch.permute(x, (0, 2, 1, 3))
+    if _BACKEND == "jax":
+        return jnp.transpose(x, (0, 2, 1, 3))
     return ops.transpose(x, (0, 2, 1, 3))
 
 
@@ -281,14 +284,16 @@ def _reshape(x, shape: tuple[int, ...]):
         return tf.reshape(x, _tf_constant(shape))
     if _BACKEND == "torch":
         return torch.reshape(x, shape)
+    if _BACKEND == "jax":
+        return jnp.reshape(x, shape)
     return ops.reshape(x, shape)
 
 
 def _apply(projection, x, shape: tuple[int, ...]):
     """`projection.call(x)` for a plain call (`plain`), reshaped to `shape`
-    ((B, T, N) or (B, T, H, N // H)): on TensorFlow and PyTorch the ops
-    Keras's would run (TensorFlow's `tensordot`: a 2-D MatMul, then the
-    bias), without the Python around them."""
+    ((B, T, N) or (B, T, H, N // H)): the backend ops Keras's would run
+    (TensorFlow's `tensordot`: a 2-D MatMul, then the bias), without the
+    Python around them."""
     if _BACKEND == "tensorflow":
         batch, time, features = x.shape
         y = tf.matmul(_reshape(x, (batch * time, features)), projection.kernel.value)
@@ -301,6 +306,11 @@ def _apply(projection, x, shape: tuple[int, ...]):
         if projection.bias is not None:
             y = torch.add(y, projection.bias.value)
         return y if len(shape) == 3 else torch.reshape(y, shape)
+    if _BACKEND == "jax":
+        y = jnp.matmul(x, projection.kernel.value)
+        if projection.bias is not None:
+            y = jnp.add(y, projection.bias.value)
+        return y if len(shape) == 3 else jnp.reshape(y, shape)
     y = projection.call(x)
     return y if len(shape) == 3 else _reshape(y, shape)
 
