@@ -100,6 +100,10 @@ def _jax_attention(query, key, value, masks: Masks, scale: float, bias=None):
     def by_mask():
         return attend(mask=_nonempty_rows(padding[:, None, None, :]))
 
+    if not isinstance(right_padded, jax.core.Tracer):
+        # An eager call: its mask is known, so the branch is chosen here. A
+        # `lax.cond` of this call's closures would be compiled anew each call.
+        return by_lengths() if bool(right_padded) else by_mask()
     return jax.lax.cond(right_padded, by_lengths, by_mask)
 
 
