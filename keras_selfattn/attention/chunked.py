@@ -111,7 +111,8 @@ def chunked_attention(
         value: (B, H, T, V).
         masks: A `Masks`.
         scale: Multiplier of the raw scores.
-        chunk_size: Queries per block (C). Blocks are min(C, T) long.
+        chunk_size: Queries per block (C). Blocks are min(C, T) long
+            (C // 2 on TensorFlow when the scores get a bias).
         dropout: None or a `SeededDropout`.
         return_weights: False: the weights are never built whole
             (`dispatch.IMPLEMENTATIONS["chunked"]` rules it out).
@@ -198,6 +199,11 @@ def _blocks(query, key, value, masks, scale, chunk_size, dropout, mods):
     """`chunked_attention` of a non-empty sequence."""
     batch, num_heads, time, key_dim = ops.shape(query)
     value_dim = ops.shape(value)[3]
+    if keras.backend.backend() == "tensorflow" and mods is not None and mods.adds_bias:
+        # TensorFlow fuses nothing: a block's bias is a second tensor of its
+        # scores' size, and their sum a third. Half the queries per block
+        # keep the peak of three within the unmodified block's two.
+        chunk_size = max(1, chunk_size // 2)
     block = _minimum(chunk_size, time)
     num_blocks = (time + block - 1) // block
     span = _key_span(block, time, masks)
