@@ -11,7 +11,8 @@ JAX, PyTorch; a backend that is not installed is skipped):
   recorded or not alike (1.3 is the target for the position biases);
 - memory: the peak resident memory of one chunked forward at T=16384
   (chunk 512), unmodified against ALiBi and T5's relative bias, each in a
-  process of its own; ratio = modified / unmodified peak growth;
+  process of its own (on JAX the temporaries of its compiled program);
+  ratio = modified / unmodified peak growth;
 - packing: a training step (SelfAttention + MLP block, D=256, 4 heads,
   `compile`'s defaults) on 64 sequences of lengths drawn uniformly from 16
   to 512, padded to 512 (the layer's default path, a Keras mask) against
@@ -138,7 +139,11 @@ def _no_grad(fn, x):
 
 
 def _peak_child(modification: str, sizes: dict) -> float:
-    """MiB of peak resident memory one chunked forward adds, in a child."""
+    """MiB of peak memory one chunked forward adds, in a child: the growth
+    of the peak resident memory, or on JAX the temporaries XLA's compiled
+    program needs (its memory analysis): an eager JAX call's resident peak
+    includes compiling the long shape, which moved by 30 % between runs of
+    the same code."""
     code = f"""
 import resource, numpy as np, keras
 from keras_selfattn import SelfAttention
@@ -148,10 +153,15 @@ small = np.zeros((1, 8, {sizes["features"]}), "float32")
 keras.ops.convert_to_numpy(layer(small))
 x = np.random.default_rng(0).normal(size=(1, {sizes["long_time"]},
     {sizes["features"]})).astype("float32")
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-keras.ops.convert_to_numpy(layer(x))
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print((after - before) / 1024)
+if keras.backend.backend() == "jax":
+    import jax
+    compiled = jax.jit(lambda x: layer(x)).lower(x).compile()
+    print(compiled.memory_analysis().temp_size_in_bytes / 2**20)
+else:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    keras.ops.convert_to_numpy(layer(x))
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print((after - before) / 1024)
 """
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
