@@ -27,6 +27,8 @@ Shapes use B = batch, T = time, H = heads, K = key_dim, V = value_dim.
 
 from __future__ import annotations
 
+import functools
+
 import keras
 from keras import ops
 
@@ -53,6 +55,17 @@ def _nonempty_rows(mask):
     return ops.logical_or(mask, ops.logical_not(ops.any(mask, axis=-1, keepdims=True)))
 
 
+@functools.cache
+def _compiled_attention():
+    """`jax.nn.dot_product_attention` under `jax.jit`, its options static."""
+    import jax
+
+    return jax.jit(
+        jax.nn.dot_product_attention,
+        static_argnames=("scale", "is_causal", "local_window_size", "implementation"),
+    )
+
+
 def _jax_attention(query, key, value, masks: Masks, scale: float, bias=None):
     import jax
     import jax.numpy as jnp
@@ -63,9 +76,11 @@ def _jax_attention(query, key, value, masks: Masks, scale: float, bias=None):
     half = keras.backend.standardize_dtype(query.dtype) in ("float16", "bfloat16")
     implementations = ["cudnn", None] if half and on_gpu(query) else [None]
 
+    kernel = jax.nn.dot_product_attention
+
     def attend(**extra):
         def run(implementation):
-            return jax.nn.dot_product_attention(
+            return kernel(
                 query,
                 key,
                 value,
@@ -101,8 +116,10 @@ def _jax_attention(query, key, value, masks: Masks, scale: float, bias=None):
         return attend(mask=_nonempty_rows(padding[:, None, None, :]))
 
     if not isinstance(right_padded, jax.core.Tracer):
-        # An eager call: its mask is known, so the branch is chosen here. A
-        # `lax.cond` of this call's closures would be compiled anew each call.
+        # An eager call: its mask is known, so the branch is chosen here (a
+        # `lax.cond` of this call's closures would be compiled anew each
+        # call), and its kernel is compiled once per shape, not run op by op.
+        kernel = _compiled_attention()
         return by_lengths() if bool(right_padded) else by_mask()
     return jax.lax.cond(right_padded, by_lengths, by_mask)
 
