@@ -73,7 +73,9 @@ class CallPlan:
         return choose(
             masks,
             query_on_gpu=on_gpu(inputs),
-            single_query=inputs.shape[1] == 1,
+            # A plain bool: a symbolic size (torch.export's) would make a
+            # symbolic one, which the facts' cache would have to evaluate.
+            single_query=type(inputs.shape[1]) is int and inputs.shape[1] == 1,
             same_head_dims=dims.key_dim == dims.value_dim,
             dtype=self.compute_dtype,
             flash_attention=self.flash_attention,
