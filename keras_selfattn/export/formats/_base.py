@@ -217,12 +217,16 @@ class Format:
         self, options: Mapping[str, object], backend: str | None = None
     ) -> dict[str, object]:
         """The format's options, checked (none by default) for the backend
-        that writes the artifact (`require`'s `backend`).
+        that writes the artifact (`require`'s `backend`). Here: any option
+        set that the format's row does not name is refused; a format that
+        takes options checks their values after this.
 
         Raises:
             ValueError: for an option the format does not take.
         """
         for name, value in options.items():
+            if name in self.row.options:
+                continue
             if value is not None and value is not False:
                 raise ValueError(
                     f"{self.row.title} export takes no `{name}`. "

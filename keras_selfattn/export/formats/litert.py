@@ -143,9 +143,7 @@ class LiteRTFormat(Format):
         self, options: Mapping[str, object], backend: str | None = None
     ) -> dict[str, object]:
         """`shape`: the fixed (batch, time), required on torch."""
-        unknown = sorted(set(options) - set(self.row.options))
-        if unknown:
-            super().check_options({k: options[k] for k in unknown})
+        super().check_options(options)
         shape = check_shape(options.get("shape"))
         if shape is None and (backend or keras.backend.backend()) == "torch":
             raise ValueError(

@@ -159,9 +159,7 @@ class SavedModelFormat(Format):
         self, options: Mapping[str, object], backend: str | None = None
     ) -> dict[str, object]:
         """`name` (required), `version`, `warmup`, `models_config`."""
-        unknown = sorted(set(options) - set(self.row.options))
-        if unknown:
-            super().check_options({k: options[k] for k in unknown})
+        super().check_options(options)
         if options.get("name") is None:
             raise ValueError("A SavedModel export needs `name`. Received: name=None")
         return {

@@ -135,9 +135,7 @@ class OnnxFormat(Format):
     ) -> dict[str, object]:
         """`opset` (13 to 18), `fuse_attention` (TensorFlow only) and
         `int8_matmul` (`ANY_CPU`, the default, or `VNNI`)."""
-        unknown = sorted(set(options) - set(self.row.options))
-        if unknown:
-            super().check_options({k: options[k] for k in unknown})
+        super().check_options(options)
         fuse = _checks.boolean("fuse_attention", options.get("fuse_attention", False))
         backend = backend or keras.backend.backend()
         if fuse and backend != FUSED_BACKEND:
