@@ -6,7 +6,8 @@ so a lazy import counts like any other. Layers, lowest first: the layer
 itself (`keras_selfattn` outside `serving` and `export`), `serving`,
 `export`, the command line (`keras_selfattn_cli`); inside `export`, the
 formats never import what checks and stages them (`verify`, `pipeline`,
-the public exporters). The command line's table module is read by path,
+the public exporters). A private module (`_name`) is imported only from
+inside its own package. The command line's table module is read by path,
 without importing `keras_selfattn` (tested in test_cli_startup.py).
 """
 
@@ -166,3 +167,35 @@ def test_a_circle_is_found():
     """The detector itself finds a circle and a chain's absence of one."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _private_owner(module: str) -> str | None:
+    """The package a private module (`_name`, at any depth) belongs to:
+    the modules inside it may import it, no other."""
+    parts = module.split(".")
+    for index, part in enumerate(parts):
+        if part.startswith("_") and index:
+            return ".".join(parts[:index])
+    return None
+
+
+def test_no_private_module_is_imported_from_another_package():
+    crossing = sorted(
+        f"{source} -> {target}"
+        for source, targets in _edges().items()
+        for target in targets
+        if (owner := _private_owner(target))
+        and not source.startswith(f"{owner}.")
+        and source != owner
+    )
+    assert crossing == []
+
+
+def test_a_private_import_across_packages_is_found():
+    """The rule sees a package reaching into another's private module, and
+    lets a package's own modules (its subpackages too) in."""
+    owner = _private_owner("keras_selfattn.export.formats._base")
+    assert owner == "keras_selfattn.export.formats"
+    assert not "keras_selfattn.export._generator_writer".startswith(f"{owner}.")
+    assert "keras_selfattn.export.formats.onnx.format".startswith(f"{owner}.")
+    assert _private_owner("keras_selfattn.export.verify") is None
