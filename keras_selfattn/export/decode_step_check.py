@@ -5,7 +5,7 @@ Keras's cached calls, and those against the model's full forward."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import keras
 import numpy as np
@@ -112,6 +112,7 @@ def verify_decode_step(
     litert_path: str | os.PathLike | None = None,
     openvino_path: str | os.PathLike | None = None,
     torch_path: str | os.PathLike | None = None,
+    paths: Mapping[str, str | os.PathLike] | None = None,
     schedules: Sequence[tuple[int, int]] = DEFAULT_SCHEDULES,
     atol: float = DEFAULT_ATOL,
     rtol: float = DEFAULT_RTOL,
@@ -132,7 +133,9 @@ def verify_decode_step(
       runtime (caches fed back there).
 
     With no export given, only the "keras_cache" rows are computed
-    (whether the model decodes at all).
+    (whether the model decodes at all). The exports are given by their
+    keywords (`saved_model_dir`, `onnx_path`, ... as in `verify`) or by
+    `paths`, {format: path}, as in `verify`.
 
     Returns:
         The `ParityReport`, every row within |err| <= atol + rtol |keras|.
@@ -145,7 +148,7 @@ def verify_decode_step(
     atol = check_tolerance("atol", atol)
     rtol = check_tolerance("rtol", rtol)
     paths = artifact_paths(
-        saved_model_dir, onnx_path, litert_path, openvino_path, torch_path
+        saved_model_dir, onnx_path, litert_path, openvino_path, torch_path, paths=paths
     )
     artifacts = (
         {} if all(p is None for p in paths.values()) else collect_artifacts(paths)

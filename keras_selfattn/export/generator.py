@@ -65,14 +65,15 @@ import keras
 from keras_selfattn.export import _generator_writer, formats, pipeline
 from keras_selfattn.export.decode_step_graph import refuse_quantized
 from keras_selfattn.export.formats import table
-from keras_selfattn.export.generator_check import PAIR_RUNTIME, verify_generator
+from keras_selfattn.export.generator_check import (
+    FORMATS,
+    PAIR_RUNTIME,
+    verify_generator,
+)
 from keras_selfattn.export.generator_graph import Generator, build_generator
 
 # What importers of `export_generator` find here besides it: its check.
 __all__ = ["FORMATS", "PAIR_RUNTIME", "export_generator", "verify_generator"]
-
-# Formats a generator can be written in (by TensorFlow, from every backend).
-FORMATS = tuple(row.name for row in table.ROWS if row.generator)
 
 
 def export_generator(

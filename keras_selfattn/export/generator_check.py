@@ -5,6 +5,7 @@ LiteRT file's "prefill" and "decode" pair generating one token a call."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import keras
 import numpy as np
@@ -34,6 +35,8 @@ from keras_selfattn.export.parity.report import ParityReport, finish_report
 from keras_selfattn.export.parity.rules import ParityRow, parity_row
 from keras_selfattn.generation import generate
 
+# Formats a generator can be written in (by TensorFlow, from every backend).
+FORMATS = tuple(row.name for row in table.ROWS if row.generator)
 # The check's report row of the LiteRT pair generating.
 PAIR_RUNTIME = "litert prefill/decode"
 # The checks' generations: greedy, then seeded top-k / top-p with an end.
@@ -165,6 +168,7 @@ def verify_generator(
     *,
     max_length: int,
     litert_path: str | os.PathLike | None = None,
+    paths: Mapping[str, str | os.PathLike] | None = None,
     seed: int = 0,
 ) -> ParityReport:
     """Runs exported generators in fresh processes of their runtimes and
@@ -173,7 +177,8 @@ def verify_generator(
     models: values within float32 rounding, 1e-5). A LiteRT file also
     generates through its "prefill" and "decode" signatures (`pair_run`;
     report row "litert prefill/decode"), whose greedy tokens must be
-    generate's.
+    generate's. The generators are given by their keywords or by `paths`,
+    {format: path} of `FORMATS`, as in `verify`.
 
     Returns:
         The `ParityReport`.
@@ -182,7 +187,15 @@ def verify_generator(
         ParityError: if any output differs, or an export's names differ.
     """
     generator = build_generator(model, max_length)
-    paths = artifact_paths(saved_model_dir, onnx_path, litert_path, None, None)
+    paths = artifact_paths(
+        saved_model_dir,
+        onnx_path,
+        litert_path,
+        None,
+        None,
+        paths=paths,
+        formats=FORMATS,
+    )
     artifacts = collect_artifacts(paths)
     labelled = requests(generator, seed)
     labels = [label for label, _ in labelled]

@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable, Iterator
 
 from keras_selfattn.export import _files, formats
-from keras_selfattn.export.formats import Destination, Writer, table
+from keras_selfattn.export.formats import Destination, Writer
 from keras_selfattn.export.target import ExportTarget
 
 
@@ -81,12 +81,11 @@ def staged_check(
     **arguments: object,
 ) -> Callable[[str], object] | None:
     """The check `export` runs on a staged artifact: `verify(model,
-    **arguments)` with the staged path as the format's path argument
-    (`FormatRow.path_argument`); None when not `check`."""
+    **arguments)` with the staged path as its `paths`, {format: path}; None
+    when not `check`."""
     if not check:
         return None
-    path_argument = table.BY_NAME[export_format].path_argument
-    return lambda staged: verify(model, **arguments, **{path_argument: staged})
+    return lambda staged: verify(model, **arguments, paths={export_format: staged})
 
 
 def export(

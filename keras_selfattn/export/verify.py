@@ -136,6 +136,7 @@ def verify(
     litert_path: str | os.PathLike | None = None,
     openvino_path: str | os.PathLike | None = None,
     torch_path: str | os.PathLike | None = None,
+    paths: Mapping[str, str | os.PathLike] | None = None,
     shapes: Sequence[tuple[int, int]] | None = None,
     attention_outputs: str | Mapping[str, str] | None = None,
     atol: float = DEFAULT_ATOL,
@@ -163,6 +164,9 @@ def verify(
         litert_path: A LiteRT (.tflite) file, or None.
         openvino_path: An OpenVINO IR (.xml, with its .bin beside it), or None.
         torch_path: A torch.export program (.pt2), or None.
+        paths: More artifacts, {format: path} (`formats.table.NAMES`:
+            `{"onnx": "model.onnx"}` is `onnx_path="model.onnx"`); a format
+            given here and by its keyword is refused.
         shapes: (batch, time) pairs. Defaults to
             ((1, 1), (2, 33), (3, 128), (2, 512)). A quantized model's rules
             compare typical errors: where its outputs have fewer than 256
@@ -203,9 +207,11 @@ def verify(
     >>> print(verify(model, onnx_path=path))  # doctest: +SKIP
     """
     paths = arguments.artifact_paths(
-        saved_model_dir, onnx_path, litert_path, openvino_path, torch_path
+        saved_model_dir, onnx_path, litert_path, openvino_path, torch_path, paths=paths
     )
-    artifacts = engine.collect_artifacts(paths, openvino_precision)
+    artifacts = engine.collect_artifacts(
+        paths, {"openvino_precision": openvino_precision}
+    )
     default = shapes is None
     shapes = arguments.check_shapes(DEFAULT_SHAPES if default else shapes)
     atol = arguments.check_tolerance("atol", atol)

@@ -35,10 +35,47 @@ def check_shapes(shapes) -> tuple[tuple[int, int], ...]:
     return tuple((shape[0], shape[1]) for shape in shapes)
 
 
-def artifact_paths(*paths: str | os.PathLike | None) -> dict:
-    """{format: path or None} of the artifact arguments of `verify` and
-    `verify_decode_step`, given in `PATH_ARGUMENT`'s order."""
-    return dict(zip(PATH_ARGUMENT, paths, strict=True))
+def artifact_paths(
+    *keywords: str | os.PathLike | None,
+    paths: Mapping[str, str | os.PathLike | None] | None = None,
+    formats: Sequence[str] = table.NAMES,
+) -> dict[str, str | os.PathLike | None]:
+    """{format: path or None} of a check's artifacts, every format a key.
+
+    Args:
+        *keywords: The check's artifact keywords (`saved_model_dir`,
+            `onnx_path`, ...), in `PATH_ARGUMENT`'s order.
+        paths: The check's `paths` argument, {format: artifact}: any format
+            of `formats`, with or without a keyword of its own.
+        formats: The formats the check runs (`paths` may name only these).
+
+    Raises:
+        ValueError: if `paths` is not a mapping of formats the check runs,
+            or names a format whose keyword was given too.
+    """
+    merged = dict(zip(PATH_ARGUMENT, keywords, strict=True))
+    if paths is None:
+        return merged
+    if not isinstance(paths, Mapping):
+        raise ValueError(
+            f"`paths` must be a mapping {{format: path}}. Received: paths={paths!r}"
+        )
+    for name, path in paths.items():
+        if name not in formats:
+            raise ValueError(
+                f"`paths` must name formats among {tuple(formats)}; "
+                f"{name!r} is not one. Received: paths={dict(paths)!r}"
+            )
+        if path is None:
+            continue
+        if merged[name] is not None:
+            raise ValueError(
+                f"The {name!r} artifact is given twice: by `{PATH_ARGUMENT[name]}` "
+                f"and by `paths`. Received: {PATH_ARGUMENT[name]}="
+                f"{merged[name]!r}, paths={dict(paths)!r}"
+            )
+        merged[name] = path
+    return merged
 
 
 def check_paths(paths: Mapping[str, str | os.PathLike | None]) -> None:
