@@ -8,6 +8,8 @@
 - `export_litert` (.tflite; TensorFlow, torch at fixed shapes),
   `export_openvino` (.xml + .bin; TensorFlow, torch), `export_torch` (.pt2;
   torch).
+- `export(model, path, format, **options)`: any of these by the format's
+  name, its options as keywords (Keras's `model.export` shape).
 - `export_decode_step` (any format), `export_decode_step_saved_model`,
   `export_decode_step_onnx`, `verify_decode_step`: a decoding step (new
   positions + one key/value cache per causal SelfAttention + index ->
@@ -41,6 +43,7 @@ from keras_selfattn.export.decode_step import (
     verify_decode_step,
 )
 from keras_selfattn.export.exporters import (
+    export,
     export_litert,
     export_onnx,
     export_openvino,
@@ -56,6 +59,7 @@ __all__ = [
     "ParityError",
     "ParityReport",
     "ParityRow",
+    "export",
     "export_decode_step",
     "export_decode_step_onnx",
     "export_decode_step_saved_model",

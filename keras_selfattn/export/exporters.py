@@ -1,4 +1,5 @@
-"""The public exporters of a model's forward pass, one per format.
+"""The public exporters of a model's forward pass: one per format, and
+`export` for any format by its name.
 
 Each checks its destination, stages the model's `Endpoint` in its format
 (`formats`), checks the staged artifact against Keras in a fresh process of
@@ -53,6 +54,67 @@ def _export(
         **runtime_options,
     )
     return pipeline.export(endpoint.target(), destination, checked)
+
+
+def export(
+    model: keras.Model,
+    path: str | os.PathLike,
+    format: str,
+    *,
+    attention_outputs: str | Mapping[str, str] | None = None,
+    check: bool = True,
+    atol: float = DEFAULT_ATOL,
+    rtol: float = DEFAULT_RTOL,
+    precision: str = "float32",
+    **options: object,
+) -> str:
+    """Exports `model`'s forward pass in any format (`formats.table.NAMES`).
+
+    The shape of Keras's `model.export(filepath, format=...)`: the same
+    export, staging and check as the format's own exporter
+    (`export_saved_model`, `export_onnx`, ...), with its options as keywords.
+
+    Args:
+        model: A Functional or Sequential model with named `keras.Input`s.
+        path: The SavedModel base dir ("saved_model") or the file to create.
+        format: "saved_model", "onnx", "litert", "openvino" or "torch".
+        attention_outputs, check, atol, rtol, precision: As in
+            `export_saved_model`.
+        **options: The format's options (`FormatRow.options`): `name`,
+            `version`, `warmup`, `models_config` for a SavedModel
+            (`name` required); `opset`, `fuse_attention`, `int8_matmul` for
+            ONNX; `shape` for LiteRT.
+
+    Returns:
+        The version folder or the file.
+
+    Raises:
+        ValueError: for an unknown format (naming the known ones), an
+            option the format does not take, or as its exporter does.
+        FileExistsError: if the target exists.
+        ParityError: if the check fails (nothing is left on disk).
+
+    Example:
+
+    >>> from keras_selfattn.export import export  # doctest: +SKIP
+    >>> export(model, "artifacts/model.onnx", "onnx", opset=17)  # doctest: +SKIP
+    'artifacts/model.onnx'
+    """
+    if format not in table.BY_NAME:
+        raise ValueError(
+            f"`format` must be one of {table.NAMES}. Received: format={format!r}"
+        )
+    return _export(
+        table.BY_NAME[format],
+        model,
+        path,
+        attention_outputs,
+        check,
+        atol,
+        rtol,
+        precision,
+        **options,
+    )
 
 
 def _require_half(row: table.FormatRow, endpoint: Endpoint) -> None:
