@@ -14,6 +14,7 @@ from keras_selfattn import (
     _outputs,
     _projection_ops,
     _score_weights,
+    tracing,
 )
 from keras_selfattn import projections as projections_lib
 from keras_selfattn.attention import (
@@ -294,7 +295,7 @@ class SelfAttention(
             output = ops.multiply(output, ops.cast(ops.sigmoid(gate), output.dtype))
         if self.output_dim is not None:
             output = _projection_ops.project(self, output, "output", plain)
-        if not cache_lib.is_checked_by_caller():
+        if not tracing.active(tracing.CHECKED_BY_CALLER):
             output, weights = _outputs.zero_unattending(inputs, masks, output, weights)
         if decoding:
             return guard.output(output), cache

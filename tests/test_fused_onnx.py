@@ -19,7 +19,7 @@ import pytest
 from keras_selfattn import SelfAttention
 from keras_selfattn.export import export_onnx, verify
 from keras_selfattn.export.formats.onnx.fused import FUSED_OPSET, collect_log
-from keras_selfattn.fusable_core import FUSABLE_CORE_SCOPE
+from keras_selfattn.tracing import FUSABLE_CORE_SCOPE
 from keras_selfattn_cli import main as cli_main
 from tests import model_zoo
 

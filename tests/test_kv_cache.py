@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_selfattn import SelfAttention
+from keras_selfattn import SelfAttention, tracing
 from tests.backend import BACKEND, compiled, to_numpy
 from tests.reference import for_layer
 
@@ -307,7 +307,7 @@ def test_time_major_caches_decode_as_the_reference(config, padded):
     @tf.function
     def step(x, cache, index):
         assert cache_lib.views_pay()
-        with cache_lib.checked_by_caller(), cache_lib.time_major():
+        with tracing.traced_as(tracing.CHECKED_BY_CALLER, tracing.TIME_MAJOR):
             return layer(x, cache=cache, cache_update_index=index, **masks)
 
     outputs = [to_numpy(prefix)]

@@ -1,6 +1,6 @@
 """The key/value cache for decoding: its layout, and the one door callers
-use to its checks (`cache_checks`), its writes (`cache_writes`) and the
-flags of how cached calls are traced (`cache_modes`).
+use to its checks (`cache_checks`), its writes (`cache_writes`) and its
+layout under the modes of `keras_selfattn.tracing` (`cache_modes`).
 
 A cache holds the keys and values of every position decoded so far, in one
 tensor of shape `(batch, 2, max_length, num_key_value_heads, key_dim)`:
@@ -24,11 +24,7 @@ from keras_selfattn.attention.cache_checks import (
     index_of,
 )
 from keras_selfattn.attention.cache_modes import (
-    checked_by_caller,
-    is_checked_by_caller,
-    is_time_major,
     max_length,
-    time_major,
     to_time_major,
     views_pay,
 )
@@ -40,14 +36,10 @@ __all__ = [
     "check_call",
     "check_dtype",
     "check_no_index",
-    "checked_by_caller",
     "empty",
     "index_of",
-    "is_checked_by_caller",
-    "is_time_major",
     "max_length",
     "shape",
-    "time_major",
     "to_time_major",
     "update",
     "views_pay",

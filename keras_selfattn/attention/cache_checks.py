@@ -18,6 +18,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_selfattn import tracing
 from keras_selfattn.attention import cache_modes
 
 
@@ -26,7 +27,7 @@ def check(cache, num_heads: int, head_dim: int, dtype: str, layer_name: str) -> 
     the layer's compute dtype `dtype`."""
     cache_shape = tuple(cache.shape)
     expected = (None, 2, None, num_heads, head_dim)
-    if cache_modes.is_time_major():
+    if tracing.active(tracing.TIME_MAJOR):
         expected = (2, None, None, num_heads, head_dim)
     if len(cache_shape) != 5 or any(
         want is not None and isinstance(have, int) and have != want
@@ -184,8 +185,8 @@ class Guard:
     def of(cls, inputs, cache, index, layer_name: str) -> Guard:
         """The checks of `index` (a Python int already range-checked, or an
         int32 tensor), the inputs' batch and time, and the cache's shape;
-        none within `checked_by_caller()`."""
-        if cache_modes.is_checked_by_caller():
+        none in `tracing.CHECKED_BY_CALLER`."""
+        if tracing.active(tracing.CHECKED_BY_CALLER):
             return cls(inputs, cache, None)
         batch, new = tuple(inputs.shape)[:2]
         cache_shape = tuple(cache.shape)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import keras
 from keras import ops
 
-from keras_selfattn import _converting
+from keras_selfattn import tracing
 from keras_selfattn.attention import cache_modes, masks, nan_safe
 from keras_selfattn.attention.cache_checks import is_static, size
 
@@ -27,10 +27,10 @@ class WriteFacts:
 
     Attributes:
         backend: The Keras backend.
-        time_major: Whether the call is traced within `time_major()`.
+        time_major: Whether the call is traced in `tracing.TIME_MAJOR`.
         symbolic_length: Whether JAX traces the number of new positions as
             a symbol (shape-polymorphic export).
-        gathered: Whether the call is traced within `gathered_writes()`.
+        gathered: Whether the call is traced in `tracing.GATHERED_WRITES`.
         guarded: Whether a run-time check may refuse the write (`valid`).
         converter: Whether TensorFlow traces it for a converter.
         outside_xla: Whether it is traced into a TensorFlow graph that XLA
@@ -51,11 +51,11 @@ class WriteFacts:
         backend = keras.backend.backend()
         return cls(
             backend=backend,
-            time_major=cache_modes.is_time_major(),
+            time_major=tracing.active(tracing.TIME_MAJOR),
             symbolic_length=backend == "jax" and not is_static(ops.shape(key)[1]),
-            gathered=cache_modes.is_gathered_writes(),
+            gathered=tracing.active(tracing.GATHERED_WRITES),
             guarded=valid is not None,
-            converter=_converting.tracing_for_converter(),
+            converter=tracing.active(tracing.FOR_CONVERTER),
             outside_xla=cache_modes.outside_xla(),
         )
 
@@ -130,7 +130,8 @@ def _write_in_place(cache, key, value, index, valid):
     at `index`, in the cache's own buffer (`_tf_write_in_place`)."""
     if key.shape[1] != 1:
         raise ValueError(
-            "cache.time_major() decodes one position per call. Received: "
+            "A time-major cache (tracing.TIME_MAJOR) decodes one position per "
+            "call. Received: "
             f"key.shape={tuple(key.shape)}"
         )
     new = ops.cast(ops.stack([key, value], axis=0), cache.dtype)  # (2, B, 1, G, K)
@@ -178,7 +179,7 @@ WRITES = {
             (
                 lambda f: not (f.symbolic_length or f.gathered),
                 "a slice fits a known number of new positions, and no "
-                "converter asked for gathers (gathered_writes())",
+                "converter asked for gathers (tracing.GATHERED_WRITES)",
             ),
         ),
     ),
@@ -192,7 +193,7 @@ WRITES = {
             ),
             (
                 # TensorFlow's converters take XlaDynamicUpdateSlice, not
-                # TensorStridedSliceUpdate (`_converting`).
+                # TensorStridedSliceUpdate (`tracing.FOR_CONVERTER`).
                 lambda f: f.converter,
                 "TensorFlow's converters take no TensorStridedSliceUpdate",
             ),
@@ -269,7 +270,7 @@ def update(cache, key, value, index, valid=None, padding=None):
     """Writes the new positions' keys and values into the cache.
 
     Args:
-        cache: `(B, 2, L, G, K)`, or within `time_major()` `(2, L, B, G,
+        cache: `(B, 2, L, G, K)`, or in `tracing.TIME_MAJOR` `(2, L, B, G,
             K)` (then one new position, and the keys and values returned
             are those of positions `0 .. index`, `(index + 1, B, G, K)`).
         key: `(B, Tn, G, K)`, the keys of positions `index .. index + Tn - 1`.
@@ -289,7 +290,7 @@ def update(cache, key, value, index, valid=None, padding=None):
         holds there, so their values (NaN, inf) change no output.
     """
     cache = choose(WriteFacts.of(key, valid)).fn(cache, key, value, index, valid)
-    if cache_modes.is_time_major():
+    if tracing.active(tracing.TIME_MAJOR):
         # The keys and values of positions 0 .. index, (index + 1, B, G, K).
         end = ops.add(index, 1)
         return cache, cache[0][:end], cache[1][:end]
@@ -304,15 +305,15 @@ def update(cache, key, value, index, valid=None, padding=None):
         length = end if end < max_length else None
     elif cache_modes.outside_xla():
         # At least one key: an index out of range returns NaN (`Guard`);
-        # within `checked_by_caller()` none is.
+        # in `tracing.CHECKED_BY_CALLER` none is.
         length = end
-        if not cache_modes.is_checked_by_caller():
+        if not tracing.active(tracing.CHECKED_BY_CALLER):
             length = ops.minimum(ops.maximum(end, 1), max_length)
     else:
         positions = masks.positions(max_length)
         visible = ops.expand_dims(ops.less(positions, end), 0)
     keys, values = cache[:, 0, :length], cache[:, 1, :length]
-    if cache_modes.is_checked_by_caller():
+    if tracing.active(tracing.CHECKED_BY_CALLER):
         # The caller's caches read zero wherever no query may attend.
         padding, visible = None, None
     if padding is not None:
@@ -331,7 +332,7 @@ def _tf_write_in_place(cache, new, index):
     which also writes in place when it may, took about 100 (batch 8, 8
     heads of 32; either way whatever `L` is). InplaceUpdate writes into
     its input even where other ops still read it, so it is for caches that
-    only this write reads: within `time_major()`, each step's cache goes
+    only this write reads: in `tracing.TIME_MAJOR`, each step's cache goes
     from the loop into one layer's write, which the step's reads follow
     (the views end at `index`; the next step writes after them)."""
     import tensorflow as tf

@@ -1,30 +1,22 @@
 """The static facts of a call that decide its implementation (`CallFacts`),
-and the tracing contexts they read: `exact_unchunked()` and PyTorch's
-export tracers (`exporting()`)."""
+and the tracing contexts they read: the modes of `keras_selfattn.tracing`
+(`exact_unchunked()` its public shortcut) and PyTorch's export tracers
+(`exporting()`)."""
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
-from collections.abc import Iterator
 
 import keras
 
-from keras_selfattn.attention import cache
+from keras_selfattn import tracing
 from keras_selfattn.attention.masks import Masks
 
-# Set within `exact_unchunked()`; a ContextVar, so other threads and
-# asyncio tasks that did not enter the context keep the chunked path.
-_EXACT_UNCHUNKED: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "keras_selfattn_exact_unchunked", default=False
-)
 
-
-@contextlib.contextmanager
-def exact_unchunked() -> Iterator[None]:
+def exact_unchunked() -> contextlib.AbstractContextManager[None]:
     """Within this context, calls take an exact unchunked path, never the
-    chunked one.
+    chunked one: `tracing.traced_as(tracing.EXACT_UNCHUNKED)`.
 
     For exporters whose format cannot hold the chunked path (a loop over
     blocks): enter it around the tracing of the exported function, so the
@@ -42,16 +34,7 @@ def exact_unchunked() -> Iterator[None]:
     >>> with dispatch.exact_unchunked():  # doctest: +SKIP
     ...     model.export("model.tflite", format="litert")
     """
-    token = _EXACT_UNCHUNKED.set(True)
-    try:
-        yield
-    finally:
-        _EXACT_UNCHUNKED.reset(token)
-
-
-def unchunked_requested() -> bool:
-    """Whether the call is made within `exact_unchunked()`."""
-    return _EXACT_UNCHUNKED.get()
+    return tracing.traced_as(tracing.EXACT_UNCHUNKED)
 
 
 def exporting() -> bool:
@@ -85,13 +68,13 @@ class CallFacts:
         dropout: Whether dropout is active in this call.
         return_weights: Whether the weights are returned.
         exporting: Whether PyTorch is tracing the call for export.
-        unchunked: Whether the call is made within `exact_unchunked()`.
+        unchunked: Whether the call is made in `tracing.EXACT_UNCHUNKED`.
         chunk_size: The layer's `chunk_size`.
         flash_attention: The layer's `flash_attention`, or where that is
             None, `keras.config.is_flash_attention_enabled()`: None
             (automatic), True (required) or False (never).
         time_major_cache: Whether the call is traced within
-            `cache.time_major()` (its keys and values come time-major).
+            `tracing.TIME_MAJOR` (its keys and values come time-major).
         score_mods: The names of the call's score modifications
             (`score_mods.ScoreMods.names`).
         segments: Whether the call has `segment_ids`.
@@ -166,10 +149,10 @@ class CallFacts:
             dropout=dropout,
             return_weights=return_weights,
             exporting=exporting(),
-            unchunked=unchunked_requested(),
+            unchunked=tracing.active(tracing.EXACT_UNCHUNKED),
             chunk_size=chunk_size,
             flash_attention=flash_attention,
-            time_major_cache=cache.is_time_major(),
+            time_major_cache=tracing.active(tracing.TIME_MAJOR),
             score_mods=score_mods,
             segments=masks.segments is not None,
             training=training,

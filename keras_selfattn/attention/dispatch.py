@@ -56,7 +56,6 @@ from keras_selfattn.attention.call_facts import (
     CallFacts,
     exact_unchunked,
     exporting,
-    unchunked_requested,
 )
 from keras_selfattn.attention.masks import Masks
 
@@ -68,7 +67,6 @@ __all__ = [
     "choose",
     "exact_unchunked",
     "exporting",
-    "unchunked_requested",
 ]
 
 # What an implementation cannot do: a predicate over the facts, and the

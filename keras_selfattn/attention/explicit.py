@@ -13,7 +13,7 @@ from keras import ops
 from keras_selfattn import _checks
 from keras_selfattn.attention import masks as masks_lib
 from keras_selfattn.attention import score_mods
-from keras_selfattn.fusable_core import FUSABLE_CORE_SCOPE
+from keras_selfattn.tracing import FUSABLE_CORE_SCOPE
 
 # Softmax always runs in float32; this is float32's lowest finite value, so
 # masked scores never overflow and a fully masked row never becomes NaN.

@@ -14,7 +14,7 @@ per position in their group, each broadcasting the query over time only:
 with one product broadcasting both over time and over the group, the
 attention of one step took 1.7x as long on TensorFlow's CPU kernels (batch
 8, 288 keys, 2 key/value heads of 2 query heads each, timed in a loop).
-Within `cache.time_major()` (the generation loop's steps in a TensorFlow
+In `tracing.TIME_MAJOR` (the generation loop's steps in a TensorFlow
 graph) keys and values come time-major, `(Tk, B, H_kv, D)`, views of the
 cache: the same products, reduced over the leading axis.
 
@@ -113,7 +113,7 @@ def single_query_attention(
         grouped_key_value: True: key and value keep their H_kv heads (with
             H_kv == H when the caller repeated them).
         time_major: Whether key and value come time-major (a cache read
-            within `cache.time_major()`).
+            in `tracing.TIME_MAJOR`).
         mods: None or a `score_mods.ScoreMods` without an `attention_bias`
             (the soft-cap, the position bias of the query at `query_offset`,
             the sinks).

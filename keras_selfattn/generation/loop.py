@@ -18,7 +18,7 @@ generators carry into their graphs (a `tf.while_loop` on TensorFlow, a
    token t. A row that emitted `end_token` has ended: its later slots hold
    -1 (as do all slots from `steps` on) and its length counts the end token.
    In a TensorFlow graph without XLA the steps carry the caches time-major
-   (`cache.time_major()`), where the keys and values written so far are
+   (`tracing.TIME_MAJOR`), where the keys and values written so far are
    read as views of the cache instead of copies, and each step writes into
    the caches' own buffers.
 
@@ -29,13 +29,13 @@ the next input.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Sequence
 
 import keras
 from keras import ops
 
+from keras_selfattn import tracing
 from keras_selfattn.attention import cache, nan_safe
 from keras_selfattn.generation import cached_model, random_stream, sampling
 
@@ -101,11 +101,6 @@ def _written(buffer, t, values):
     return ops.where(ops.expand_dims(here, 0), ops.expand_dims(values, 1), buffer)
 
 
-def _time_major(on: bool):
-    """`cache.time_major()` where `on`, else no context."""
-    return cache.time_major() if on else contextlib.nullcontext()
-
-
 def _empty_cache(layer, batch, max_length: int):
     """`layer.empty_cache` for a batch size that may be a traced scalar."""
     shape = tuple(layer.empty_cache(1, max_length).shape)[1:]
@@ -169,13 +164,15 @@ def run(
 
     output, caches = cached_model.run_cached(model, layers, moved, caches, 0, padding)
     # Padded slots to zeros: the steps' caches then read zero wherever no
-    # query may attend, which `cache.checked_by_caller()` requires.
+    # query may attend, which `tracing.CHECKED_BY_CALLER` requires.
     slots = ops.expand_dims(padding, (1, 3, 4))
     caches = [nan_safe.zero_unless(slots, c) for c in caches]
     # The steps read time-major caches where that saves copies.
     time_major = cache.views_pay()
+    step_modes = (tracing.CHECKED_BY_CALLER,)
     if time_major:
         caches = [cache.to_time_major(c) for c in caches]
+        step_modes += (tracing.TIME_MAJOR,)
     first = choose(output, 0)
     if tokens:
         generated = ops.full((batch, capacity), NOT_GENERATED, dtype="int32")
@@ -199,7 +196,7 @@ def run(
         # cache (callers check steps), so the layers check nothing; the
         # caches hold zeros in every slot no query may attend, and the fed
         # position is never padding.
-        with cache.checked_by_caller(), _time_major(time_major):
+        with tracing.traced_as(*step_modes):
             output, caches = cached_model.run_cached(
                 model, layers, fed, list(caches), ops.add(width - 1, t), padding
             )

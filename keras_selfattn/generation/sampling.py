@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from keras import ops
 
-from keras_selfattn import _converting
+from keras_selfattn import tracing
 from keras_selfattn.attention import nan_safe
 
 
@@ -52,7 +52,7 @@ def next_token(logits, uniform, temperature, top_k, top_p):
     logits = ops.cast(logits, "float32")
     greedy = _first_index(ops.equal(logits, ops.max(logits, axis=-1, keepdims=True)))
     sampling = ops.greater(temperature, 0.0)
-    if _converting.tracing_for_converter():
+    if tracing.active(tracing.FOR_CONVERTER):
         positive = ops.where(sampling, temperature, 1.0)
         sampled = _sampled(logits, uniform, positive, top_k, top_p)
         return ops.where(sampling, sampled, greedy)

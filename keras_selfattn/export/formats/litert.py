@@ -32,8 +32,7 @@ from collections.abc import Mapping, Sequence
 import keras
 import numpy as np
 
-from keras_selfattn import _converting
-from keras_selfattn.attention import dispatch
+from keras_selfattn import tracing
 from keras_selfattn.export import quantization
 from keras_selfattn.export.formats import litert_signatures, table
 from keras_selfattn.export.formats._base import ExportError, Format, converting
@@ -191,10 +190,9 @@ class LiteRTFormat(Format):
         with (
             converting(self.row.title, self.advice),
             target.traced(self.quantized_form),
-            dispatch.exact_unchunked(),
             # Ops the converter takes (a decoding step's cache write as
             # XlaDynamicUpdateSlice, its dynamic_update_slice).
-            _converting.for_converter(),
+            tracing.traced_as(tracing.EXACT_UNCHUNKED, tracing.FOR_CONVERTER),
             warnings.catch_warnings(),
         ):
             warnings.simplefilter("ignore")

@@ -43,7 +43,7 @@ from collections.abc import Mapping
 import keras
 import numpy as np
 
-from keras_selfattn.attention import cache_modes
+from keras_selfattn import tracing
 from keras_selfattn.export import quantization
 from keras_selfattn.export.formats import table
 from keras_selfattn.export.formats._base import Format, converting
@@ -248,7 +248,7 @@ class OpenVINOFormat(Format):
             if keras.backend.backend() == "tensorflow":
                 # A decoding step's cache write as a gather: OpenVINO has no
                 # conversion for TensorFlow's XlaDynamicUpdateSlice.
-                with cache_modes.gathered_writes():
+                with tracing.traced_as(tracing.GATHERED_WRITES):
                     function = target.tf_function().get_concrete_function()
                 model = openvino.convert_model(function)
                 # The function returns a dict: its outputs come in the order

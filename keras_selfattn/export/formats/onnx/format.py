@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import keras
 
-from keras_selfattn import _checks, _converting
+from keras_selfattn import _checks, tracing
 from keras_selfattn.export import quantization
 from keras_selfattn.export.formats import table
 from keras_selfattn.export.formats._base import Format, converting
@@ -194,7 +194,7 @@ class OnnxFormat(Format):
             if keras.backend.backend() == "tensorflow":
                 # Ops tf2onnx converts (a decoding step's cache write as
                 # XlaDynamicUpdateSlice, for `handlers`).
-                with _converting.for_converter():
+                with tracing.traced_as(tracing.FOR_CONVERTER):
                     proto = convert_to_onnx(target, opset)
             else:
                 keras_export(target, path, opset)

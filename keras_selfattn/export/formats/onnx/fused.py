@@ -1,7 +1,7 @@
 """Replaces each SelfAttention core in an ONNX graph by ONNX's Attention op.
 
 `SelfAttention` computes its full-attention core under the name scope
-`fusable_core.FUSABLE_CORE_SCOPE` (the contract with this pass): (B, H, T, K)
+`tracing.FUSABLE_CORE_SCOPE` (the contract with this pass): (B, H, T, K)
 query and key, (B, H, T, V) value, a bool mask broadcastable to (B, 1, T, T)
 and the layer's score modifications in, `softmax(mask(cap * tanh(Q K^T *
 scale / cap) + bias))` times V out, (B, H, T, V). tf2onnx keeps TensorFlow's
@@ -52,8 +52,8 @@ from onnx import TensorProto, helper, version_converter
 
 from keras_selfattn.export.formats.onnx import graph as og
 from keras_selfattn.export.formats.onnx.fused_core import Core, NotFusable, analyse
-from keras_selfattn.fusable_core import FUSABLE_CORE_SCOPE
 from keras_selfattn.self_attention import SelfAttention
+from keras_selfattn.tracing import FUSABLE_CORE_SCOPE
 
 FUSED_OPSET = 23
 logger = logging.getLogger(__name__)

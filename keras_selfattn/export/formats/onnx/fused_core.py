@@ -1,6 +1,6 @@
 """Recognises one SelfAttention core in a converted ONNX graph (`analyse`).
 
-The explicit path's core under `fusable_core.FUSABLE_CORE_SCOPE`, as tf2onnx
+The explicit path's core under `tracing.FUSABLE_CORE_SCOPE`, as tf2onnx
 converts it, in the layer's order (`attention.score_mods`):
 
     Q, Transpose(K, (0, 1, 3, 2)) -> MatMul -> Mul(scale)

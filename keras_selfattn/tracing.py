@@ -1,0 +1,108 @@
+"""How a call is traced: the modes a caller sets around tracing, in one place.
+
+Each mode changes the graph that calls traced within it write, for a caller
+that needs a different graph; the numbers stay the layer's (up to float32
+rounding where a mode says so):
+
+- `FOR_CONVERTER`: TensorFlow traces for a converter (tf2onnx, LiteRT's),
+  which takes a narrower set of ops than TensorFlow runs: the decoding
+  cache is written with XlaDynamicUpdateSlice (which they convert;
+  TensorFlow's own TensorStridedSliceUpdate they do not) and sampling
+  selects between greedy and sampled tokens instead of branching (tf2onnx
+  cannot convert the sampling ops inside an ONNX `If`).
+- `EXACT_UNCHUNKED`: calls take an exact unchunked path, never the chunked
+  one (a loop over blocks), for formats that cannot hold that loop: the
+  artifact computes attention whole, the chunked path's numbers up to
+  float32 rounding, without `chunk_size`'s memory bound.
+- `CHECKED_BY_CALLER`: cached calls make no run-time checks, zero no cache
+  slot and no output, for a caller that has proven every index, batch and
+  cache shape it passes valid, whose caches hold zeros in every slot no
+  query may attend (padded, or not yet written), and whose new positions
+  are all real tokens, as the generation loop's steps after the prompt do.
+- `TIME_MAJOR`: cached calls take and return their caches time-major,
+  `(2, max_length, batch, num_key_value_heads, key_dim)`
+  (`attention.cache_modes.to_time_major`), and read their keys and values
+  as the leading slices `cache[0][:n]` and `cache[1][:n]`, which a
+  TensorFlow graph reads as views (the public layout's `cache[:, 0, :n]`
+  is a copy on every call). Only within `CHECKED_BY_CALLER`, one position
+  per call, for callers that `cache_modes.views_pay()`; a call writes into
+  the buffer of the cache it takes, so callers read only the cache it
+  returns.
+- `GATHERED_WRITES`: cached calls write their caches as one gather instead
+  of a dynamic update slice, for converters that have no such op
+  (OpenVINO's TensorFlow frontend has no XlaDynamicUpdateSlice).
+
+`traced_as(*modes)` sets modes within a context and `active(mode)` reads
+one. A mode is decided while a call is traced, so a traced function keeps
+the graph it was traced with; it nests, and holds only in the thread (or
+asyncio task) that entered it (a `contextvars.ContextVar` each).
+
+`FUSABLE_CORE_SCOPE` is the other contract of a traced graph: the name
+scope under which the explicit path computes its core, (B, H, T, K) query
+and key, (B, H, T, V) value and the bool mask in, (B, H, T, V) heads out,
+which the fused ONNX export (`export.formats.onnx.fused`) replaces by ONNX's
+Attention operator. A name scope adds no computation.
+
+Example:
+
+>>> from keras_selfattn import tracing
+>>> with tracing.traced_as(tracing.EXACT_UNCHUNKED):
+...     tracing.active(tracing.EXACT_UNCHUNKED)
+True
+>>> tracing.active(tracing.EXACT_UNCHUNKED)
+False
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+FOR_CONVERTER = "for_converter"
+EXACT_UNCHUNKED = "exact_unchunked"
+CHECKED_BY_CALLER = "checked_by_caller"
+TIME_MAJOR = "time_major"
+GATHERED_WRITES = "gathered_writes"
+MODES = (FOR_CONVERTER, EXACT_UNCHUNKED, CHECKED_BY_CALLER, TIME_MAJOR, GATHERED_WRITES)
+
+FUSABLE_CORE_SCOPE = "fusable_attention_core"
+
+_FLAGS = {
+    mode: contextvars.ContextVar(f"keras_selfattn_{mode}", default=False)
+    for mode in MODES
+}
+
+
+def _check(mode: str) -> contextvars.ContextVar:
+    if mode not in _FLAGS:
+        raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}")
+    return _FLAGS[mode]
+
+
+@contextlib.contextmanager
+def traced_as(*modes: str) -> Iterator[None]:
+    """Within this context, calls are traced in `modes` (module docstring).
+
+    Args:
+        *modes: Any of `MODES`.
+
+    Raises:
+        ValueError: if a mode is unknown (before any is set).
+    """
+    flags = [_check(mode) for mode in modes]
+    tokens = [(flag, flag.set(True)) for flag in flags]
+    try:
+        yield
+    finally:
+        for flag, token in reversed(tokens):
+            flag.reset(token)
+
+
+def active(mode: str) -> bool:
+    """Whether calls traced now are within `traced_as(mode)`.
+
+    Raises:
+        ValueError: if `mode` is unknown.
+    """
+    return _check(mode).get()
