@@ -2,9 +2,12 @@
 
 One interpreter per backend (KERAS_BACKEND fixed there, so the module means
 the same under every suite and runs in one) exports the masked classifier
-to every format its backend can write, without the exporters' own check,
-then `verify` runs each artifact in a fresh process of its runtime against
-Keras at T=7 and T=33 with padded rows.
+to every format its backend can write (`export(model, path, format)`, the
+formats and their backends read from `formats.table.ROWS`, so a new format
+is tested by its row), without the exporters' own check, then `verify` runs
+each artifact in a fresh process of its runtime against Keras at T=7 and
+T=33 with padded rows. The table's five known formats are pinned to the
+cells measured with Keras 3.15.
 The formats Keras has no route for are refused in one line, nothing
 written. The slow variant adds the grouped-query rotary block, longer shapes,
 and checks each artifact against a model with other weights (must fail).
@@ -21,23 +24,38 @@ import textwrap
 import numpy as np
 import pytest
 
+from keras_selfattn.export.formats import table
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONSOLE = os.path.join(os.path.dirname(sys.executable), "keras-selfattn")
 TIMEOUT = 600
-# What each backend exports (Keras 3.15); the rest is refused.
-CELLS = {
+# What each backend exports, measured with Keras 3.15; the rest is refused.
+MEASURED_CELLS = {
     "tensorflow": ("saved_model", "onnx", "litert", "openvino"),
     "jax": ("saved_model", "onnx"),
     "torch": ("onnx", "litert", "openvino", "torch"),
 }
-REFUSED = {
+# Why Keras 3.15 refuses the others, as measured.
+MEASURED_REFUSED = {
     ("tensorflow", "torch"): "torch.export needs the torch backend",
     ("jax", "litert"): "Keras converts to LiteRT only from TensorFlow and torch",
     ("jax", "openvino"): "XlaCallModule",
     ("jax", "torch"): "torch.export needs the torch backend",
     ("torch", "saved_model"): "torch_xla",
 }
-FILES = {"onnx": "m.onnx", "litert": "m.tflite", "openvino": "m.xml", "torch": "m.pt2"}
+MEASURED_FORMATS = {fmt for cells in MEASURED_CELLS.values() for fmt in cells}
+# The matrix: the table's cells; refusals say the measured reason, or (a
+# format not measured here) the row's own.
+CELLS = {
+    backend: tuple(row.name for row in table.ROWS if backend in row.backends)
+    for backend in table.BACKENDS
+}
+REFUSED = {
+    (backend, row.name): MEASURED_REFUSED.get((backend, row.name), reason)
+    for row in table.ROWS
+    for backend, reason in row.refused.items()
+}
+FILES = {row.name: "m" + row.suffix for row in table.FILE_ROWS}
 # litert-torch writes fixed shapes: the torch LiteRT file is made and checked
 # at this one (batch, time).
 TORCH_LITERT_SHAPE = (3, 33)
@@ -56,6 +74,7 @@ import keras
 import keras_selfattn
 from keras_selfattn import export
 from keras_selfattn.export import ParityError, verify
+from keras_selfattn.export.formats import table
 
 root, model_file, cells, refused, shapes, files, fixed_shape, wrong = json.loads(
     sys.argv[1]
@@ -66,32 +85,31 @@ other = keras.models.clone_model(model)
 other.set_weights([w * 1.5 for w in model.get_weights()])
 litert_shape = fixed_shape if backend == "torch" else None
 paths, result = {}, {"rows": [], "wrong": {}, "refused": {}, "failed": {}}
+
+
+def options(fmt):  # a SavedModel's name, LiteRT's fixed shape (torch)
+    given = {"name": "m"} if "name" in table.BY_NAME[fmt].options else {}
+    return {**given, **({"shape": litert_shape} if fmt == "litert" else {})}
+
+
 for fmt in cells:
     try:
-        if fmt == "saved_model":
-            paths["saved_model_dir"] = export.export_saved_model(
-                model, os.path.join(root, "sm"), "m", check=False)
-        elif fmt == "litert":
-            paths["litert_path"] = export.export_litert(
-                model, os.path.join(root, files[fmt]), shape=litert_shape,
-                check=False)
-        else:
-            function = getattr(export, "export_" + fmt)
-            paths[fmt + "_path"] = function(
-                model, os.path.join(root, files[fmt]), check=False)
+        paths[fmt] = export.export(
+            model, os.path.join(root, files.get(fmt, "sm")), fmt, check=False,
+            **options(fmt))
     except Exception as error:  # this cell fails, the others still run
         result["failed"][fmt] = " ".join(str(error).split())[-500:]
-groups = [{k: v for k, v in paths.items() if k != "litert_path" or not litert_shape}]
-if litert_shape and "litert_path" in paths:
-    groups.append({"litert_path": paths["litert_path"], "fixed": True})
+groups = [{k: v for k, v in paths.items() if k != "litert" or not litert_shape}]
+if litert_shape and "litert" in paths:
+    groups.append({"litert": paths["litert"], "fixed": True})
 for group in groups:
     fixed = group.pop("fixed", False)
     run_shapes = [litert_shape] if fixed else shapes
-    report = verify(model, shapes=run_shapes, **group)
+    report = verify(model, shapes=run_shapes, paths=group)
     result["rows"] += [[r.runtime, r.shape, r.max_abs_err, r.ok] for r in report.rows]
     for name, path in group.items() if wrong else ():
         try:
-            verify(other, shapes=run_shapes[:1], **{name: path})
+            verify(other, shapes=run_shapes[:1], paths={name: path})
             result["wrong"][name] = "passed"
         except ParityError as error:
             result["wrong"][name] = str(error)
@@ -99,16 +117,13 @@ before = sorted(os.listdir(root))
 for fmt in refused:
     target = os.path.join(root, "refused", files.get(fmt, "sm"))
     try:
-        if fmt == "saved_model":
-            export.export_saved_model(model, target, "m")
-        else:
-            getattr(export, "export_" + fmt)(model, target)
+        export.export(model, target, fmt, **options(fmt))
         result["refused"][fmt] = "exported"
     except ValueError as error:
         result["refused"][fmt] = str(error)
 result["untouched"] = sorted(os.listdir(root)) == before
 described = os.path.join(
-    paths.get("saved_model_dir", root), "assets.extra", "keras_selfattn.json")
+    paths.get("saved_model", root), "assets.extra", "keras_selfattn.json")
 result["tf_serving_flags"] = (
     json.load(open(described)).get("tf_serving_flags", [])
     if os.path.isfile(described) else [])
@@ -205,8 +220,7 @@ def _check_cell(result: dict, backend: str, fmt: str, shapes, wrong=False) -> No
     for _, label, error, ok in rows:
         assert ok and error <= MAX_ERROR, (label, error)
     if wrong:  # the same artifact against other weights must fail
-        name = "saved_model_dir" if fmt == "saved_model" else f"{fmt}_path"
-        assert "differ from Keras" in result["wrong"][name], result["wrong"][name]
+        assert "differ from Keras" in result["wrong"][fmt], result["wrong"][fmt]
 
 
 @pytest.mark.parametrize(
@@ -215,6 +229,16 @@ def _check_cell(result: dict, backend: str, fmt: str, shapes, wrong=False) -> No
 def test_every_exportable_cell_matches_keras(matrix, backend, fmt):
     """Works within 1e-4 at T=7 and T=33 (padded rows)."""
     _check_cell(matrix(backend), backend, fmt, FAST_SHAPES)
+
+
+def test_the_table_has_the_cells_measured_with_keras_3_15():
+    """The formats measured here keep their cells and refusals in the table
+    (a new format is not pinned: its row is the matrix's)."""
+    for backend, measured in MEASURED_CELLS.items():
+        known = tuple(fmt for fmt in CELLS[backend] if fmt in MEASURED_FORMATS)
+        assert known == measured, (backend, CELLS[backend])
+    for (backend, fmt), reason in MEASURED_REFUSED.items():
+        assert reason in table.BY_NAME[fmt].refused[backend], (backend, fmt)
 
 
 @pytest.mark.parametrize("backend", ["tensorflow", "jax"])
