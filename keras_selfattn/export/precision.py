@@ -17,6 +17,8 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from keras_selfattn._model_layers import every_layer
+
 # The exporters' `precision`: float32 (the default), or the model's own.
 FLOAT32 = "float32"
 MODEL = "model"
@@ -30,18 +32,6 @@ EPSILON = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
 HALF_EPSILONS = 8
 
 
-def _walk(model: keras.Model) -> list:
-    found, stack, seen = [], [model], set()
-    while stack:
-        layer = stack.pop()
-        if id(layer) in seen:
-            continue
-        seen.add(id(layer))
-        found.append(layer)
-        stack.extend(layer._layers)
-    return found
-
-
 def half_dtype(model: keras.Model) -> str | None:
     """The half-precision compute dtype of `model`'s layers, or None.
 
@@ -50,7 +40,7 @@ def half_dtype(model: keras.Model) -> str | None:
     """
     found = {
         layer.compute_dtype
-        for layer in _walk(model)
+        for layer in every_layer(model)
         if getattr(layer, "compute_dtype", None) in HALF
     }
     if len(found) > 1:

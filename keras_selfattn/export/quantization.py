@@ -48,6 +48,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_selfattn._model_layers import every_layer
+
 VARIABLES = "variables"
 INTEGERS = "integers"
 CONSTANTS = "constants"
@@ -204,21 +206,9 @@ def describe(layer) -> QuantizedDense | None:
     return QuantizedDense(layer, mode, _numpy(kernel).astype(np.float32), None, None)
 
 
-def _layers(model: keras.Model) -> list:
-    found, stack, seen = [], [model], set()
-    while stack:
-        layer = stack.pop()
-        if id(layer) in seen:
-            continue
-        seen.add(id(layer))
-        found.append(layer)
-        stack.extend(reversed(layer._layers))
-    return found
-
-
 def quantized_layers(model: keras.Model) -> tuple[QuantizedDense, ...]:
     """Every quantized `Dense` of `model`, nested ones included."""
-    described = (describe(layer) for layer in _layers(model))
+    described = (describe(layer) for layer in every_layer(model))
     return tuple(q for q in described if q is not None)
 
 
@@ -226,7 +216,7 @@ def quantized_embeddings(model: keras.Model) -> tuple[keras.layers.Embedding, ..
     """Every int8 `Embedding` of `model`, nested ones included."""
     return tuple(
         layer
-        for layer in _layers(model)
+        for layer in every_layer(model)
         if isinstance(layer, keras.layers.Embedding)
         and layer.quantization_mode == "int8"
     )
@@ -238,7 +228,7 @@ def modes(model: keras.Model) -> tuple[str, ...]:
         sorted(
             {
                 layer.quantization_mode
-                for layer in _layers(model)
+                for layer in every_layer(model)
                 if getattr(layer, "quantization_mode", None) is not None
             }
         )

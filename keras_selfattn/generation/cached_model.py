@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import keras
 
+from keras_selfattn._model_layers import every_layer
 from keras_selfattn.attention import rotary
 from keras_selfattn.self_attention import SelfAttention
 
@@ -24,15 +25,6 @@ SUPPORTED = (
     "supported: one input, one output, top-level causal SelfAttention layers "
     "each called once on one tensor, no padding masks"
 )
-
-
-def _all_layers(model: keras.Model) -> list:
-    layers, stack = [], list(model.layers)
-    while stack:
-        layer = stack.pop()
-        layers.append(layer)
-        stack.extend(getattr(layer, "_layers", None) or [])
-    return layers
 
 
 def refusal(model: keras.Model, why: str, action: str) -> ValueError:
@@ -98,7 +90,7 @@ def cached_layers(model: keras.Model, action: str) -> tuple[SelfAttention, ...]:
         )
     nested = [
         layer.name
-        for layer in _all_layers(model)
+        for layer in every_layer(model)
         if isinstance(layer, SelfAttention) and layer not in top
     ]
     if nested:
@@ -114,7 +106,7 @@ def cached_layers(model: keras.Model, action: str) -> tuple[SelfAttention, ...]:
             )
     masking = [
         layer.name
-        for layer in _all_layers(model)
+        for layer in every_layer(model)
         if isinstance(layer, keras.layers.Masking) or getattr(layer, "mask_zero", 0)
     ]
     if masking:

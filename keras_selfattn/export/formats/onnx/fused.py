@@ -50,6 +50,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, version_converter
 
+from keras_selfattn._model_layers import every_layer
 from keras_selfattn.export.formats.onnx import graph as og
 from keras_selfattn.export.formats.onnx.fused_core import Core, NotFusable, analyse
 from keras_selfattn.self_attention import SelfAttention
@@ -108,15 +109,7 @@ def upgrade(proto: onnx.ModelProto) -> onnx.ModelProto:
 def _attention_layers(model: keras.Model) -> list[SelfAttention]:
     """The SelfAttention layers among `model`'s tracked layers, at any depth
     (an exported endpoint wraps those whose weights it returns)."""
-    found, stack = [], list(model._layers)
-    while stack:
-        layer = stack.pop(0)
-        if isinstance(layer, SelfAttention):
-            if layer not in found:
-                found.append(layer)
-            continue
-        stack.extend(layer._layers)
-    return found
+    return [layer for layer in every_layer(model) if isinstance(layer, SelfAttention)]
 
 
 def _layer_for(prefix: str, layers: dict[str, SelfAttention]) -> str | None:
