@@ -18,11 +18,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from keras_selfattn.export.formats import table
 from keras_selfattn.export.target import ExportTarget
 
-# OpenVINO runs at this precision unless told otherwise: on CPUs with
-# AVX512-BF16 its default is bf16, which is not the model's arithmetic.
-OPENVINO_EXACT_PRECISION = "f32"
 # A fresh runtime process: imports and a handful of calls.
 _WORKER_TIMEOUT_S = 600
 _WORKER = os.path.join(
@@ -37,13 +35,14 @@ class Artifact:
     Attributes:
         format: A format's name (`formats.table.NAMES`).
         path: The SavedModel folder or the file.
-        precision: OpenVINO's INFERENCE_PRECISION_HINT ("f32", "bf16"); "" for
-            the device default. Ignored by the other formats.
+        options: The keyword options of its runtime module's `load`
+            (`runtimes`, the format's `FormatRow.runtime_module`): OpenVINO's
+            {"precision": "bf16"}; none: the module's defaults.
     """
 
     format: str
     path: str
-    precision: str = OPENVINO_EXACT_PRECISION
+    options: Mapping[str, object] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,9 +127,9 @@ def run_artifacts(
             folder = os.path.join(work, f"artifact{number}")
             os.mkdir(folder)
             request = {
-                "format": artifact.format,
+                "runtime": table.BY_NAME[artifact.format].runtime_module,
                 "path": os.path.abspath(artifact.path),
-                "precision": artifact.precision,
+                "options": dict(artifact.options),
                 "signature": target.signature_name,
                 "owner": target.what,
                 "input_names": [spec.name for spec in target.inputs],

@@ -244,6 +244,22 @@ class Format:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{self.row.artifact} file not found: {path}")
 
+    def runtime_options(self, keywords: Mapping[str, object]) -> dict[str, object]:
+        """The options a check passes to this format's runtime module
+        (`row.runtime_module`'s `load`), from the check's runtime keywords
+        (`verify`'s `openvino_precision`): none by default. Every format
+        sees every keyword, and checks those it reads.
+
+        Raises:
+            ValueError: naming the keyword and the value it refuses.
+        """
+        return {}
+
+    def runtime_label(self, options: Mapping[str, object]) -> str:
+        """The report's label of this format's artifact run with the
+        `runtime_options` `options`: the format's name by default."""
+        return self.name
+
     def label(self, destination: Destination, signature_name: str) -> str:
         """The line the command line prints while it stages `destination`
         (`signature_name`: the target's)."""

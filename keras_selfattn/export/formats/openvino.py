@@ -53,6 +53,12 @@ from keras_selfattn.export.target import ExportTarget
 SCHEME_KEY = "keras_selfattn_quantization"
 # The CPU plugin's activation quantization group, set in the model's rt_info.
 GROUP_OPTION = ["runtime_options", "DYNAMIC_QUANTIZATION_GROUP_SIZE"]
+# OpenVINO's INFERENCE_PRECISION_HINT values a check runs an IR at
+# (`verify`'s `openvino_precision`), and the one it runs at unless told:
+# on CPUs with AVX512-BF16 OpenVINO's default is bf16, which is not the
+# model's arithmetic.
+PRECISIONS = ("f32", "bf16")
+EXACT_PRECISION = "f32"
 PER_TOKEN_INT8 = (
     "int8 activations per token, symmetric (Keras's scheme) where the CPU "
     "plugin quantizes activations (VNNI, AMX), float activations elsewhere"
@@ -235,6 +241,26 @@ class OpenVINOFormat(Format):
     def files(self, path: str) -> list[str]:
         """The .xml and its .bin."""
         return [path, path[: -len(self.row.suffix)] + ".bin"]
+
+    def runtime_options(self, keywords: Mapping[str, object]) -> dict[str, object]:
+        """{"precision": `openvino_precision`} (`EXACT_PRECISION` unless
+        given).
+
+        Raises:
+            ValueError: for a precision not in `PRECISIONS`.
+        """
+        precision = keywords.get("openvino_precision", EXACT_PRECISION)
+        if precision not in PRECISIONS:
+            raise ValueError(
+                f"`openvino_precision` must be one of {PRECISIONS}. "
+                f"Received: openvino_precision={precision!r}"
+            )
+        return {"precision": precision}
+
+    def runtime_label(self, options: Mapping[str, object]) -> str:
+        """The format's name, "_<precision>" added off `EXACT_PRECISION`."""
+        precision = options.get("precision", EXACT_PRECISION)
+        return self.name if precision == EXACT_PRECISION else f"{self.name}_{precision}"
 
     def write(
         self, target: ExportTarget, path: str, options: Mapping[str, object]

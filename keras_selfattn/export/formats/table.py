@@ -27,7 +27,7 @@ class FormatRow:
 
     Attributes:
         name: The format's name ("onnx"): `export_decode_step`'s
-            `export_format`, the runtime process's key, the report's label.
+            `export_format`, the report's label.
         title: How messages name the format ("ONNX").
         artifact: How messages name one artifact ("ONNX model").
         suffix: The file name's required ending, or None for a folder
@@ -37,6 +37,9 @@ class FormatRow:
         verify_metavar: The command line's `verify --NAME` metavar.
         help: The command line's help of `export --NAME`.
         runtime: The package that runs the artifact in its check.
+        runtime_module: The module of `keras_selfattn.export.runtimes` that
+            loads and calls the artifact in that runtime, without Keras
+            (the check's runtime process, the benchmarks).
         packages: What exporting needs on every backend.
         backend_packages: What it needs besides on one backend.
         extra: The pip extra installing `packages`, or None (always there).
@@ -76,6 +79,7 @@ class FormatRow:
     verify_metavar: str
     help: str
     runtime: str
+    runtime_module: str
     packages: tuple[str, ...] = ()
     backend_packages: Mapping[str, tuple[str, ...]] = dataclasses.field(
         default_factory=dict
@@ -123,6 +127,7 @@ SAVED_MODEL = FormatRow(
     verify_metavar="VERSION_DIR",
     help="write BASE_DIR/NAME/VERSION/ (TF Serving layout)",
     runtime="tensorflow",
+    runtime_module="saved_model",
     # Not in the base install: JAX and PyTorch users need no TensorFlow.
     packages=("tensorflow", "tensorflow_serving"),
     extra="tensorflow",
@@ -144,6 +149,7 @@ ONNX = FormatRow(
     verify_metavar="PATH",
     help="write an ONNX file",
     runtime="onnxruntime",
+    runtime_module="onnx",
     packages=("onnx", "tf2onnx", "onnxruntime"),
     backend_packages={"jax": ("jax2onnx",), "torch": ("onnxscript",)},
     extra="onnx",
@@ -166,6 +172,7 @@ LITERT = FormatRow(
     verify_metavar="PATH",
     help="write a LiteRT (.tflite) file",
     runtime="ai_edge_litert",
+    runtime_module="litert",
     packages=("ai_edge_litert", "ai_edge_quantizer"),
     backend_packages={"torch": ("litert_torch",)},
     extra="litert",
@@ -191,6 +198,7 @@ OPENVINO = FormatRow(
     verify_metavar="PATH",
     help="write OpenVINO IR (.xml + .bin)",
     runtime="openvino",
+    runtime_module="openvino",
     packages=("openvino",),
     extra="openvino",
     refused={
@@ -212,6 +220,7 @@ TORCH = FormatRow(
     verify_metavar="PATH",
     help="write a torch.export program (torch)",
     runtime="torch",
+    runtime_module="torch",
     refused={
         "tensorflow": "torch.export needs the torch backend",
         "jax": "torch.export needs the torch backend",

@@ -9,8 +9,6 @@ from collections.abc import Mapping, Sequence
 
 from keras_selfattn.export.formats import table
 
-# OpenVINO's INFERENCE_PRECISION_HINT values `verify` accepts.
-OPENVINO_PRECISIONS = ("f32", "bf16")
 # The argument of `verify` (and `verify_decode_step`) naming each format's artifact.
 PATH_ARGUMENT = {row.name: row.path_argument for row in table.ROWS}
 
@@ -86,16 +84,6 @@ def check_paths(paths: Mapping[str, str | os.PathLike | None]) -> None:
             "Pass at least one of "
             + ", ".join(f"`{PATH_ARGUMENT[name]}`" for name in paths)
             + f". Received: {given}"
-        )
-
-
-def check_openvino_precision(openvino_precision: object) -> None:
-    """Raises ValueError unless `openvino_precision` is in
-    `OPENVINO_PRECISIONS`."""
-    if openvino_precision not in OPENVINO_PRECISIONS:
-        raise ValueError(
-            f"`openvino_precision` must be one of {OPENVINO_PRECISIONS}. "
-            f"Received: openvino_precision={openvino_precision!r}"
         )
 
 

@@ -19,42 +19,50 @@ from keras_selfattn.export.target import ExportTarget
 
 
 def collect_artifacts(
-    paths: Mapping[str, str | os.PathLike | None], openvino_precision: str = "f32"
+    paths: Mapping[str, str | os.PathLike | None],
+    runtime_keywords: Mapping[str, object] | None = None,
 ) -> dict[str, _artifact_runner.Artifact]:
     """{runtime label: Artifact} of the paths given, each found on disk.
 
     Args:
         paths: {format: path or None}.
-        openvino_precision: OpenVINO's INFERENCE_PRECISION_HINT; off "f32"
-            its label is "openvino_<precision>".
+        runtime_keywords: The check's keywords for the runtimes (`verify`'s
+            `openvino_precision`): each format reads its own
+            (`Format.runtime_options`), which also name its label
+            (`Format.runtime_label`: "openvino_bf16").
 
     Raises:
-        ValueError: if every path is None or the precision is unknown.
+        ValueError: if every path is None or a keyword's value is refused.
         FileNotFoundError: if an artifact is missing.
     """
     arguments.check_paths(paths)
-    arguments.check_openvino_precision(openvino_precision)
+    keywords = runtime_keywords or {}
+    # Every format checks the keywords, whether its artifact is given or not.
+    options = {
+        row.name: formats.get(row.name).runtime_options(keywords) for row in table.ROWS
+    }
     artifacts = {}
     for export_format, path in paths.items():
         if path is not None:
-            label = export_format
-            if export_format == table.OPENVINO.name and openvino_precision != "f32":
-                label = f"openvino_{openvino_precision}"
-            artifacts[label] = artifact(export_format, path, openvino_precision)
+            label = formats.get(export_format).runtime_label(options[export_format])
+            artifacts[label] = artifact(export_format, path, options[export_format])
     return artifacts
 
 
 def artifact(
-    export_format: str, path: str | os.PathLike, openvino_precision: str = "f32"
+    export_format: str,
+    path: str | os.PathLike,
+    options: Mapping[str, object] | None = None,
 ) -> _artifact_runner.Artifact:
-    """The `Artifact` at `path`, once it is found on disk.
+    """The `Artifact` at `path` (run with its runtime module's `options`),
+    once it is found on disk.
 
     Raises:
         FileNotFoundError: if it is missing.
     """
     path = os.fspath(path)
     formats.get(export_format).check_artifact(path)
-    return _artifact_runner.Artifact(export_format, path, openvino_precision)
+    return _artifact_runner.Artifact(export_format, path, options or {})
 
 
 def run_checked(

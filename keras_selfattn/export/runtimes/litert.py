@@ -1,0 +1,71 @@
+"""A LiteRT (.tflite) file in LiteRT's interpreter."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._common import Loaded, natural
+
+
+class LiteRTInterpreter(Loaded):
+    """One signature of a LiteRT file, or its positional tensors.
+
+    Attributes:
+        int8_matrices: How many of its weight matrices are int8 (with
+            scales): LiteRT files carry no statement of their own.
+    """
+
+    def __init__(self, path: str, signature: str):
+        from ai_edge_litert.interpreter import Interpreter
+
+        interpreter = Interpreter(model_path=path)
+        self.int8_matrices = sum(
+            detail["dtype"] == np.int8
+            and len(detail["shape"]) == 2
+            and len(detail["quantization_parameters"]["scales"]) > 0
+            for detail in interpreter.get_tensor_details()
+        )
+        self.description = {"scheme": "float weights", "exact": False}
+        if self.int8_matrices:  # dynamic range: int8 weights, float inputs
+            scheme = "int8 weights, activations quantized per row (dynamic range)"
+            self.description = {"scheme": scheme, "exact": False}
+        signatures = interpreter.get_signature_list()
+        if len(signatures) > 1 and signature not in signatures:
+            raise ValueError(f"no {signature!r} signature; it has {sorted(signatures)}")
+        if signatures:  # Keras's export names its one "serving_default"
+            key = signature if signature in signatures else next(iter(signatures))
+            self._runner = interpreter.get_signature_runner(key)
+            details = self._runner.get_input_details()
+            order = sorted(details, key=lambda n: details[n]["index"])
+            self.input_names = order
+            outputs = self._runner.get_output_details()
+            self.output_names = sorted(outputs, key=natural)
+        else:  # no signature: positional tensors
+            self._runner = None
+            self._interpreter = interpreter
+            self.input_names = [d["name"] for d in interpreter.get_input_details()]
+            self.output_names = [d["name"] for d in interpreter.get_output_details()]
+
+    def __call__(self, arrays):
+        if self._runner is not None:
+            return {k: np.asarray(v) for k, v in self._runner(**arrays).items()}
+        interpreter = self._interpreter
+        details = interpreter.get_input_details()
+        for detail in details:
+            interpreter.resize_tensor_input(
+                detail["index"], arrays[detail["name"]].shape
+            )
+        interpreter.allocate_tensors()
+        for detail in details:
+            interpreter.set_tensor(detail["index"], arrays[detail["name"]])
+        interpreter.invoke()
+        return {
+            d["name"]: interpreter.get_tensor(d["index"])
+            for d in interpreter.get_output_details()
+        }
+
+
+def load(path: str, signature: str) -> LiteRTInterpreter:
+    """The LiteRT file `path`: its `signature` (its only one, whatever its
+    name), or its positional tensors when it has no signature."""
+    return LiteRTInterpreter(path, signature)
