@@ -9,6 +9,8 @@
   `local_window_size`.
 - PyTorch: `torch.nn.functional.scaled_dot_product_attention`, whose flash
   and memory-efficient kernels run on a GPU, and a flash kernel on the CPU.
+  An eager right-padded batch on a GPU runs without a mask, one call per
+  row length (`sdpa_lengths`), where a mask would take it off flash.
 
 Traced with a time of unknown size (an exporter's symbolic dimension), the
 JAX kernel is given the whole mask as a boolean mask (`block`): its own
@@ -152,6 +154,18 @@ def _sdpa(query, key, value, scale: float, grouped: bool, mask=None, causal=Fals
 def _torch_attention(query, key, value, masks: Masks, scale: float, grouped: bool):
     if masks.key_padding is None:
         return _sdpa(query, key, value, scale, grouped, causal=masks.causal)
+    from keras_selfattn.attention import sdpa_lengths  # imports torch
+
+    if sdpa_lengths.applies(query, key, masks.key_padding):
+        output = sdpa_lengths.attention(
+            query,
+            key,
+            value,
+            masks.key_padding,
+            lambda q, k, v: _sdpa(q, k, v, scale, grouped, causal=masks.causal),
+        )
+        if output is not None:  # None: not right-padded
+            return output
     # SDPA takes a mask or is_causal, not both: the band joins the mask.
     return _dense_mask_attention(query, key, value, masks, scale, grouped)
 
