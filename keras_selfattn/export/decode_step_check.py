@@ -11,12 +11,12 @@ import keras
 import numpy as np
 
 from keras_selfattn.export import _artifact_runner
-from keras_selfattn.export._inputs import vocabulary_size
 from keras_selfattn.export.decode_step_graph import (
     INDEX_NAME,
     DecodeStep,
     build_decode_step,
 )
+from keras_selfattn.export.example_inputs import vocabulary_size
 from keras_selfattn.export.parity.arguments import artifact_paths, check_tolerance
 from keras_selfattn.export.parity.engine import check_artifacts, collect_artifacts
 from keras_selfattn.export.parity.report import ParityReport, finish_report

@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 import keras
 
 from keras_selfattn.export import _artifact_runner, precision, quantization
-from keras_selfattn.export._inputs import example_inputs, is_padded
 from keras_selfattn.export.endpoint import Endpoint, build_endpoint, keras_reference
+from keras_selfattn.export.example_inputs import example_inputs, is_padded
 from keras_selfattn.export.parity import arguments, engine
 from keras_selfattn.export.parity.report import (
     ParityError,

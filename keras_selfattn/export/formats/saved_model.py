@@ -32,7 +32,7 @@ import keras
 
 from keras_selfattn import _checks
 from keras_selfattn.export import _files, quantization
-from keras_selfattn.export._inputs import example_inputs
+from keras_selfattn.export.example_inputs import example_inputs
 from keras_selfattn.export.formats import table
 from keras_selfattn.export.formats._base import (
     Destination,
