@@ -35,11 +35,10 @@ def _export(
     endpoint = build_endpoint(model, attention_outputs, precision)
     _require_half(row, endpoint)
     fixed = destination.options.get("shape")
-    runtime_options = {}
-    if row is table.OPENVINO and endpoint.half is not None:
-        # A float32 IR that OpenVINO computes in bf16 (`table.OPENVINO.half`).
+    runtime_options = row.runtime_half.get(endpoint.half, {})
+    if runtime_options:
+        # A float32 artifact its runtime computes in the half dtype.
         endpoint = build_endpoint(model, attention_outputs)
-        runtime_options["openvino_precision"] = "bf16"
 
     checked = pipeline.staged_check(
         verify,

@@ -1,6 +1,7 @@
 """The check of exported generators: each run in a fresh process of its
-runtime against `keras_selfattn.generate` on the same requests, and a
-LiteRT file's "prefill" and "decode" pair generating one token a call."""
+runtime against `keras_selfattn.generate` on the same requests, and the
+"prefill" and "decode" pair of a format holding them
+(`FormatRow.extra_signatures`: LiteRT) generating one token a call."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from keras_selfattn.generation import generate
 
 # Formats a generator can be written in (by TensorFlow, from every backend).
 FORMATS = tuple(row.name for row in table.ROWS if row.generator)
-# The check's report row of the LiteRT pair generating.
+# The check's report row of the LiteRT pair generating (`pair_runtime`).
 PAIR_RUNTIME = "litert prefill/decode"
 # The checks' generations: greedy, then seeded top-k / top-p with an end.
 _SAMPLED = {"temperature": 0.9, "top_k": 12, "top_p": 0.9, "seed": 1234}
@@ -137,28 +138,34 @@ def pair_run(
     return label, run, request
 
 
+def pair_runtime(export_format: str) -> str:
+    """The report's row of a format's "prefill" and "decode" pair."""
+    return f"{export_format} prefill/decode"
+
+
 def _pair_row(
     generator: Generator, artifact: Artifact, tolerance: float, seed: int
 ) -> ParityRow:
-    """The LiteRT file's "prefill" and "decode" generating `pair_run` in a
+    """The artifact's "prefill" and "decode" generating `pair_run` in a
     fresh process, against `keras_selfattn.generate`."""
     step = build_decode_step(generator.read.model, generator.max_length)
     label, run, request = pair_run(generator, step, seed)
+    runtime = pair_runtime(artifact.format)
     outcome = run_checked(
         step.target(PREFILL_SIGNATURE),
-        {PAIR_RUNTIME: artifact},
+        {runtime: artifact},
         [run],
         [label],
         "generating {label} through prefill and decode",
         tolerance,
         tolerance,
-    )[PAIR_RUNTIME]
+    )[runtime]
     last = np.concatenate(
         [outputs[step.output_name][:, -1:] for outputs in outcome.outputs[0]], axis=1
     )
     produced = np.argmax(last, axis=-1) if generator.read.tokens else last
     wanted = keras_generate(generator, request)[generator.output_names[0]]
-    return parity_row(PAIR_RUNTIME, label, [(wanted, produced)], tolerance, tolerance)
+    return parity_row(runtime, label, [(wanted, produced)], tolerance, tolerance)
 
 
 def verify_generator(
@@ -174,11 +181,12 @@ def verify_generator(
     """Runs exported generators in fresh processes of their runtimes and
     compares their outputs with `keras_selfattn.generate` on the same
     requests (`requests`): tokens and lengths must be identical (value
-    models: values within float32 rounding, 1e-5). A LiteRT file also
-    generates through its "prefill" and "decode" signatures (`pair_run`;
-    report row "litert prefill/decode"), whose greedy tokens must be
-    generate's. The generators are given by their keywords or by `paths`,
-    {format: path} of `FORMATS`, as in `verify`.
+    models: values within float32 rounding, 1e-5). A LiteRT file (a format
+    holding the pair: `FormatRow.extra_signatures`) also generates through
+    its "prefill" and "decode" signatures (`pair_run`; report row "litert
+    prefill/decode"), whose greedy tokens must be generate's. The
+    generators are given by their keywords or by `paths`, {format: path}
+    of `FORMATS`, as in `verify`.
 
     Returns:
         The `ParityReport`.
@@ -212,7 +220,7 @@ def verify_generator(
         tolerance,
         action="generating {label}",
     )
-    litert = artifacts.get(table.LITERT.name)
-    if litert is not None:
-        rows += (_pair_row(generator, litert, tolerance, seed),)
+    for artifact in artifacts.values():
+        if table.BY_NAME[artifact.format].extra_signatures:
+            rows += (_pair_row(generator, artifact, tolerance, seed),)
     return finish_report(list(rows), tolerance, tolerance, "generations differ", "")

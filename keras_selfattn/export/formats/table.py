@@ -68,6 +68,13 @@ class FormatRow:
         runtime_imports: What the runtime imports by itself in the process
             that checks an artifact (TensorFlow imports keras); any other
             import of keras or keras_selfattn there fails the check.
+        runtime_half: {half dtype of `half`: the check's runtime keywords}
+            for a dtype the format keeps by a float32 artifact its runtime
+            computes in that dtype (OpenVINO compiles a float32 IR in bf16):
+            the artifact is exported in float32 and checked so.
+        extra_signatures: Whether an artifact holds a target's extra
+            signatures (`ExportTarget.extra_signatures`: a generator's
+            "prefill" and "decode"), which the generator's check then runs.
     """
 
     name: str
@@ -94,6 +101,10 @@ class FormatRow:
     cli_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
     no_quantized_decoding: str | None = None
     runtime_imports: tuple[str, ...] = ()
+    runtime_half: Mapping[str, Mapping[str, object]] = dataclasses.field(
+        default_factory=dict
+    )
+    extra_signatures: bool = False
 
     @property
     def option(self) -> str:
@@ -187,6 +198,7 @@ LITERT = FormatRow(
     generator=True,
     cli_options={"shape": "litert_shape"},
     no_quantized_decoding="LiteRT's converter has no int8 batch matmul",
+    extra_signatures=True,
 )
 OPENVINO = FormatRow(
     name="openvino",
@@ -208,6 +220,7 @@ OPENVINO = FormatRow(
     # OpenVINO picks its arithmetic when it compiles (bf16 by default on CPUs
     # with AVX512-BF16): the IR is float32, checked at bf16.
     half=("bfloat16",),
+    runtime_half={"bfloat16": {"openvino_precision": "bf16"}},
     no_quantized_decoding="OpenVINO's conversion computes other numbers",
 )
 TORCH = FormatRow(
