@@ -147,9 +147,7 @@ def verify_decode_step(
     step = build_decode_step(model, max_length)
     atol = check_tolerance("atol", atol)
     rtol = check_tolerance("rtol", rtol)
-    paths = artifact_paths(
-        saved_model_dir, onnx_path, litert_path, openvino_path, torch_path, paths=paths
-    )
+    paths = artifact_paths(locals(), paths)
     artifacts = (
         {} if all(p is None for p in paths.values()) else collect_artifacts(paths)
     )

@@ -195,15 +195,7 @@ def verify_generator(
         ParityError: if any output differs, or an export's names differ.
     """
     generator = build_generator(model, max_length)
-    paths = artifact_paths(
-        saved_model_dir,
-        onnx_path,
-        litert_path,
-        None,
-        None,
-        paths=paths,
-        formats=FORMATS,
-    )
+    paths = artifact_paths(locals(), paths, FORMATS)
     artifacts = collect_artifacts(paths)
     labelled = requests(generator, seed)
     labels = [label for label, _ in labelled]

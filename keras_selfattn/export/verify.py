@@ -206,9 +206,7 @@ def verify(
     >>> path = export_onnx(model, "model.onnx")  # doctest: +SKIP
     >>> print(verify(model, onnx_path=path))  # doctest: +SKIP
     """
-    paths = arguments.artifact_paths(
-        saved_model_dir, onnx_path, litert_path, openvino_path, torch_path, paths=paths
-    )
+    paths = arguments.artifact_paths(locals(), paths)
     artifacts = engine.collect_artifacts(
         paths, {"openvino_precision": openvino_precision}
     )

@@ -34,15 +34,16 @@ def check_shapes(shapes) -> tuple[tuple[int, int], ...]:
 
 
 def artifact_paths(
-    *keywords: str | os.PathLike | None,
+    keywords: Mapping[str, object],
     paths: Mapping[str, str | os.PathLike | None] | None = None,
     formats: Sequence[str] = table.NAMES,
 ) -> dict[str, str | os.PathLike | None]:
     """{format: path or None} of a check's artifacts, every format a key.
 
     Args:
-        *keywords: The check's artifact keywords (`saved_model_dir`,
-            `onnx_path`, ...), in `PATH_ARGUMENT`'s order.
+        keywords: The check's arguments (its `locals()`), of which those
+            named in `PATH_ARGUMENT` are read (`onnx_path`, ...); a format
+            needs no keyword of its own.
         paths: The check's `paths` argument, {format: artifact}: any format
             of `formats`, with or without a keyword of its own.
         formats: The formats the check runs (`paths` may name only these).
@@ -51,7 +52,7 @@ def artifact_paths(
         ValueError: if `paths` is not a mapping of formats the check runs,
             or names a format whose keyword was given too.
     """
-    merged = dict(zip(PATH_ARGUMENT, keywords, strict=True))
+    merged = {name: keywords.get(arg) for name, arg in PATH_ARGUMENT.items()}
     if paths is None:
         return merged
     if not isinstance(paths, Mapping):
