@@ -18,6 +18,15 @@ from keras_selfattn.export.endpoint import Endpoint, build_endpoint
 from keras_selfattn.export.formats import table
 from keras_selfattn.export.verify import DEFAULT_ATOL, DEFAULT_RTOL, verify
 
+# The options every format's export takes, and their defaults.
+_COMMON = {
+    "attention_outputs": None,
+    "check": True,
+    "atol": DEFAULT_ATOL,
+    "rtol": DEFAULT_RTOL,
+    "precision": "float32",
+}
+
 
 def _export(
     row: table.FormatRow,
@@ -59,12 +68,6 @@ def export(
     model: keras.Model,
     path: str | os.PathLike,
     format: str,
-    *,
-    attention_outputs: str | Mapping[str, str] | None = None,
-    check: bool = True,
-    atol: float = DEFAULT_ATOL,
-    rtol: float = DEFAULT_RTOL,
-    precision: str = "float32",
     **options: object,
 ) -> str:
     """Exports `model`'s forward pass in any format (`formats.table.NAMES`).
@@ -77,12 +80,12 @@ def export(
         model: A Functional or Sequential model with named `keras.Input`s.
         path: The SavedModel base dir ("saved_model") or the file to create.
         format: "saved_model", "onnx", "litert", "openvino" or "torch".
-        attention_outputs, check, atol, rtol, precision: As in
-            `export_saved_model`.
-        **options: The format's options (`FormatRow.options`): `name`,
-            `version`, `warmup`, `models_config` for a SavedModel
-            (`name` required); `opset`, `fuse_attention`, `int8_matmul` for
-            ONNX; `shape` for LiteRT.
+        **options: Every format's `attention_outputs`, `check`, `atol`,
+            `rtol` and `precision` (as in `export_saved_model`, with its
+            defaults), and the format's own (`FormatRow.options`): `name`,
+            `version`, `warmup`, `models_config` for a SavedModel (`name`
+            required); `opset`, `fuse_attention`, `int8_matmul` for ONNX;
+            `shape` for LiteRT.
 
     Returns:
         The version folder or the file.
@@ -103,17 +106,8 @@ def export(
         raise ValueError(
             f"`format` must be one of {table.NAMES}. Received: format={format!r}"
         )
-    return _export(
-        table.BY_NAME[format],
-        model,
-        path,
-        attention_outputs,
-        check,
-        atol,
-        rtol,
-        precision,
-        **options,
-    )
+    common = {name: options.pop(name, value) for name, value in _COMMON.items()}
+    return _export(table.BY_NAME[format], model, path, **common, **options)
 
 
 def _require_half(row: table.FormatRow, endpoint: Endpoint) -> None:
