@@ -143,34 +143,19 @@ def _stepped(step_call: Callable, caches: dict, batch_prompts: np.ndarray, new: 
 
 
 def _saved_model_signature(directory: str, name: str) -> Callable[[dict], dict]:
-    import tensorflow as tf
+    """The SavedModel's signature `name`, TensorFlow's XLA as it is (the
+    generator compiled with XLA needs it)."""
+    from keras_selfattn.export import runtimes
 
-    signature = tf.saved_model.load(directory).signatures[name]
-
-    def call(arrays: dict) -> dict:
-        outputs = signature(**{k: tf.constant(v) for k, v in arrays.items()})
-        return {k: v.numpy() for k, v in outputs.items()}
-
-    return call
+    return runtimes.load("saved_model", directory, name, tf_serving=False)
 
 
 def _onnx_session(path: str) -> Callable[[dict], dict]:
-    import onnxruntime
+    """A CPU session without spinning between calls: it would take the cores
+    from the next candidate timed."""
+    from keras_selfattn.export import runtimes
 
-    options = onnxruntime.SessionOptions()
-    # No spinning between calls: it would take the cores from the next
-    # candidate timed.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session = onnxruntime.InferenceSession(
-        path, options, providers=["CPUExecutionProvider"]
-    )
-    names = [o.name for o in session.get_outputs()]
-
-    def call(arrays: dict) -> dict:
-        feed = {k: np.asarray(v) for k, v in arrays.items()}
-        return dict(zip(names, session.run(None, feed), strict=True))
-
-    return call
+    return runtimes.load("onnx", path, spinning=False)
 
 
 def _export_all(model, directory: str, max_length: int, check: bool) -> dict[str, str]:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
-import json
 import os
 import tempfile
 import time
@@ -40,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from benchmarks import machine, report
-from benchmarks.runtimes import saved_model_call
+from benchmarks.runtimes import one_input_call
 from benchmarks.timing import Interleaved, interleave
 
 NUM_HEADS = 8
@@ -287,70 +286,32 @@ def export_all(by_precision: dict, directory: str) -> list[Artifact]:
 
 
 def _load_saved_model(directory: str) -> tuple[Callable, str | None]:
-    from keras_selfattn.export.formats.saved_model import DESCRIPTION_PATH
-
-    description = os.path.join(directory, DESCRIPTION_PATH)
-    stated = None
-    if os.path.exists(description):
-        with open(description, encoding="utf-8") as handle:
-            stated = json.load(handle)["scheme"]
-    return saved_model_call(directory, "x"), stated
+    """The signature, TensorFlow's XLA as it is; stated: its description."""
+    call, loaded = one_input_call("saved_model", directory, tf_serving=False)
+    return call, loaded.description.get("scheme")
 
 
 def _load_onnx(path: str) -> tuple[Callable, str | None]:
     """A CPU session that does not spin between calls."""
-    import onnxruntime
-
-    from keras_selfattn.export.formats.onnx.integer import METADATA_KEY
-
-    options = onnxruntime.SessionOptions()
     # Its threads would spin after each call (its default), taking the two
     # cores from whichever artifact the interleaved rounds time next.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session = onnxruntime.InferenceSession(
-        path, options, providers=["CPUExecutionProvider"]
-    )
-    metadata = session.get_modelmeta().custom_metadata_map.get(METADATA_KEY)
-    stated = None
-    if metadata:
-        stated = "; ".join(sorted(set(json.loads(metadata)["layers"].values())))
-    name = session.get_inputs()[0].name
-    return (lambda x: session.run(None, {name: x})[0]), stated
+    call, loaded = one_input_call("onnx", path, spinning=False)
+    return call, loaded.description.get("scheme")
 
 
 def _load_litert(path: str) -> tuple[Callable, str | None]:
     """The signature runner; stated: its int8 weight matrices (LiteRT files
     carry no statement of their own)."""
-    from ai_edge_litert.interpreter import Interpreter
-
-    interpreter = Interpreter(model_path=path)
-    matrices = sum(
-        detail["dtype"] == np.int8
-        and len(detail["shape"]) == 2
-        and len(detail["quantization_parameters"]["scales"]) > 0
-        for detail in interpreter.get_tensor_details()
-    )
+    call, loaded = one_input_call("litert", path)
+    matrices = loaded.int8_matrices
     stated = f"{matrices} int8 weight matrices (dynamic range)" if matrices else None
-    runner = interpreter.get_signature_runner("serving_default")
-    (output,) = runner.get_output_details()
-    return (lambda x: runner(x=x)[output]), stated
+    return call, stated
 
 
 def _load_openvino(path: str) -> tuple[Callable, str | None]:
     """Compiled for the CPU at f32."""
-    import openvino
-
-    from keras_selfattn.export.formats.openvino import SCHEME_KEY
-
-    core = openvino.Core()
-    model = core.read_model(path)
-    stated = None
-    if model.has_rt_info(SCHEME_KEY):
-        schemes = json.loads(model.get_rt_info(SCHEME_KEY).astype(str))["layers"]
-        stated = "; ".join(sorted(set(schemes.values())))
-    compiled = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
-    port = compiled.outputs[0]
-    return (lambda x: compiled([x])[port]), stated
+    call, loaded = one_input_call("openvino", path, precision="f32")
+    return call, loaded.description.get("scheme")
 
 
 LOADERS = {

@@ -98,58 +98,36 @@ def _missing(runtime: str) -> str | None:
     return f"not installed: pip install keras-selfattn[{extra}]"
 
 
+def one_input_call(
+    module: str, path: str, **options: object
+) -> tuple[Callable, object]:
+    """The artifact at `path` loaded by `keras_selfattn.export.runtimes`'
+    `module` with its `options` (the check's own loaders, on the
+    `serving_default` signature): a call on its one input returning its
+    first output, numpy -> numpy, and the loaded artifact (its
+    `description`)."""
+    from keras_selfattn.export import runtimes
+
+    loaded = runtimes.load(module, path, **options)
+    name, output = loaded.input_names[0], loaded.output_names[0]
+    return (lambda x: loaded({name: x})[output]), loaded
+
+
 def saved_model_call(
     directory: str, input_name: str
 ) -> Callable[[np.ndarray], np.ndarray]:
-    """The SavedModel's `serving_default` on one input, as numpy -> numpy."""
-    import tensorflow as tf
+    """The SavedModel's `serving_default` on one input, as numpy -> numpy
+    (TensorFlow's XLA left as it is, not disabled as TF Serving does)."""
+    from keras_selfattn.export import runtimes
 
-    signature = tf.saved_model.load(directory).signatures["serving_default"]
-
-    def call(x: np.ndarray) -> np.ndarray:
-        (output,) = signature(**{input_name: tf.constant(x)}).values()
-        return output.numpy()
-
-    return call
+    loaded = runtimes.load("saved_model", directory, tf_serving=False)
+    (output,) = loaded.output_names
+    return lambda x: loaded({input_name: x})[output]
 
 
 def onnx_call(path: str) -> Callable[[np.ndarray], np.ndarray]:
     """An onnxruntime CPU session (default options) on one input."""
-    import onnxruntime
-
-    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
-    name = session.get_inputs()[0].name
-    return lambda x: session.run(None, {name: x})[0]
-
-
-def _litert(path: str) -> Callable[[np.ndarray], np.ndarray]:
-    from ai_edge_litert.interpreter import Interpreter
-
-    interpreter = Interpreter(model_path=path)
-    (index,) = [d["index"] for d in interpreter.get_input_details()]
-    (output,) = [d["index"] for d in interpreter.get_output_details()]
-    shape = [None]
-
-    def call(x: np.ndarray) -> np.ndarray:
-        if shape[0] != x.shape:  # dynamic shapes: resize once per shape
-            interpreter.resize_tensor_input(index, x.shape)
-            interpreter.allocate_tensors()
-            shape[0] = x.shape
-        interpreter.set_tensor(index, x)
-        interpreter.invoke()
-        return interpreter.get_tensor(output)
-
-    return call
-
-
-def _openvino(path: str, precision: str) -> Callable[[np.ndarray], np.ndarray]:
-    import openvino
-
-    core = openvino.Core()
-    config = {"INFERENCE_PRECISION_HINT": precision} if precision else {}
-    compiled = core.compile_model(core.read_model(path), "CPU", config)
-    port = compiled.outputs[0]
-    return lambda x: compiled([x])[port]
+    return one_input_call("onnx", path)[0]
 
 
 def export_all(model, directory: str) -> tuple[dict, dict]:
@@ -183,11 +161,12 @@ def export_all(model, directory: str) -> tuple[dict, dict]:
                 fuse_attention=True,
             )
         ),
-        "litert": lambda: _litert(
+        "litert": lambda: one_input_call(
+            "litert",
             export.export_litert(
                 model, os.path.join(directory, "model.tflite"), check=False
-            )
-        ),
+            ),
+        )[0],
     }
     for name, build in builders.items():
         notes_or_none = _missing(name)
@@ -201,8 +180,8 @@ def export_all(model, directory: str) -> tuple[dict, dict]:
         xml = export.export_openvino(
             model, os.path.join(directory, "model.xml"), check=False
         )
-        calls["openvino_f32"] = _openvino(xml, "f32")
-        calls["openvino_default"] = _openvino(xml, "")
+        calls["openvino_f32"] = one_input_call("openvino", xml, precision="f32")[0]
+        calls["openvino_default"] = one_input_call("openvino", xml, precision="")[0]
     return calls, notes
 
 

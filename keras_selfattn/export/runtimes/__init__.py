@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import importlib
 
+from ._common import Loaded
+
 # The signature a Keras export serves (a SavedModel's, LiteRT's).
 SERVING = "serving_default"
 
 
-def load(module: str, path: str, signature: str = SERVING, **options: object):
+def load(module: str, path: str, signature: str = SERVING, **options: object) -> Loaded:
     """The artifact at `path` loaded by the runtime module `module`
     (`FormatRow.runtime_module`), its `signature`, with the module's
-    `options`; returns its `_common.Loaded`."""
+    `options`."""
     runtime = importlib.import_module(f"{__name__}.{module}")
     return runtime.load(path, signature, **options)
