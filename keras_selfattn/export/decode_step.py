@@ -35,11 +35,13 @@ padding masks (`mask_zero=True`, `Masking`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Mapping
 
 import keras
 
-from keras_selfattn.export import pipeline
+from keras_selfattn.export import formats, pipeline
 from keras_selfattn.export.decode_step_check import (
     keras_decode,
     schedule,
@@ -53,13 +55,16 @@ from keras_selfattn.export.decode_step_graph import (
     refuse_quantized,
 )
 from keras_selfattn.export.formats import table
+from keras_selfattn.export.parity.report import ParityReport
 from keras_selfattn.export.parity.rules import DEFAULT_ATOL, DEFAULT_RTOL
+from keras_selfattn.export.target import ExportTarget
 
 # What importers of the exporters find here besides them: the step and its
 # check.
 __all__ = [
     "INDEX_NAME",
     "DecodeStep",
+    "DecodeStepExport",
     "build_decode_step",
     "export_decode_step",
     "export_decode_step_onnx",
@@ -114,34 +119,60 @@ def export_decode_step(
         FileExistsError: if the target exists.
         ParityError: if the check fails (nothing is left on disk).
     """
-    row = table.BY_NAME.get(export_format)
-    backend = keras.backend.backend()
-    if row is not None and backend in row.decoding_refused:
-        raise ValueError(
-            f"{row.decoding_refused[backend]} Received: "
-            f"export_format={export_format!r} on the {backend} backend"
-        )
-    refuse_quantized(model, export_format, "decoding step")
-    given = {
+    options = {
         "name": name,
         "version": version,
         "models_config": models_config,
         "opset": opset,
     }
-    options = {k: v for k, v in given.items() if row is not None and k in row.options}
-    destination = pipeline.check_destination(export_format, path, **options)
-    step = build_decode_step(model, max_length)
+    step = DecodeStepExport(model, max_length, options, {"atol": atol, "rtol": rtol})
+    return pipeline.export(step, {export_format: path}, check)[export_format]
 
-    checked = pipeline.staged_check(
-        verify_decode_step,
-        model,
-        export_format,
-        check,
-        max_length=max_length,
-        atol=atol,
-        rtol=rtol,
-    )
-    return pipeline.export(step.target(), destination, checked)
+
+@dataclasses.dataclass
+class DecodeStepExport(pipeline.Target):
+    """A model's decoding step as `pipeline.export` runs it: refused on the
+    backends a format names (`FormatRow.decoding_refused`) and for a
+    quantized model where the format cannot take it, checked by decoding
+    whole sequences step by step (`verify_decode_step`).
+
+    Attributes:
+        model: The model (module docstring).
+        max_length: The caches' length.
+        options: The exporter's format options; each format takes its own
+            (`FormatRow.options`).
+        checks: `verify_decode_step`'s `atol` and `rtol`.
+    """
+
+    model: keras.Model
+    max_length: int
+    options: Mapping[str, object]
+    checks: Mapping[str, float]
+    _step: DecodeStep | None = None
+
+    def destination(
+        self, export_format: str, path: str | os.PathLike
+    ) -> formats.Destination:
+        row = table.BY_NAME.get(export_format)
+        backend = keras.backend.backend()
+        if row is not None and backend in row.decoding_refused:
+            raise ValueError(
+                f"{row.decoding_refused[backend]} Received: "
+                f"export_format={export_format!r} on the {backend} backend"
+            )
+        refuse_quantized(self.model, export_format, "decoding step")
+        options = pipeline.format_options(export_format, self.options)
+        return pipeline.check_destination(export_format, path, **options)
+
+    def build(self, export_format: str) -> ExportTarget:
+        if self._step is None:
+            self._step = build_decode_step(self.model, self.max_length)
+        return self._step.target()
+
+    def check(self, staged: Mapping[str, str]) -> ParityReport:
+        return verify_decode_step(
+            self.model, max_length=self.max_length, **self.checks, paths=staged
+        )
 
 
 def export_decode_step_saved_model(

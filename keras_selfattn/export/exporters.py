@@ -1,7 +1,8 @@
 """The public exporters of a model's forward pass: one per format, and
 `export` for any format by its name.
 
-Each checks its destination, stages the model's `Endpoint` in its format
+Each runs the model's forward pass (`Forward`, its `Endpoint`) through
+`pipeline.export`: checks its destination, stages it in its format
 (`formats`), checks the staged artifact against Keras in a fresh process of
 its runtime (`verify`), and moves it into place; a failure leaves nothing.
 """
@@ -14,9 +15,9 @@ from collections.abc import Mapping
 import keras
 
 from keras_selfattn.export import pipeline
-from keras_selfattn.export.endpoint import Endpoint, build_endpoint
 from keras_selfattn.export.formats import table
-from keras_selfattn.export.verify import DEFAULT_ATOL, DEFAULT_RTOL, verify
+from keras_selfattn.export.forward import Forward
+from keras_selfattn.export.verify import DEFAULT_ATOL, DEFAULT_RTOL
 
 # The options every format's export takes, and their defaults.
 _COMMON = {
@@ -40,28 +41,8 @@ def _export(
     **options: object,
 ) -> str:
     """`model`'s endpoint exported in `row`'s format (module docstring)."""
-    destination = pipeline.check_destination(row.name, path, **options)
-    endpoint = build_endpoint(model, attention_outputs, precision)
-    _require_half(row, endpoint)
-    fixed = destination.options.get("shape")
-    runtime_options = row.runtime_half.get(endpoint.half, {})
-    if runtime_options:
-        # A float32 artifact its runtime computes in the half dtype.
-        endpoint = build_endpoint(model, attention_outputs)
-
-    checked = pipeline.staged_check(
-        verify,
-        model,
-        row.name,
-        check,
-        attention_outputs=attention_outputs,
-        atol=atol,
-        rtol=rtol,
-        shapes=None if fixed is None else [fixed],
-        precision=precision,
-        **runtime_options,
-    )
-    return pipeline.export(endpoint.target(), destination, checked)
+    forward = Forward(model, attention_outputs, atol, rtol, precision, options)
+    return pipeline.export(forward, {row.name: path}, check)[row.name]
 
 
 def export(
@@ -108,23 +89,6 @@ def export(
         )
     common = {name: options.pop(name, value) for name, value in _COMMON.items()}
     return _export(table.BY_NAME[format], model, path, **common, **options)
-
-
-def _require_half(row: table.FormatRow, endpoint: Endpoint) -> None:
-    """Refuses `precision="model"` for a half dtype the format cannot keep.
-
-    Raises:
-        ValueError: one line naming the format, the dtype and what works.
-    """
-    if endpoint.half is not None and endpoint.half not in row.half:
-        keeps = f" (it keeps {' and '.join(row.half)})" if row.half else ""
-        raise ValueError(
-            f"{row.title} export cannot keep {endpoint.half} arithmetic{keeps}: "
-            "export in float32 (precision='float32', the default), or in "
-            f"{endpoint.half} to "
-            + ", ".join(r.title for r in table.ROWS if endpoint.half in r.half)
-            + ". Received: precision='model'"
-        )
 
 
 def export_saved_model(

@@ -58,7 +58,10 @@ a time (`generator_check.pair_run`).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
+from collections.abc import Iterator, Mapping
 
 import keras
 
@@ -71,6 +74,8 @@ from keras_selfattn.export.generator_check import (
     verify_generator,
 )
 from keras_selfattn.export.generator_graph import Generator, build_generator
+from keras_selfattn.export.parity.report import ParityReport
+from keras_selfattn.export.target import ExportTarget
 
 # What importers of `export_generator` find here besides it: its check.
 __all__ = ["FORMATS", "PAIR_RUNTIME", "export_generator", "verify_generator"]
@@ -138,41 +143,77 @@ def export_generator(
     export_generator(model, "serving", "saved_model", max_length=32, name="lm")
     ```
     """
-    if export_format in table.NAMES and export_format not in FORMATS:
-        raise ValueError(
-            f"A generator exports as {' or '.join(FORMATS)} (the loop stays in "
-            "the graph; OpenVINO and .pt2 get the decoding step: "
-            "export_decode_step). Received: export_format="
-            f"{export_format!r}"
-        )
-    refuse_quantized(model, export_format, "generator")
-    given = {
+    options = {
         "name": name,
         "version": version,
         "warmup": warmup,
         "models_config": models_config,
         "opset": opset,
     }
-    row = table.BY_NAME.get(export_format)
-    options = {k: v for k, v in given.items() if row is not None and k in row.options}
-    if jit_compile and (row is None or not row.jit_compile):
-        raise ValueError(
-            "`jit_compile` compiles a SavedModel's loop with XLA; ONNX and "
-            "LiteRT runtimes run their own graphs. Received: jit_compile=True, "
-            f"export_format={export_format!r}"
-        )
-    destination = check_destination(export_format, path, **options)
-    generator = build_generator(model, max_length, jit_compile)
+    exported = GeneratorExport(model, max_length, jit_compile, options)
+    return pipeline.export(exported, {export_format: path}, check)[export_format]
 
-    check_staged = pipeline.staged_check(
-        verify_generator, model, export_format, check, max_length=max_length
-    )
-    target = generator.target()
-    if keras.backend.backend() == _generator_writer.WRITER_BACKEND:
-        return pipeline.export(target, destination, check_staged)
-    with _generator_writer.keras_file(model) as keras_path:
-        write = writer(generator, keras_path, export_format)
-        return pipeline.export(target, destination, check_staged, write)
+
+@dataclasses.dataclass
+class GeneratorExport(pipeline.Target):
+    """A model's generator as `pipeline.export` runs it: refused in a format
+    that cannot hold its loop (`FormatRow.generator`), for a quantized model
+    where the format cannot take it, and `jit_compile` where the runtime
+    does not compile with XLA; written by TensorFlow (a TensorFlow process
+    off it); checked against `keras_selfattn.generate` (`verify_generator`).
+
+    Attributes:
+        model, max_length, jit_compile: As given to `export_generator`.
+        options: The exporter's format options; each format takes its own
+            (`FormatRow.options`).
+    """
+
+    model: keras.Model
+    max_length: int
+    jit_compile: bool
+    options: Mapping[str, object]
+    _generator: Generator | None = None
+
+    def destination(
+        self, export_format: str, path: str | os.PathLike
+    ) -> formats.Destination:
+        if export_format in table.NAMES and export_format not in FORMATS:
+            raise ValueError(
+                f"A generator exports as {' or '.join(FORMATS)} (the loop stays "
+                "in the graph; OpenVINO and .pt2 get the decoding step: "
+                "export_decode_step). Received: export_format="
+                f"{export_format!r}"
+            )
+        refuse_quantized(self.model, export_format, "generator")
+        row = table.BY_NAME.get(export_format)
+        if self.jit_compile and (row is None or not row.jit_compile):
+            raise ValueError(
+                "`jit_compile` compiles a SavedModel's loop with XLA; ONNX and "
+                "LiteRT runtimes run their own graphs. Received: "
+                f"jit_compile=True, export_format={export_format!r}"
+            )
+        options = pipeline.format_options(export_format, self.options)
+        return check_destination(export_format, path, **options)
+
+    def build(self, export_format: str) -> ExportTarget:
+        if self._generator is None:
+            self._generator = build_generator(
+                self.model, self.max_length, self.jit_compile
+            )
+        return self._generator.target()
+
+    @contextlib.contextmanager
+    def writing(self, export_format: str) -> Iterator[formats.Writer | None]:
+        """Off TensorFlow, a TensorFlow process writing from the model's
+        .keras file (`writer`)."""
+        if keras.backend.backend() == _generator_writer.WRITER_BACKEND:
+            yield None
+            return
+        with _generator_writer.keras_file(self.model) as keras_path:
+            yield writer(self._generator, keras_path, export_format)
+
+    def check(self, staged: Mapping[str, str]) -> ParityReport:
+        return verify_generator(self.model, max_length=self.max_length, paths=staged)
 
 
 def writer(

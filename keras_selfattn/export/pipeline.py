@@ -3,20 +3,22 @@
 `check_destination` runs before any work (the command line runs it before
 loading the model): the backend, the packages, the path and the format's
 options (`formats.Format.destination`). `stage` writes an `ExportTarget`
-(the model's forward endpoint, or its decoding step) into a hidden
-temporary beside the destination and moves it into place when its `with`
-block ends without error; verification goes in that block. `export` is the
-three steps for one format.
+(the model's forward endpoint, its decoding step or its generator) into a
+hidden temporary beside the destination and moves it into place when its
+`with` block ends without error; verification goes in that block.
+`export(target, {format: path})` is the three steps for any `Target` (the
+forward pass's in `exporters`, the decoding step's in `decode_step`, the
+generator's in `generator`) and any formats.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Mapping
 
 from keras_selfattn.export import _files, formats
-from keras_selfattn.export.formats import Destination, Writer
+from keras_selfattn.export.formats import Destination, Writer, table
 from keras_selfattn.export.target import ExportTarget
 
 
@@ -73,35 +75,76 @@ def stage(
         yield staged
 
 
-def staged_check(
-    verify: Callable[..., object],
-    model: object,
-    export_format: str,
-    check: bool,
-    **arguments: object,
-) -> Callable[[str], object] | None:
-    """The check `export` runs on a staged artifact: `verify(model,
-    **arguments)` with the staged path as its `paths`, {format: path}; None
-    when not `check`."""
-    if not check:
-        return None
-    return lambda staged: verify(model, **arguments, paths={export_format: staged})
+def format_options(
+    export_format: str, given: Mapping[str, object]
+) -> dict[str, object]:
+    """The options of `given` that the format takes (its row's `options`);
+    none for an unknown format (`check_destination` refuses it)."""
+    row = table.BY_NAME.get(export_format)
+    return {k: v for k, v in given.items() if row is not None and k in row.options}
+
+
+class Target:
+    """What a model exports (its forward pass, its decoding step, its
+    generator), as `export` runs it; each module of one says what it
+    exports, what it refuses and what it is checked against.
+
+    Subclasses implement `destination`, `build` and `check`, and `writing`
+    where another process writes the artifact.
+    """
+
+    def destination(self, export_format: str, path: str | os.PathLike) -> Destination:
+        """Refuses what this target cannot export in the format, then checks
+        the destination (`check_destination`), before any work."""
+        raise NotImplementedError
+
+    def build(self, export_format: str) -> ExportTarget:
+        """The graph written in the format (after every destination's check)."""
+        raise NotImplementedError
+
+    def check(self, staged: Mapping[str, str]) -> object:
+        """Checks the staged artifacts, {format: path}, against Keras in
+        fresh processes of their runtimes (one check for them all).
+
+        Raises:
+            ParityError: if one differs.
+        """
+        raise NotImplementedError
+
+    def writing(
+        self, export_format: str
+    ) -> contextlib.AbstractContextManager[Writer | None]:
+        """A context yielding who writes the format's artifact: None (the
+        format's own `write`) by default."""
+        return contextlib.nullcontext()
 
 
 def export(
-    target: ExportTarget,
-    destination: Destination,
-    check: Callable[[str], object] | None,
-    writer: Writer | None = None,
-) -> str:
-    """Stages `target` (written by `writer`, default the format's), runs
-    `check` on the staged artifact (if given), and moves it into place;
-    returns where it is.
+    target: Target, paths: Mapping[str, str | os.PathLike], check: bool = True
+) -> dict[str, str]:
+    """Exports `target` in every format of `paths` ({format: path}).
+
+    Every destination is checked (or refused) before any work; then each
+    artifact is staged beside its destination, all are checked together
+    against Keras (`Target.check`, when `check`) and moved into place,
+    folders (the SavedModel's version) before files.
+
+    Returns:
+        {format: where its artifact is}.
 
     Raises:
-        Whatever `check` raises (ParityError): nothing is then left.
+        Whatever `Target.check` raises (ParityError): nothing is then left.
     """
-    with stage(target, destination, writer) as staged:
-        if check is not None:
-            check(staged.path)
-    return staged.target
+    destinations = {f: target.destination(f, path) for f, path in paths.items()}
+    with contextlib.ExitStack() as files, contextlib.ExitStack() as folders:
+        staged = {}
+        for export_format, destination in destinations.items():
+            stack = files if table.BY_NAME[export_format].suffix else folders
+            built = target.build(export_format)
+            writer = stack.enter_context(target.writing(export_format))
+            staged[export_format] = stack.enter_context(
+                stage(built, destination, writer)
+            )
+        if check:
+            target.check({f: export.path for f, export in staged.items()})
+    return {f: export.target for f, export in staged.items()}
