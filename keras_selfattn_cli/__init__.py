@@ -149,7 +149,7 @@ def _add_export_options(sub: argparse.ArgumentParser) -> None:
         "--int8-matmul",
         metavar="KERNEL",
         help="ONNX Runtime's kernel for int8 layers: any_cpu (default, exact "
-        "on every CPU) or vnni (faster, exact only on CPUs with VNNI)",
+        "on every CPU) or vnni (no probe of the CPU, exact only with VNNI or AMX)",
     )
     sub.add_argument(
         "--litert-shape",

@@ -219,11 +219,12 @@ def export_onnx(
         precision: As in `export_saved_model`.
         int8_matmul: How int8 layers with quantized activations (Keras's
             `quantize("int8")`) run on ONNX Runtime's uint8 x int8 kernel:
-            "any_cpu" (activations split into 7-bit positive and negative
-            parts, exact on every CPU) or "vnni" (activations shifted to
-            uint8, half the work, exact only on CPUs with VNNI or AMX: x86
-            CPUs without it saturate its sums and compute other numbers, so
-            the check fails on them). Other layers are unaffected.
+            "any_cpu" (uint8 x int8 where a probe of the machine's kernel,
+            run when the session loads, finds it exact (VNNI, AMX), uint8 x
+            uint8 elsewhere: exact on every CPU) or "vnni" (uint8 x int8
+            alone, no probe, exact only on CPUs with VNNI or AMX: x86 CPUs
+            without it saturate its sums and compute other numbers, so the
+            check fails on them). Other layers are unaffected.
 
     Returns:
         `path`, as a string.

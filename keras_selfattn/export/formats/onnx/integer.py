@@ -6,34 +6,8 @@ dequantized kernel, a constant (`quantization.CONSTANTS`); `rewrite` finds
 each by value and replaces it:
 
 - int8 with Keras's activation quantizer (symmetric, per token): Keras's
-  exact scheme on ONNX Runtime's integer matmul. Per row of the input,
-  scale = high / (max |x| + epsilon) and y = x * scale, with the same float
-  operations as Keras (so the same integers q = round(y), |q| <= 127).
-  ONNX Runtime's fast x86 kernel multiplies uint8 by int8; without VNNI
-  (AVX2, AVX-512 before VNNI) it adds pairs of products in saturating
-  16-bit lanes (`vpmaddubsw`), where Keras's codes shifted to uint8 (up to
-  255) times weights up to 127 overflow them, and the file would compute
-  something else than on the machine that checked it. So by default
-  (`ANY_CPU`) each q is split into its positive and its negative part,
-  p = max(q, 0) and n = max(-q, 0), both 0 to 127: `QuantizeLinear(y, 1,
-  0)` and `QuantizeLinear(-y, 1, 0)` (uint8 saturates below at 0, and
-  rounds half to even, as Keras's `round`, which is odd-symmetric), side by
-  side, times [W; -W] (Keras's int8 integers stored once, their negation
-  and the concatenation folded by ONNX Runtime when the session loads):
-  p.W - n.W = q.W, with every pair of products at most 2 * 127 * 127 =
-  32258, which no 16-bit lane saturates. Exact on every x86 CPU, and on
-  VNNI / AMX CPUs (`vpdpbusd`, AMX tiles) the uint8 x int8 kernel's speed
-  for twice the inner dimension. `int8_matmul="vnni"` (`VNNI`) instead
-  multiplies q + 128 (`QuantizeLinear(y, 1, 128)`, zero point 128) by W
-  itself: half the work, exact with VNNI or AMX, wrong without (for
-  deployments known to have them; `INT8_MATMULS`).
-  `MatMulIntegerToFloat` scales the int32 products by 1 / kernel_scale per
-  column and the result is multiplied by the row's (max |x| + epsilon) /
-  high: Keras divides by kernel_scale * scale, which rounds differently by
-  a few ulp (the integers, which decide the result, are the same). Layers
-  reading one input (query, key and value) share its quantization, each
-  with its own matmul. Keras's clip to [low, high] is left out where it
-  cannot bind (|x * scale| < high * (1 + 2**-23) rounds to at most high).
+  exact scheme on ONNX Runtime's integer matmul, exact on every CPU by
+  default (`int8_layers`).
 - weight-only modes (int4 per channel or per group, int8 without
   activation quantization, gptq, awq): `MatMulNBits` (4 or 8 bits, blocks
   along the input axis, codes - zero point times scale) with float
@@ -60,6 +34,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from keras_selfattn.export.formats.onnx import graph as og
+from keras_selfattn.export.formats.onnx import int8_layers
 from keras_selfattn.export.formats.onnx.int8_matmul import ANY_CPU, VNNI
 from keras_selfattn.export.quantization import QuantizedDense
 
@@ -72,8 +47,8 @@ EXACT_INT8 = (
 # What each `int8_matmul` (`int8_matmul`) adds to the scheme line.
 INT8_MATMULS = {
     ANY_CPU: (
-        " uint8 x int8, activations split into positive and negative 7-bit "
-        "parts (exact on every CPU)"
+        " uint8 x int8 where a probe of the machine's kernel finds it exact "
+        "(VNNI, AMX), uint8 x uint8 elsewhere (exact on every CPU)"
     ),
     VNNI: (
         " uint8 x int8 (exact on CPUs with VNNI or AMX; x86 CPUs without "
@@ -125,15 +100,21 @@ class _Builder:
         self.graph.initializer.append(numpy_helper.from_array(np.asarray(value), name))
         return name
 
-    def node(self, op: str, inputs: Sequence[str], hint: str, **attrs) -> str:
+    def make(
+        self, op: str, inputs: Sequence[str], hint: str, **attrs
+    ) -> onnx.NodeProto:
+        """A uniquely named node with one output (named like the node), not
+        added to the graph (for subgraphs)."""
         output = self.name(hint)
         domain = CONTRIB_DOMAIN if op in _CONTRIB_OPS else ""
-        self.nodes.append(
-            helper.make_node(
-                op, list(inputs), [output], name=output, domain=domain, **attrs
-            )
+        return helper.make_node(
+            op, list(inputs), [output], name=output, domain=domain, **attrs
         )
-        return output
+
+    def node(self, op: str, inputs: Sequence[str], hint: str, **attrs) -> str:
+        """Adds a `make` node to the graph; returns its output's name."""
+        self.nodes.append(self.make(op, inputs, hint, **attrs))
+        return self.nodes[-1].output[0]
 
     def reduce(self, op: str, x: str, hint: str) -> str:
         """`op` ("ReduceMax", "ReduceMin") over the last axis, kept."""
@@ -141,108 +122,6 @@ class _Builder:
             axes = self.constant(f"{hint}_axes", np.array([-1], np.int64))
             return self.node(op, [x, axes], hint, keepdims=1)
         return self.node(op, [x], hint, axes=[-1], keepdims=1)
-
-
-def _quantized_input(
-    builder: _Builder, x: str, activations, int8_matmul: str, cache: dict
-) -> tuple:
-    """(uint8 codes, per-row 1 / scale) of `x` by Keras's AbsMaxQuantizer; shared
-    by every layer reading the same tensor. The codes are Keras's integers +
-    128 (`VNNI`), or (`ANY_CPU`) their positive parts then their negative
-    parts, side by side (twice as many columns)."""
-    if (x, activations) in cache:
-        return cache[(x, activations)]
-    low, high, epsilon = activations
-    prefix = f"{x.replace(':', '_')}_int8"
-    # max |x| as max(max x, -min x): two reading passes, where Abs would
-    # write a whole copy of x first (the same value, bit for bit).
-    highest = builder.reduce("ReduceMax", x, f"{prefix}_max")
-    lowest = builder.reduce("ReduceMin", x, f"{prefix}_min")
-    negated = builder.node("Neg", [lowest], f"{prefix}_neg")
-    largest = builder.node("Max", [highest, negated], f"{prefix}_abs")
-    denominator = builder.node(
-        "Add",
-        [largest, builder.constant(f"{prefix}_eps", np.float32(epsilon))],
-        f"{prefix}_den",
-    )
-    scale = builder.node(
-        "Div",
-        [builder.constant(f"{prefix}_high", np.float32(high)), denominator],
-        f"{prefix}_scale",
-    )
-    scaled = builder.node("Mul", [x, scale], f"{prefix}_scaled")
-    if low > -high:  # the clip can bind only when the range is narrower below
-        scaled = builder.node(
-            "Clip",
-            [
-                builder.node("Round", [scaled], f"{prefix}_rounded"),
-                builder.constant(f"{prefix}_low", np.float32(low)),
-                builder.constant(f"{prefix}_hi", np.float32(high)),
-            ],
-            f"{prefix}_clipped",
-        )
-    unit = builder.constant(f"{prefix}_unit", np.float32(1.0))
-    if int8_matmul == VNNI:
-        codes = builder.node(
-            "QuantizeLinear",
-            [scaled, unit, builder.constant(f"{prefix}_128", np.uint8(128))],
-            f"{prefix}_u8",
-        )
-    else:  # the positive and the negative part, each 0 to 127
-        zero = builder.constant(f"{prefix}_0", np.uint8(0))
-        negated = builder.node("Neg", [scaled], f"{prefix}_negated")
-        parts = [
-            builder.node("QuantizeLinear", [part, unit, zero], f"{prefix}_{sign}")
-            for part, sign in ((scaled, "positive"), (negated, "negative"))
-        ]
-        codes = builder.node("Concat", parts, f"{prefix}_parts", axis=-1)
-    # The output's per-row factor: 1 / scale, as (max + eps) / high (a
-    # multiply by it costs a fraction of a divide by the scale, and differs
-    # from Keras's division by an ulp, like the rest of the output side).
-    inverse = builder.node(
-        "Div",
-        [denominator, builder.constant(f"{prefix}_high_again", np.float32(high))],
-        f"{prefix}_inverse",
-    )
-    cache[(x, activations)] = (codes, inverse)
-    return codes, inverse
-
-
-def _exact_int8(
-    builder, x: str, output: str, quantized: QuantizedDense, cache, int8_matmul: str
-) -> None:
-    """Keras's int8 scheme for one layer reading `x`: a `MatMulIntegerToFloat`
-    of the input's codes (shared by the layers reading `x`: query, key and
-    value) by the layer's kernel, times the row's 1 / scale. One matmul per
-    layer: measured faster than one over the three kernels side by side,
-    whose wide output a Split then copies apart."""
-    codes, inverse = _quantized_input(
-        builder, x, quantized.activations, int8_matmul, cache
-    )
-    name = quantized.layer.name
-    kernel = builder.constant(f"{name}_kernel", quantized.integers.astype(np.int8))
-    codes_zero = np.uint8(128)
-    if int8_matmul == ANY_CPU:  # [W; -W], computed once when the session loads
-        negated = builder.node("Neg", [kernel], f"{name}_kernel_negated")
-        kernel = builder.node("Concat", [kernel, negated], f"{name}_both", axis=0)
-        codes_zero = np.uint8(0)
-    products = builder.node(
-        "MatMulIntegerToFloat",
-        [
-            codes,
-            kernel,
-            builder.constant(f"{name}_unit", np.float32(1.0)),
-            builder.constant(
-                f"{name}_inverse_scale", (1.0 / quantized.scale).astype("float32")
-            ),
-            builder.constant(f"{name}_zero_point", codes_zero),
-            builder.constant(f"{name}_kernel_zero_point", np.int8(0)),
-        ],
-        f"{name}_products",
-    )
-    builder.nodes.append(
-        helper.make_node("Mul", [products, inverse], [output], name=output)
-    )
 
 
 def _blocks(
@@ -347,7 +226,7 @@ def rewrite(
     builder = _Builder(graph, opset)
     by_value = _kernels_by_value(quantized)
     schemes: dict[str, LayerScheme] = {}
-    cache: dict = {}  # (input, activations) -> its codes, shared by its readers
+    cache: dict = {}  # each input's codes, shared by its readers; the probe
     kept = []
     for node in graph.node:
         weight = (
@@ -364,7 +243,7 @@ def rewrite(
         name = match.layer.name
         x, output = node.input[0], node.output[0]
         if match.mode == "int8" and match.activations is not None:
-            _exact_int8(builder, x, output, match, cache, int8_matmul)
+            int8_layers.exact_int8(builder, x, output, match, cache, int8_matmul)
             schemes[name] = LayerScheme(
                 name, EXACT_INT8 + INT8_MATMULS[int8_matmul], True
             )
@@ -384,9 +263,11 @@ def rewrite(
         schemes.setdefault(q.layer.name, LayerScheme(q.layer.name, NOT_FOUND, False))
     og.prune_dead(graph)
     og.topological_sort(graph)
-    if any(node.domain == CONTRIB_DOMAIN for node in graph.node) and not any(
-        o.domain == CONTRIB_DOMAIN for o in proto.opset_import
-    ):
+    # An int8 layer's MatMulIntegerToFloat may sit in an `If` branch.
+    contrib = any(node.domain == CONTRIB_DOMAIN for node in graph.node) or any(
+        s.scheme.startswith(EXACT_INT8) for s in schemes.values()
+    )
+    if contrib and not any(o.domain == CONTRIB_DOMAIN for o in proto.opset_import):
         proto.opset_import.append(helper.make_opsetid(CONTRIB_DOMAIN, 1))
     results = tuple(schemes[q.layer.name] for q in quantized)
     describe(proto, results)
