@@ -1,0 +1,75 @@
+"""The int8 matmul schemes of `benchmarks.int8_matmul` against numpy's
+integer products: uint8 x uint8 (the default ONNX file's matmul where its
+probe finds uint8 x int8 inexact), the split (uint8 x int8, K doubled) and
+int8 x int8 are exact on every CPU; uint8 x int8 (Keras's integers + 128
+times W) only where the CPU has VNNI or AMX (without, ONNX Runtime's kernel
+saturates pairs of products in 16-bit lanes). Onnxruntime only; the
+benchmark's run itself is the slow smoke test below.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks import int8_matmul, machine
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_scheme_computes_the_integer_product():
+    pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng(1)
+    q = rng.integers(-127, 128, (8, 64)).astype(np.int8)
+    w = rng.integers(-127, 128, (64, 24)).astype(np.int8)
+    q[0], w[:, 0] = 127, 127  # the largest pairs: 255 x 127 twice saturates 16 bits
+    expected = q.astype(np.int64) @ w.astype(np.int64)
+    exact_everywhere = {int8_matmul.UNSIGNED, int8_matmul.SPLIT, "int8 x int8"}
+    for scheme, (model, a) in int8_matmul.matmul_models(q, w).items():
+        result = int8_matmul.session(model, 1).run(None, {"a": a})[0]
+        if scheme == int8_matmul.DYNAMIC:  # its own per-tensor quantization
+            assert np.abs(result - expected).max() < 0.02 * np.abs(expected).max()
+        elif scheme in exact_everywhere or machine.vnni_flags():
+            np.testing.assert_array_equal(result, expected, err_msg=scheme)
+        else:  # x86 without VNNI: the kernel saturates the shifted codes
+            assert not np.array_equal(result, expected), scheme
+
+
+@pytest.mark.slow  # 4 checked exports and 2 tiny timings: about 15 s
+@pytest.mark.one_suite(
+    "benchmarks.int8_matmul runs in its own KERAS_BACKEND=tensorflow interpreter"
+)
+def test_the_benchmark_reports_every_section(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.int8_matmul", "--quick", "--out", tmp_path],
+        cwd=ROOT,
+        env={**os.environ, "KERAS_BACKEND": "tensorflow"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = json.loads((tmp_path / "int8_matmul.json").read_text(encoding="utf-8"))
+    assert (tmp_path / "int8_matmul.md").read_text(encoding="utf-8") in done.stdout
+    assert [r["scheme"] for r in loaded["matmul"]] == list(int8_matmul.OPERANDS) * 2
+    for row in loaded["matmul"]:
+        assert row["ms"] > 0 and row["vs_float"] > 0, row
+        if row["scheme"] in (int8_matmul.UNSIGNED, int8_matmul.SPLIT, "int8 x int8"):
+            assert row["exact"] == "yes", row
+    files = [r["file"] for r in loaded["layer"]]
+    assert files == list(int8_matmul.FILES) * 2
+    for row in loaded["layer"]:
+        assert row["ms"] > 0 and row["vs_anchor"] > 0, row
+        if row["file"] == "int8" or (
+            row["file"] == "int8 vnni" and machine.vnni_flags()
+        ):
+            assert row["max_abs_diff"] < 1e-4, row  # Keras's own integers
+    assert loaded["ops"][-1]["op"] == "total"
+    assert loaded["ops"][-1]["int8"] > 0
