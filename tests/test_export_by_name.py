@@ -52,3 +52,36 @@ def test_export_refuses_an_unknown_format_and_a_foreign_option(model, tmp_path):
     with pytest.raises(ValueError, match=r"ONNX export takes no `shape`"):
         export(model, tmp_path / "m.onnx", "onnx", shape=(1, 2))
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow
+@pytest.mark.tensorflow_only("a SavedModel and an ONNX file from TensorFlow")
+def test_one_pipeline_export_checks_several_formats_and_leaves_all_or_none(
+    tmp_path, monkeypatch
+):
+    """`pipeline.export(target, {format: path})`: a decoding step in two
+    formats, one check for both; when it fails, neither appears."""
+    from keras_selfattn.export import ParityError, pipeline
+    from keras_selfattn.export.decode_step import DecodeStepExport
+
+    model = model_zoo.decoder_language_model()
+    paths = {"saved_model": tmp_path / "serving", "onnx": tmp_path / "step.onnx"}
+    checks = {"atol": 1e-4, "rtol": 1e-4}
+    step = DecodeStepExport(model, 8, {"name": "lm", "opset": None}, checks)
+    checked = []
+
+    def failing(staged):
+        checked.append(sorted(staged))
+        raise ParityError("differs", None)
+
+    monkeypatch.setattr(step, "check", failing)
+    with pytest.raises(ParityError):
+        pipeline.export(step, paths)
+    assert checked == [["onnx", "saved_model"]] and os.listdir(tmp_path) == []
+    monkeypatch.undo()
+    written = pipeline.export(step, paths)
+    assert written == {
+        "saved_model": str(tmp_path / "serving" / "lm" / "1"),
+        "onnx": str(tmp_path / "step.onnx"),
+    }
+    assert sorted(os.listdir(tmp_path)) == ["serving", "step.onnx"]

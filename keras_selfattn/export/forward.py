@@ -21,7 +21,8 @@ from keras_selfattn.export.verify import ParityReport, verify
 @dataclasses.dataclass
 class Forward(pipeline.Target):
     """A model's forward pass (its `Endpoint`) as `pipeline.export` runs it:
-    refused in a half dtype its format cannot keep, checked by `verify`.
+    refused in a half dtype its format cannot keep, checked by `verify`
+    (on a fixed-shape artifact's shape: the exporters give one format).
 
     Attributes:
         model, attention_outputs, atol, rtol, precision: As given to the

@@ -133,8 +133,13 @@ def export(
         {format: where its artifact is}.
 
     Raises:
+        ValueError: if `paths` is empty, or as `Target.destination` refuses.
         Whatever `Target.check` raises (ParityError): nothing is then left.
     """
+    if not paths:
+        raise ValueError(
+            f"`paths` must name at least one format. Received: paths={paths!r}"
+        )
     destinations = {f: target.destination(f, path) for f, path in paths.items()}
     with contextlib.ExitStack() as files, contextlib.ExitStack() as folders:
         staged = {}
@@ -146,5 +151,5 @@ def export(
                 stage(built, destination, writer)
             )
         if check:
-            target.check({f: export.path for f, export in staged.items()})
-    return {f: export.target for f, export in staged.items()}
+            target.check({f: artifact.path for f, artifact in staged.items()})
+    return {f: artifact.target for f, artifact in staged.items()}
