@@ -573,9 +573,9 @@ def to_markdown(results: dict) -> str:
         f"`SelfAttention(num_heads={results['model']['num_heads']}, "
         f"output_dim={d_model})`, seed 0; int8 and int4: a clone with the same "
         "weights, `model.quantize(mode)`; the int8 ONNX file is the default "
-        "(activations split into 7-bit positive and negative parts times "
-        "[W; -W] on uint8 x int8: exact on every x86 CPU); int8 vnni: the int8 "
-        "model's ONNX file "
+        "(Keras's integers + 128 times W on uint8 x int8 where its probe finds "
+        "this CPU's kernel exact, VNNI or AMX, times W + 128 on uint8 x uint8 "
+        "elsewhere: exact on every CPU); int8 vnni: the int8 model's ONNX file "
         'for VNNI CPUs (`export_onnx(..., int8_matmul="vnni")`, uint8 x int8), '
         "checked only where this CPU has VNNI (without it, its error column shows "
         "what it computes). Anchor: onnxruntime `quantize_dynamic` "
