@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import time
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import keras
@@ -23,12 +24,12 @@ import keras_selfattn  # noqa: F401  (registers SelfAttention)
 from keras_selfattn.export import (
     decode_step,
     formats,
+    forward,
     generator,
-    generator_graph,
     pipeline,
 )
-from keras_selfattn.export.endpoint import build_endpoint
 from keras_selfattn.export.formats import table
+from keras_selfattn.export.target import ExportTarget
 from keras_selfattn.export.verify import (
     DEFAULT_ATOL,
     DEFAULT_RTOL,
@@ -47,17 +48,23 @@ def _default_tolerances(args: argparse.Namespace) -> None:
         args.rtol = DEFAULT_RTOL
 
 
-def _step(label: str, action: Callable[[], object]) -> object:
+@contextlib.contextmanager
+def _stepping(label: str) -> Iterator[None]:
+    """A step as it runs: `label ...`, then `done (N s)` or `failed`."""
     check_signals()  # a signal whose exception was swallowed: stop here
     print(f"{label} ...", end=" ", flush=True)
     start = time.perf_counter()
     try:
-        result = action()
+        yield
     except BaseException:
         print("failed", flush=True)
         raise
     print(f"done ({time.perf_counter() - start:.1f} s)", flush=True)
-    return result
+
+
+def _step(label: str, action: Callable[[], object]) -> object:
+    with _stepping(label):
+        return action()
 
 
 def _load_model(path: str) -> keras.Model:
@@ -125,8 +132,119 @@ def _check_destinations(args: argparse.Namespace, name: str) -> dict:
     return destinations
 
 
+@dataclasses.dataclass
+class _Command(pipeline.Target):
+    """The command's export as `pipeline.export` runs it: its destinations,
+    checked with the command's option names before the model was loaded;
+    `target`'s graphs and writers; each step printed as it runs.
+
+    Attributes:
+        target: What the command exports (`_command`).
+        destinations: {format: its checked `formats.Destination`}.
+        check_label: The line printed while the check runs.
+        verify: The check of the staged artifacts, {format: path}.
+        describe: The line printed of the first graph built, or None.
+        report: The check's `ParityReport`, once it ran.
+    """
+
+    target: pipeline.Target
+    destinations: Mapping[str, formats.Destination]
+    check_label: str
+    verify: Callable[[Mapping[str, str]], ParityReport]
+    describe: Callable[[ExportTarget], str | None] = lambda built: None
+    report: ParityReport | None = None
+    _described: bool = False
+
+    def destination(
+        self, export_format: str, path: str | os.PathLike
+    ) -> formats.Destination:
+        return self.destinations[export_format]
+
+    def build(self, export_format: str) -> ExportTarget:
+        built = self.target.build(export_format)
+        line = None if self._described else self.describe(built)
+        self._described = True
+        if line is not None:
+            print(line, flush=True)
+        return built
+
+    def writing(
+        self, export_format: str
+    ) -> contextlib.AbstractContextManager[formats.Writer | None]:
+        return self.target.writing(export_format)
+
+    @contextlib.contextmanager
+    def staging(
+        self,
+        export_format: str,
+        destination: formats.Destination,
+        built: ExportTarget,
+    ) -> Iterator[None]:
+        """The format's step, then the lines its write shows (e.g. which
+        layers were fused), also after a failure."""
+        writes = formats.get(export_format)
+        with writes.messages(destination.options) as messages:
+            try:
+                with _stepping(writes.label(destination, built.signature_name)):
+                    yield
+            finally:
+                for line in messages:
+                    print(f"  {line}", flush=True)
+
+    def check(self, staged: Mapping[str, str]) -> ParityReport:
+        self.report = _step(self.check_label, lambda: self.verify(staged))
+        return self.report
+
+
+def _command(
+    model: keras.Model,
+    args: argparse.Namespace,
+    destinations: Mapping[str, formats.Destination],
+) -> _Command:
+    """The command's export: the forward pass (`forward.Forward`), the
+    decoding step (`decode_step.DecodeStepExport`) or the generator
+    (`generator.GeneratorExport`, written from the command's .keras file)."""
+    if args.decode_step:
+        step = decode_step.DecodeStepExport(
+            model, args.max_length, {}, {"atol": args.atol, "rtol": args.rtol}
+        )
+        # A step's inputs: the model's, its caches, the index (decode_step).
+        return _Command(
+            step,
+            destinations,
+            "Decoding step by step against Keras",
+            step.check,
+            lambda built: (
+                f"  decode step: caches {', '.join(built.input_names[1:-1])} "
+                f"(max_length {args.max_length})"
+            ),
+        )
+    if args.generate:
+        keras_path = os.path.abspath(args.model)
+        loop = generator.GeneratorExport(
+            model, args.max_length, args.jit_compile, {}, keras_path
+        )
+        return _Command(
+            loop,
+            destinations,
+            "Generating against keras_selfattn.generate",
+            loop.check,
+            lambda built: (
+                f"  generator: inputs {', '.join(built.input_names)}; outputs "
+                f"{', '.join(built.output_names)} (max_length {args.max_length})"
+            ),
+        )
+    return _Command(
+        forward.Forward(model, None, args.atol, args.rtol, "float32", {}),
+        destinations,
+        "Verifying against Keras",
+        lambda staged: _verify_paths(model, staged, args),
+    )
+
+
 def run_export(args: argparse.Namespace) -> int:
-    """Stages each export, verifies them in one step, then moves them in.
+    """Stages each export, verifies them in one step, then moves them in
+    (`pipeline.export`).
 
     Its options were checked when it was dispatched; the exporters' own
     argument checks run before the model is loaded; an export appears only
@@ -142,74 +260,11 @@ def run_export(args: argparse.Namespace) -> int:
 
     model = _load_model(args.model)
     _describe(model)
-    writers: dict[str, formats.Writer | None] = {}
-    if args.decode_step:
-        step = decode_step.build_decode_step(model, args.max_length)
-        print(
-            f"  decode step: caches {', '.join(step.cache_names)} "
-            f"(max_length {args.max_length})",
-            flush=True,
-        )
-        target = step.target()
-    elif args.generate:
-        built = generator_graph.build_generator(
-            model, args.max_length, args.jit_compile
-        )
-        target = built.target()
-        model_path = os.path.abspath(args.model)
-        writers = {f: generator.writer(built, model_path, f) for f in destinations}
-        print(
-            f"  generator: inputs {', '.join(target.input_names)}; outputs "
-            f"{', '.join(target.output_names)} (max_length {args.max_length})",
-            flush=True,
-        )
-    else:
-        target = build_endpoint(model).target()
-    # Files are linked in by the outer stack, after the inner one renamed
-    # the SavedModel's version folder (the one folder format) into place.
-    with contextlib.ExitStack() as files, contextlib.ExitStack() as folders:
-        staged = {}
-        for fmt, destination in destinations.items():
-            export_format = formats.get(fmt)
-            stack = files if export_format.row.suffix else folders
-            writer = writers.get(fmt)
-            with export_format.messages(destination.options) as messages:
-                try:
-                    staged[fmt] = _step(
-                        export_format.label(destination, target.signature_name),
-                        lambda d=destination, s=stack, w=writer: s.enter_context(
-                            pipeline.stage(target, d, w)
-                        ),
-                    )
-                finally:  # e.g. which layers were fused, also after a failure
-                    for line in messages:
-                        print(f"  {line}", flush=True)
-        paths = {table.BY_NAME[f].path_argument: s.path for f, s in staged.items()}
-        if args.decode_step:
-            report = _step(
-                "Decoding step by step against Keras",
-                lambda: decode_step.verify_decode_step(
-                    model,
-                    max_length=args.max_length,
-                    atol=args.atol,
-                    rtol=args.rtol,
-                    **paths,
-                ),
-            )
-        elif args.generate:
-            report = _step(
-                "Generating against keras_selfattn.generate",
-                lambda: generator.verify_generator(
-                    model, max_length=args.max_length, **paths
-                ),
-            )
-        else:
-            report = _step(
-                "Verifying against Keras", lambda: _verify_paths(model, paths, args)
-            )
-    for export in staged.values():
-        print(f"  wrote {export.target}", flush=True)
-    print(report, flush=True)
+    command = _command(model, args, destinations)
+    paths = {f: destination.path for f, destination in destinations.items()}
+    for path in pipeline.export(command, paths).values():
+        print(f"  wrote {path}", flush=True)
+    print(command.report, flush=True)
     return 0
 
 
@@ -218,9 +273,9 @@ def _verify_paths(
 ) -> ParityReport:
     """`verify` of every path; a fixed-shape LiteRT file at its one shape."""
     shape = args.litert_shape
-    fixed_rows = {r.path_argument for r in table.ROWS if "shape" in r.cli_options}
-    fixed = {k: v for k, v in paths.items() if k in fixed_rows and shape}
-    dynamic = {k: v for k, v in paths.items() if k not in fixed}
+    fixed_shape = {r.name for r in table.ROWS if "shape" in r.cli_options}
+    fixed = {f: path for f, path in paths.items() if f in fixed_shape and shape}
+    dynamic = {f: path for f, path in paths.items() if f not in fixed}
     precision = getattr(args, "openvino_precision", "f32")
     rows: list[Any] = []
     for group, shapes in ((dynamic, None), (fixed, [shape])):
@@ -231,7 +286,7 @@ def _verify_paths(
                 rtol=args.rtol,
                 shapes=shapes,
                 openvino_precision=precision,
-                **group,
+                paths=group,
             )
             rows.extend(report.rows)
     return ParityReport(tuple(rows), args.atol, args.rtol)
@@ -241,7 +296,7 @@ def run_verify(args: argparse.Namespace) -> int:
     """Compares the given exports with the model (options checked already)."""
     _default_tolerances(args)
     paths = {
-        row.path_argument: getattr(args, row.name)
+        row.name: getattr(args, row.name)
         for row in table.ROWS
         if getattr(args, row.name) is not None
     }

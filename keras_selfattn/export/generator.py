@@ -166,12 +166,16 @@ class GeneratorExport(pipeline.Target):
         model, max_length, jit_compile: As given to `export_generator`.
         options: The exporter's format options; each format takes its own
             (`FormatRow.options`).
+        keras_path: The model's .keras file where the caller has one (the
+            command line loaded the model from it): off TensorFlow, the
+            writer loads it instead of a new save of the model.
     """
 
     model: keras.Model
     max_length: int
     jit_compile: bool
     options: Mapping[str, object]
+    keras_path: str | None = None
     _generator: Generator | None = None
 
     def destination(
@@ -205,9 +209,12 @@ class GeneratorExport(pipeline.Target):
     @contextlib.contextmanager
     def writing(self, export_format: str) -> Iterator[formats.Writer | None]:
         """Off TensorFlow, a TensorFlow process writing from the model's
-        .keras file (`writer`)."""
+        .keras file (`writer`): `keras_path`, else a new save."""
         if keras.backend.backend() == _generator_writer.WRITER_BACKEND:
             yield None
+            return
+        if self.keras_path is not None:
+            yield writer(self._generator, self.keras_path, export_format)
             return
         with _generator_writer.keras_file(self.model) as keras_path:
             yield writer(self._generator, keras_path, export_format)

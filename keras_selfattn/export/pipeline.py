@@ -89,8 +89,9 @@ class Target:
     generator), as `export` runs it; each module of one says what it
     exports, what it refuses and what it is checked against.
 
-    Subclasses implement `destination`, `build` and `check`, and `writing`
-    where another process writes the artifact.
+    Subclasses implement `destination`, `build` and `check`, `writing`
+    where another process writes the artifact, and `staging` to show each
+    artifact's staging.
     """
 
     def destination(self, export_format: str, path: str | os.PathLike) -> Destination:
@@ -116,6 +117,14 @@ class Target:
     ) -> contextlib.AbstractContextManager[Writer | None]:
         """A context yielding who writes the format's artifact: None (the
         format's own `write`) by default."""
+        return contextlib.nullcontext()
+
+    def staging(
+        self, export_format: str, destination: Destination, built: ExportTarget
+    ) -> contextlib.AbstractContextManager[None]:
+        """A context around the staging of `built` at `destination` (the
+        command line prints its step and the format's messages there):
+        nothing by default."""
         return contextlib.nullcontext()
 
 
@@ -147,9 +156,10 @@ def export(
             stack = files if table.BY_NAME[export_format].suffix else folders
             built = target.build(export_format)
             writer = stack.enter_context(target.writing(export_format))
-            staged[export_format] = stack.enter_context(
-                stage(built, destination, writer)
-            )
+            with target.staging(export_format, destination, built):
+                staged[export_format] = stack.enter_context(
+                    stage(built, destination, writer)
+                )
         if check:
             target.check({f: artifact.path for f, artifact in staged.items()})
     return {f: artifact.target for f, artifact in staged.items()}
