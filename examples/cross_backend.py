@@ -313,14 +313,13 @@ def run_exports(
     version_dir: str, onnx_path: Path, tokens: np.ndarray
 ) -> dict[str, np.ndarray]:
     """{runtime: predictions} of the SavedModel signature and onnxruntime."""
-    import onnxruntime
-    import tensorflow as tf
+    from keras_selfattn.export import runtimes
 
-    signature = tf.saved_model.load(version_dir).signatures["serving_default"]
-    (served,) = signature(tokens=tf.constant(tokens)).values()
-    session = onnxruntime.InferenceSession(str(onnx_path))
-    (onnx_out,) = session.run(None, {"tokens": tokens})
-    return {"saved_model": served.numpy(), "onnx": onnx_out}
+    # TensorFlow as it is: no XLA switch flipped as TF Serving's would.
+    signature = runtimes.load("saved_model", version_dir, tf_serving=False)
+    (served,) = signature({"tokens": tokens}).values()
+    (onnx_out,) = runtimes.load("onnx", str(onnx_path))({"tokens": tokens}).values()
+    return {"saved_model": served, "onnx": onnx_out}
 
 
 def export(out: Path, train_backend: str) -> None:

@@ -330,11 +330,11 @@ def serve_generator(
 def answer_as_tf_serving(version_dir: str, inputs: dict) -> dict:
     """The "outputs" TF Serving's REST API would return: the SavedModel's
     `generate` signature run on the request's tensors, as JSON lists."""
-    import tensorflow as tf
+    from keras_selfattn.export import runtimes
 
-    signature = tf.saved_model.load(version_dir).signatures["generate"]
-    outputs = signature(**{k: tf.constant(v) for k, v in inputs.items()})
-    return {name: value.numpy().tolist() for name, value in outputs.items()}
+    # TensorFlow as it is: `generate` runs after it here, XLA included.
+    signature = runtimes.load("saved_model", version_dir, "generate", tf_serving=False)
+    return {name: value.tolist() for name, value in signature(inputs).items()}
 
 
 def main() -> None:
