@@ -158,6 +158,9 @@ class _Command(pipeline.Target):
     def destination(
         self, export_format: str, path: str | os.PathLike
     ) -> formats.Destination:
+        # The target's own refusals first (a decoding step's backends, a
+        # quantized model's formats), as the library's exporters make them.
+        self.target.refuse(export_format)
         return self.destinations[export_format]
 
     def build(self, export_format: str) -> ExportTarget:

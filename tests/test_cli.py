@@ -17,6 +17,7 @@ import onnxruntime
 import pytest
 import tensorflow as tf
 
+from keras_selfattn import SelfAttention
 from keras_selfattn_cli import main
 from tests import model_zoo
 from tests.files import tree_digest
@@ -460,3 +461,32 @@ def test_a_lost_version_race_leaves_no_secondary_export(
     assert "wrote" not in out
     assert sorted(os.listdir(tmp_path)) == ["serving"]
     assert os.listdir(version) == ["saved_model.pb"]
+
+
+def test_a_quantized_models_decoding_step_is_refused_in_one_line(tmp_path, capsys):
+    """The command makes the library's refusals before any work: a LiteRT
+    decoding step of a quantized model (LiteRT has no int8 batch matmul)."""
+    model = keras.Sequential(
+        [
+            keras.Input((None, 8), name="features"),
+            keras.layers.Dense(8, name="inner"),
+            SelfAttention(num_heads=2, key_dim=4, causal=True),
+        ]
+    )
+    model.quantize("int8")
+    model.save(tmp_path / "quantized.keras")
+    out = tmp_path / "step.tflite"
+    status, _, err = run(
+        [
+            "export-decode-step",
+            str(tmp_path / "quantized.keras"),
+            "--max-length",
+            "4",
+            "--litert",
+            str(out),
+        ],
+        capsys,
+    )
+    assert status == 1
+    assert_one_line_error(err, "decoding step of a quantized model", "LiteRT")
+    assert not out.exists()

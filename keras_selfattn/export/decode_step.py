@@ -150,9 +150,7 @@ class DecodeStepExport(pipeline.Target):
     checks: Mapping[str, float]
     _step: DecodeStep | None = None
 
-    def destination(
-        self, export_format: str, path: str | os.PathLike
-    ) -> formats.Destination:
+    def refuse(self, export_format: str) -> None:
         row = table.BY_NAME.get(export_format)
         backend = keras.backend.backend()
         if row is not None and backend in row.decoding_refused:
@@ -161,6 +159,11 @@ class DecodeStepExport(pipeline.Target):
                 f"export_format={export_format!r} on the {backend} backend"
             )
         refuse_quantized(self.model, export_format, "decoding step")
+
+    def destination(
+        self, export_format: str, path: str | os.PathLike
+    ) -> formats.Destination:
+        self.refuse(export_format)
         options = pipeline.format_options(export_format, self.options)
         return pipeline.check_destination(export_format, path, **options)
 

@@ -178,9 +178,7 @@ class GeneratorExport(pipeline.Target):
     keras_path: str | None = None
     _generator: Generator | None = None
 
-    def destination(
-        self, export_format: str, path: str | os.PathLike
-    ) -> formats.Destination:
+    def refuse(self, export_format: str) -> None:
         if export_format in table.NAMES and export_format not in FORMATS:
             raise ValueError(
                 f"A generator exports as {' or '.join(FORMATS)} (the loop stays "
@@ -196,6 +194,11 @@ class GeneratorExport(pipeline.Target):
                 "LiteRT runtimes run their own graphs. Received: "
                 f"jit_compile=True, export_format={export_format!r}"
             )
+
+    def destination(
+        self, export_format: str, path: str | os.PathLike
+    ) -> formats.Destination:
+        self.refuse(export_format)
         options = pipeline.format_options(export_format, self.options)
         return check_destination(export_format, path, **options)
 

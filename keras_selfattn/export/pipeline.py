@@ -94,9 +94,13 @@ class Target:
     artifact's staging.
     """
 
+    def refuse(self, export_format: str) -> None:
+        """Raises ValueError (one line) if this target cannot export in the
+        format: nothing by default."""
+
     def destination(self, export_format: str, path: str | os.PathLike) -> Destination:
-        """Refuses what this target cannot export in the format, then checks
-        the destination (`check_destination`), before any work."""
+        """Refuses what this target cannot export in the format (`refuse`),
+        then checks the destination (`check_destination`), before any work."""
         raise NotImplementedError
 
     def build(self, export_format: str) -> ExportTarget:
