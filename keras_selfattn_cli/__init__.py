@@ -148,8 +148,8 @@ def _add_export_options(sub: argparse.ArgumentParser) -> None:
     sub.add_argument(
         "--int8-matmul",
         metavar="KERNEL",
-        help="ONNX Runtime's kernel for int8 layers: any_cpu (default, exact "
-        "on every CPU) or vnni (no probe of the CPU, exact only with VNNI or AMX)",
+        help="deprecated: any_cpu (default) or vnni, which writes the default "
+        "file (it picks the CPU's fast exact int8 kernel itself)",
     )
     sub.add_argument(
         "--litert-shape",

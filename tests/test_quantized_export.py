@@ -336,55 +336,47 @@ def test_the_default_int8_file_is_exact_at_the_extreme_codes(tmp_path):
         np.testing.assert_allclose(got[1:], rows[1:] @ signs, rtol=1e-6, atol=1e-5)
 
 
-def _cpu_has_vnni() -> bool | None:
-    """Whether this CPU has VNNI (`avx512_vnni`, `avx_vnni`, AMX's
-    `amx_int8`); None where /proc/cpuinfo does not say."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            flags = next(line for line in info if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return None
-    return any("vnni" in flag or flag == "amx_int8" for flag in flags)
+def _arrays(proto, numpy_helper) -> list[bytes]:
+    """The model's stored arrays (dtype and bytes), whatever their names."""
+    return [
+        numpy_helper.to_array(t).dtype.str.encode() + numpy_helper.to_array(t).tobytes()
+        for t in proto.graph.initializer
+    ]
 
 
-def test_vnni_files_are_exact_with_vnni_and_refused_without(int8, tmp_path):
-    """`int8_matmul="vnni"` stores Keras's int8 integers as they are, for
-    ONNX Runtime's uint8 x int8 kernel. With VNNI the default check passes
-    (Keras's exact scheme); without it the kernel saturates its pair sums,
-    the check refuses the file, and nothing is left at the path."""
+def test_the_deprecated_vnni_option_warns_and_writes_the_default_file(int8, tmp_path):
+    """`int8_matmul="vnni"` is deprecated: one DeprecationWarning naming it,
+    and the file is the default one (the same graph, probe included), exact
+    on every CPU (the default check passes)."""
     import onnx
+    import onnxruntime
     from onnx import numpy_helper
 
-    has_vnni = _cpu_has_vnni()
-    if has_vnni is None:
-        pytest.skip("/proc/cpuinfo does not say whether this CPU has VNNI")
     model, _, _ = int8
-    path = tmp_path / "vnni.onnx"
-    if not has_vnni:
-        with pytest.raises(ParityError):
-            export_onnx(model, path, int8_matmul="vnni")
-        assert not path.exists()
-        return
-    export_onnx(model, path, int8_matmul="vnni")
+    default = onnx.load(export_onnx(model, tmp_path / "default.onnx"))
+    with pytest.warns(DeprecationWarning) as caught:
+        path = export_onnx(model, tmp_path / "vnni.onnx", int8_matmul="vnni")
+    ours = [w for w in caught if "int8_matmul='vnni'" in str(w.message)]
+    assert [w.category for w in ours] == [DeprecationWarning]
+    assert "default" in str(ours[0].message) and "removed" in str(ours[0].message)
     proto = onnx.load(path)
-    arrays = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
-    matmuls = [n for n in proto.graph.node if n.op_type == "MatMulIntegerToFloat"]
-    assert matmuls
-    for node in matmuls:
-        assert arrays[node.input[1]].dtype == np.int8, node.name
-        assert arrays[node.input[4]].dtype == np.uint8, node.name
-    blocks = [block for m in _onnx_kernels(proto, numpy_helper) for block in _blocks(m)]
-    for name, kernel in _keras_integers(model).items():
-        assert kernel.tobytes() in blocks, name
-    description = json.loads(
-        next(
-            p.value
-            for p in proto.metadata_props
-            if p.key == "keras_selfattn.quantization"
-        )
+    # Each trace names its nodes apart (functional_2, functional_4): compare
+    # the ops, the stored arrays and the outputs.
+    ops = sorted(node.op_type for node in proto.graph.node)
+    assert ops == sorted(node.op_type for node in default.graph.node)
+    assert "If" in ops
+    assert sorted(_arrays(proto, numpy_helper)) == sorted(
+        _arrays(default, numpy_helper)
     )
-    schemes = description["layers"].values()
-    assert description["exact"] and all("VNNI" in scheme for scheme in schemes)
+    assert proto.metadata_props == default.metadata_props
+    x = np.random.default_rng(3).normal(size=(2, 5, FEATURES)).astype("float32")
+    got, want = (
+        onnxruntime.InferenceSession(
+            p.SerializeToString(), providers=["CPUExecutionProvider"]
+        ).run(None, {"x": x})[0]
+        for p in (proto, default)
+    )
+    np.testing.assert_array_equal(got, want)
 
 
 def test_an_unknown_int8_matmul_is_refused_before_any_work(int8, tmp_path):

@@ -3,8 +3,7 @@
 `format` converts (tf2onnx, whose missing conversions `handlers` adds, or
 Keras's own route), then `fused` replaces each SelfAttention core by ONNX's
 `Attention` op and `integer` puts quantized layers on ONNX Runtime's
-integer kernels (`int8_layers` its int8 layers, `int8_matmul` the option's
-values); `graph` holds the
+integer kernels (`int8_layers` its int8 layers); `graph` holds the
 small utilities both passes share. `formats.get("onnx")` reads `FORMAT`.
 """
 

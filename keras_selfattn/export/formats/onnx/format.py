@@ -20,13 +20,15 @@ from keras_selfattn import _checks, tracing
 from keras_selfattn.export import quantization
 from keras_selfattn.export.formats import table
 from keras_selfattn.export.formats._base import Format, converting
-from keras_selfattn.export.formats.onnx.int8_matmul import ANY_CPU, VNNI
 from keras_selfattn.export.target import BATCH_AXIS, TIME_AXIS, ExportTarget
 
 if TYPE_CHECKING:  # onnx is an extra, imported when a file is written
     import onnx
 
 DEFAULT_OPSET = 17
+# `int8_matmul`: the default, and "vnni", deprecated (the default file probes
+# the CPU and runs uint8 x int8 where exact: `int8_layers`).
+INT8_MATMUL, DEPRECATED_INT8_MATMUL = "any_cpu", "vnni"
 # tf2onnx 1.17 converts up to opset 18; below 13 it lacks ops these models use.
 MIN_OPSET = 13
 MAX_OPSET = 18
@@ -134,7 +136,12 @@ class OnnxFormat(Format):
         self, options: Mapping[str, object], backend: str | None = None
     ) -> dict[str, object]:
         """`opset` (13 to 18), `fuse_attention` (TensorFlow only) and
-        `int8_matmul` (`ANY_CPU`, the default, or `VNNI`)."""
+        `int8_matmul` (`INT8_MATMUL`; `DEPRECATED_INT8_MATMUL` warns and
+        writes the default file).
+
+        Raises:
+            ValueError: for an unknown `int8_matmul`.
+        """
         super().check_options(options)
         fuse = _checks.boolean("fuse_attention", options.get("fuse_attention", False))
         backend = backend or keras.backend.backend()
@@ -145,28 +152,34 @@ class OnnxFormat(Format):
                 f"the model as .keras, load it under KERAS_BACKEND={FUSED_BACKEND} "
                 "and export there"
             )
-        int8_matmul = options.get("int8_matmul") or ANY_CPU
-        if int8_matmul not in (ANY_CPU, VNNI):
+        int8_matmul = options.get("int8_matmul") or INT8_MATMUL
+        if int8_matmul not in (INT8_MATMUL, DEPRECATED_INT8_MATMUL):
             raise ValueError(
-                f"`int8_matmul` must be {ANY_CPU!r} (exact on every CPU) or "
-                f"{VNNI!r} (faster, exact only on CPUs with VNNI). Received: "
+                f"`int8_matmul` must be {INT8_MATMUL!r} (exact on every CPU) or "
+                f"{DEPRECATED_INT8_MATMUL!r} (deprecated). Received: "
                 f"int8_matmul={int8_matmul!r}"
+            )
+        if int8_matmul != INT8_MATMUL:
+            warnings.warn(
+                f"`int8_matmul={int8_matmul!r}` is deprecated and will be "
+                "removed: the default int8 ONNX file now picks the CPU's fast "
+                "exact kernel by itself (uint8 x int8 with VNNI or AMX, uint8 x "
+                "uint8 elsewhere); this writes the default file",
+                DeprecationWarning,
+                stacklevel=2,
             )
         return {
             "opset": check_opset(options.get("opset"), backend),
             "fuse_attention": fuse,
-            "int8_matmul": int8_matmul,
         }
 
     def detail(self, options: Mapping[str, object]) -> str:
-        """The opset, the fused opset and the VNNI layers, as asked."""
+        """The opset and the fused opset, as asked."""
         detail = f" (opset {options['opset'] or 'default'})"
         if options["fuse_attention"]:
             from keras_selfattn.export.formats.onnx import fused  # needs onnx
 
             detail = detail.replace(")", f" -> {fused.FUSED_OPSET}, fused Attention)")
-        if options.get("int8_matmul") == VNNI:
-            detail = detail.replace(")", ", int8 layers for VNNI CPUs)")
         return detail
 
     def messages(
@@ -203,7 +216,7 @@ class OnnxFormat(Format):
         if options["fuse_attention"]:
             proto, _ = fused.fuse_attention(proto, target.model)
         if target.quantized:
-            proto, _ = integer.rewrite(proto, target.quantized, options["int8_matmul"])
+            proto, _ = integer.rewrite(proto, target.quantized)
         onnx.checker.check_model(proto, full_check=True)
         onnx.save(proto, path)
 

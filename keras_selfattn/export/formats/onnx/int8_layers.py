@@ -10,7 +10,7 @@ uint8 by int8; with VNNI or AMX (`vpdpbusd`, AMX tiles) it is exact, but
 without (AVX2, AVX-512 before VNNI) it adds pairs of products in
 saturating 16-bit lanes (`vpmaddubsw`), which codes up to 255 times
 weights up to 127 overflow: there the file would compute something else
-than on the machine that checked it. So by default (`ANY_CPU`) the file
+than on the machine that checked it. So the file
 asks the machine that runs it: a probe multiplies the largest pairs the
 codes can form (255 x 127 and 255 x -127, along a whole inner dimension)
 on that same uint8 x int8 kernel (`MatMulInteger`, constants), and an
@@ -22,9 +22,6 @@ when the session loads (constant folding: the same kernel the matmuls
 then run), so a session keeps one plain matmul per layer: the uint8 x
 int8 one on VNNI / AMX CPUs, the uint8 x uint8 one elsewhere. W is
 stored once; W + 128 is computed from it in the graph.
-`int8_matmul="vnni"` (`VNNI`) writes the uint8 x int8 matmul alone: no
-probe, exact with VNNI or AMX, wrong on x86 CPUs without (for
-deployments known to have them; `integer.INT8_MATMULS`).
 `MatMulIntegerToFloat` scales the int32 products by 1 / kernel_scale per
 column and the result is multiplied by the row's (max |x| + epsilon) /
 high: Keras divides by kernel_scale * scale, which rounds differently by
@@ -43,7 +40,6 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from keras_selfattn.export.formats.onnx.int8_matmul import VNNI
 from keras_selfattn.export.quantization import QuantizedDense
 
 # The probe's inner dimension: every pair of products along it is 255 x 127
@@ -151,13 +147,11 @@ def _branch(name: str, nodes: list[onnx.NodeProto]) -> onnx.GraphProto:
     return helper.make_graph(nodes, name, [], [output])
 
 
-def exact_int8(
-    builder, x: str, output: str, quantized: QuantizedDense, cache, int8_matmul: str
-) -> None:
+def exact_int8(builder, x: str, output: str, quantized: QuantizedDense, cache) -> None:
     """Keras's int8 scheme for one layer reading `x`: a `MatMulIntegerToFloat`
     of the input's codes (shared by the layers reading `x`: query, key and
-    value) by the layer's kernel, times the row's 1 / scale; by default
-    (`ANY_CPU`) on the uint8 x int8 kernel where the probe finds it exact,
+    value) by the layer's kernel, times the row's 1 / scale; on the uint8 x
+    int8 kernel where the probe finds it exact,
     else on uint8 x uint8 (module doc). One matmul per layer: measured
     faster than one over the three kernels side by side, whose wide output
     a Split then copies apart."""
@@ -176,40 +170,35 @@ def exact_int8(
         [codes, kernel, *operands, builder.constant(f"{name}_int8_zero", np.int8(0))],
         f"{name}_products",
     )
-    if int8_matmul == VNNI:
-        builder.nodes.append(signed)
-        products = signed.output[0]
-    else:  # W + 128 as uint8 (1 to 255), computed when the session loads
-        wide = builder.make(
-            "Cast", [kernel], f"{name}_kernel_int16", to=TensorProto.INT16
-        )
-        shifted = builder.make(
-            "Add",
-            [wide.output[0], builder.constant(f"{name}_kernel_128", np.int16(128))],
-            f"{name}_kernel_shifted",
-        )
-        unsigned = builder.make(
-            "Cast", [shifted.output[0]], f"{name}_kernel_uint8", to=TensorProto.UINT8
-        )
-        widened = builder.make(
-            "MatMulIntegerToFloat",
-            [
-                codes,
-                unsigned.output[0],
-                *operands,
-                builder.constant(f"{name}_uint8_zero", np.uint8(128)),
-            ],
-            f"{name}_products_uint8",
-        )
-        products = builder.node(
-            "If",
-            [_kernel_is_exact(builder, cache)],
-            f"{name}_products_checked",
-            then_branch=_branch(f"{name}_uint8_x_int8", [signed]),
-            else_branch=_branch(
-                f"{name}_uint8_x_uint8", [wide, shifted, unsigned, widened]
-            ),
-        )
+    # W + 128 as uint8 (1 to 255), computed when the session loads
+    wide = builder.make("Cast", [kernel], f"{name}_kernel_int16", to=TensorProto.INT16)
+    shifted = builder.make(
+        "Add",
+        [wide.output[0], builder.constant(f"{name}_kernel_128", np.int16(128))],
+        f"{name}_kernel_shifted",
+    )
+    unsigned = builder.make(
+        "Cast", [shifted.output[0]], f"{name}_kernel_uint8", to=TensorProto.UINT8
+    )
+    widened = builder.make(
+        "MatMulIntegerToFloat",
+        [
+            codes,
+            unsigned.output[0],
+            *operands,
+            builder.constant(f"{name}_uint8_zero", np.uint8(128)),
+        ],
+        f"{name}_products_uint8",
+    )
+    products = builder.node(
+        "If",
+        [_kernel_is_exact(builder, cache)],
+        f"{name}_products_checked",
+        then_branch=_branch(f"{name}_uint8_x_int8", [signed]),
+        else_branch=_branch(
+            f"{name}_uint8_x_uint8", [wide, shifted, unsigned, widened]
+        ),
+    )
     builder.nodes.append(
         helper.make_node("Mul", [products, inverse], [output], name=output)
     )

@@ -35,7 +35,6 @@ from onnx import helper, numpy_helper
 
 from keras_selfattn.export.formats.onnx import graph as og
 from keras_selfattn.export.formats.onnx import int8_layers
-from keras_selfattn.export.formats.onnx.int8_matmul import ANY_CPU, VNNI
 from keras_selfattn.export.quantization import QuantizedDense
 
 METADATA_KEY = "keras_selfattn.quantization"
@@ -44,17 +43,11 @@ _CONTRIB_OPS = ("MatMulNBits", "MatMulIntegerToFloat")
 EXACT_INT8 = (
     "int8 activations per token, symmetric (Keras's scheme): MatMulIntegerToFloat"
 )
-# What each `int8_matmul` (`int8_matmul`) adds to the scheme line.
-INT8_MATMULS = {
-    ANY_CPU: (
-        " uint8 x int8 where a probe of the machine's kernel finds it exact "
-        "(VNNI, AMX), uint8 x uint8 elsewhere (exact on every CPU)"
-    ),
-    VNNI: (
-        " uint8 x int8 (exact on CPUs with VNNI or AMX; x86 CPUs without "
-        "VNNI saturate its pair sums and compute other numbers)"
-    ),
-}
+# The kernel of int8 layers with quantized activations (`int8_layers`).
+INT8_KERNEL = (
+    " uint8 x int8 where a probe of the machine's kernel finds it exact "
+    "(VNNI, AMX), uint8 x uint8 elsewhere (exact on every CPU)"
+)
 WEIGHT_ONLY = "float activations, {bits}-bit weights in blocks of {block}: MatMulNBits"
 FLOAT8 = "float32 (float8-rounded kernel; activations not rounded to float8)"
 NOT_FOUND = "float32: its kernel is not a MatMul weight in the converted graph"
@@ -205,15 +198,12 @@ def _kernels_by_value(
 def rewrite(
     proto: onnx.ModelProto,
     quantized: Sequence[QuantizedDense],
-    int8_matmul: str = ANY_CPU,
 ) -> tuple[onnx.ModelProto, tuple[LayerScheme, ...]]:
     """Stores each quantized layer's kernel as Keras's integers (module doc).
 
     Args:
         proto: The converted model, traced with `quantization.CONSTANTS`.
         quantized: The model's quantized `Dense` layers.
-        int8_matmul: The integer kernel of int8 layers with quantized
-            activations: `int8_matmul.ANY_CPU` or `VNNI` (module doc).
 
     Returns:
         The model (changed in place) and each layer's `LayerScheme`, also
@@ -243,10 +233,8 @@ def rewrite(
         name = match.layer.name
         x, output = node.input[0], node.output[0]
         if match.mode == "int8" and match.activations is not None:
-            int8_layers.exact_int8(builder, x, output, match, cache, int8_matmul)
-            schemes[name] = LayerScheme(
-                name, EXACT_INT8 + INT8_MATMULS[int8_matmul], True
-            )
+            int8_layers.exact_int8(builder, x, output, match, cache)
+            schemes[name] = LayerScheme(name, EXACT_INT8 + INT8_KERNEL, True)
             continue
         try:
             scheme = _weight_only(builder, x, output, match)
