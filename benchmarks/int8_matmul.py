@@ -12,7 +12,7 @@ count, sessions without spin-waiting between calls (as
   by each way of running it on ONNX Runtime's integer kernels, all in
   `MatMulIntegerToFloat`: q + 128 times W (uint8 x int8, zero point 128:
   the default ONNX file's matmul where its probe finds the kernel exact,
-  and the `"vnni"` file's), q + 128 times W + 128 (uint8 x uint8, zero
+  and the no-probe file's), q + 128 times W + 128 (uint8 x uint8, zero
   points 128: the default's elsewhere), the earlier default's split
   (max(q, 0) and max(-q, 0) side by side times [W; -W], uint8 x int8, K
   doubled), int8 x int8; and float `MatMul` (the float file's op).
@@ -21,9 +21,11 @@ count, sessions without spin-waiting between calls (as
   compares the integer sums with numpy's (int64): a kernel that saturates
   computes other numbers.
 - layer: the model of `benchmarks.quantized` (D = 512, 8 heads) exported to
-  ONNX float, int8 (default), int8 `"vnni"` and `quantize_dynamic` of the
-  float file, and the default file with its probe made to fail (what CPUs
-  without VNNI or AMX run: uint8 x uint8), timed interleaved at (8, 128)
+  ONNX float, int8 (default), and `quantize_dynamic` of the float file,
+  the default file with each `If` replaced by its uint8 x int8 branch (no
+  probe: what the deprecated `int8_matmul="vnni"` wrote; wrong on x86 CPUs
+  without VNNI or AMX) and with its probe made to fail (what CPUs without
+  VNNI or AMX run: uint8 x uint8), timed interleaved at (8, 128)
   and (2, 512); the error is against the quantized Keras model.
 - ops: where each file's time goes, from ONNX Runtime's profiler (one
   thread): milliseconds per call by op type.
@@ -56,7 +58,8 @@ from benchmarks.timing import interleave
 SIGNED, UNSIGNED = "uint8 x int8", "uint8 x uint8"
 SPLIT = "split, K doubled"
 DYNAMIC = "DynamicQuantizeMatMul (float in)"
-FILES = ("float", "int8", "int8 vnni", "int8 probe failed", quantized.ANCHOR)
+NO_PROBE = "int8 no probe"
+FILES = ("float", "int8", NO_PROBE, "int8 probe failed", quantized.ANCHOR)
 # The default file's probe: the exact sums it expects of the machine's kernel.
 PROBED = "int8_probe_exact"
 THREADS = (1, 0)  # 0: ONNX Runtime's default (one per core)
@@ -181,7 +184,7 @@ def matmul_models(q: np.ndarray, w: np.ndarray) -> dict:
 
 
 OPERANDS = {
-    SIGNED: "q + 128 x W, zero point 128 (default where exact; vnni file)",
+    SIGNED: "q + 128 x W, zero point 128 (default where exact; no-probe file)",
     UNSIGNED: "q + 128 x W + 128, zero points 128 (default elsewhere)",
     SPLIT: "uint8 (M, 2K) x int8 (2K, N) (the default before)",
     "int8 x int8": "int8 x int8",
@@ -224,8 +227,8 @@ def matmul_rows(plan: Plan, features: str) -> list[dict]:
 
 
 def export_files(by_precision: dict, directory: str) -> dict[str, str]:
-    """The ONNX files of `FILES` (the "vnni" one checked only where this CPU
-    has VNNI), by name."""
+    """The ONNX files of `FILES`, by name (the default ones checked, the
+    two made from the default file not)."""
     import onnx
     from onnx import numpy_helper
     from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -235,12 +238,6 @@ def export_files(by_precision: dict, directory: str) -> dict[str, str]:
     path = {name: os.path.join(directory, f"{name}.onnx") for name in FILES}
     export.export_onnx(by_precision["float"], path["float"])
     export.export_onnx(by_precision["int8"], path["int8"])
-    export.export_onnx(
-        by_precision["int8"],
-        path["int8 vnni"],
-        int8_matmul="vnni",
-        check=bool(machine.vnni_flags()),
-    )
     quantize_dynamic(path["float"], path[quantized.ANCHOR], weight_type=QuantType.QInt8)
     proto = onnx.load(path["int8"])
     for tensor in proto.graph.initializer:
@@ -248,7 +245,26 @@ def export_files(by_precision: dict, directory: str) -> dict[str, str]:
             wrong = numpy_helper.to_array(tensor) + 1
             tensor.CopyFrom(numpy_helper.from_array(wrong, tensor.name))
     onnx.save(proto, path["int8 probe failed"])
+    onnx.save(_without_probe(onnx.load(path["int8"])), path[NO_PROBE])
     return path
+
+
+def _without_probe(proto):
+    """`proto` with each `If` replaced by its then branch (uint8 x int8, the
+    kernel the probe asks about), its output renamed to the `If`'s; the
+    probe is left unread."""
+    nodes = []
+    for node in proto.graph.node:
+        if node.op_type != "If":
+            nodes.append(node)
+            continue
+        branch = next(a.g for a in node.attribute if a.name == "then_branch")
+        inner = list(branch.node)
+        inner[-1].output[0] = node.output[0]
+        nodes.extend(inner)
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+    return proto
 
 
 def layer_rows(paths: dict, keras_int8, plan: Plan, features: str) -> list[dict]:

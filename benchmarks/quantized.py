@@ -51,10 +51,6 @@ ANCHOR_SCHEME = (
     "int8 weights per tensor, uint8 activations per tensor "
     "(quantize_dynamic defaults, weight_type QInt8)"
 )
-# The int8 ONNX file written for VNNI CPUs (`export_onnx(int8_matmul="vnni")`):
-# checked only where this CPU has VNNI; elsewhere its error column shows
-# what it computes without.
-VNNI_ROW = "int8 vnni"
 # The CPU features integer kernels depend on: name -> its /proc/cpuinfo flags
 # (any of them).
 FEATURES = {
@@ -215,15 +211,10 @@ def _size(paths: list[str]) -> int:
 
 
 def _export(runtime: str, model, directory: str, precision: str) -> list[str]:
-    """Exports `model` (checked, as by default; the VNNI file where this CPU
-    has VNNI); returns the paths to count."""
+    """Exports `model` (checked, as by default); returns the paths to count."""
     from keras_selfattn import export
 
     stem = os.path.join(directory, precision.replace(" ", "_"))
-    if precision == VNNI_ROW:
-        path = stem + ".onnx"
-        has_vnni = bool(machine.vnni_flags())
-        return [export.export_onnx(model, path, int8_matmul="vnni", check=has_vnni)]
     if runtime == "saved_model":
         return [export.export_saved_model(model, directory, f"saved_model_{precision}")]
     if runtime == "onnx":
@@ -268,10 +259,6 @@ def export_all(by_precision: dict, directory: str) -> list[Artifact]:
                     reason = str(error).splitlines()[0]
                     artifact.status = f"not exported: {type(error).__name__}: {reason}"
             artifacts.append(artifact)
-    vnni = Artifact("onnx", VNNI_ROW, [], status=_missing("onnx"))
-    if vnni.status is None:
-        vnni.paths = _export("onnx", by_precision["int8"], directory, VNNI_ROW)
-    artifacts.append(vnni)
     anchor = Artifact("onnx", ANCHOR, [], status=_missing("onnx"))
     float_onnx = next(a for a in artifacts if a.name == "onnx float")
     if anchor.status is None and float_onnx.status is not None:
@@ -362,7 +349,7 @@ def _latency_row(
         row["vs_float"] = result.speedup(baseline, artifact.name)
         row["vs_float_quartiles"] = list(result.quartiles(baseline, artifact.name))
     anchor = f"onnx {ANCHOR}"
-    if artifact.name in ("onnx int8", f"onnx {VNNI_ROW}") and onnx_only is not None:
+    if artifact.name == "onnx int8" and onnx_only is not None:
         row["time_vs_anchor"] = onnx_only.speedup(artifact.name, anchor)
     return row
 
@@ -419,8 +406,8 @@ def targets(
 ) -> list[dict]:
     """The issue's targets for a CPU with `features`, with their measured
     values (None: not measured). Without VNNI or AMX the ONNX file's speedup
-    target is `WITHOUT_VNNI`'s, and the "vnni" file (wrong there) and the
-    time over quantize_dynamic's have none."""
+    target is `WITHOUT_VNNI`'s, and the time over quantize_dynamic's has
+    none."""
 
     def find(rows, **match):
         return next(r for r in rows if all(r.get(k) == v for k, v in match.items()))
@@ -431,8 +418,6 @@ def targets(
     for b, t in plan.target_shapes:
         shape = f"({b}, {t})"
         rows = [(runtime, "int8", least) for runtime, least in speedup.items()]
-        if dot:
-            rows.insert(1, ("onnx", VNNI_ROW, INT8_SPEEDUP["onnx"]))
         for runtime, precision, least in rows:
             row = find(latency, shape=shape, runtime=runtime, precision=precision)
             result.append(
@@ -444,11 +429,11 @@ def targets(
                     lambda v, least=least: v >= least,
                 )
             )
-        for precision in ("int8", VNNI_ROW) if dot else ():
-            row = find(latency, shape=shape, runtime="onnx", precision=precision)
+        if dot:
+            row = find(latency, shape=shape, runtime="onnx", precision="int8")
             result.append(
                 _target(
-                    f"{shape} onnx {precision}: time / quantize_dynamic time",
+                    f"{shape} onnx int8: time / quantize_dynamic time",
                     f"<= {ANCHOR_TIME}x",
                     row,
                     "time_vs_anchor",
@@ -575,10 +560,7 @@ def to_markdown(results: dict) -> str:
         "weights, `model.quantize(mode)`; the int8 ONNX file is the default "
         "(Keras's integers + 128 times W on uint8 x int8 where its probe finds "
         "this CPU's kernel exact, VNNI or AMX, times W + 128 on uint8 x uint8 "
-        "elsewhere: exact on every CPU); int8 vnni: the int8 model's ONNX file "
-        'for VNNI CPUs (`export_onnx(..., int8_matmul="vnni")`, uint8 x int8), '
-        "checked only where this CPU has VNNI (without it, its error column shows "
-        "what it computes). Anchor: onnxruntime `quantize_dynamic` "
+        "elsewhere: exact on every CPU). Anchor: onnxruntime `quantize_dynamic` "
         "of the float ONNX file. Runtimes: SavedModel `serving_default`, "
         "onnxruntime CPUExecutionProvider (default options but no spin-waiting "
         "between calls, which would take the cores from the next artifact timed), "

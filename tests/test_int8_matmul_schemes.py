@@ -68,7 +68,7 @@ def test_the_benchmark_reports_every_section(tmp_path):
     for row in loaded["layer"]:
         assert row["ms"] > 0 and row["vs_anchor"] > 0, row
         if row["file"] == "int8" or (
-            row["file"] == "int8 vnni" and machine.vnni_flags()
+            row["file"] == int8_matmul.NO_PROBE and machine.vnni_flags()
         ):
             assert row["max_abs_diff"] < 1e-4, row  # Keras's own integers
     assert loaded["ops"][-1]["op"] == "total"
