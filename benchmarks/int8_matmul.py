@@ -344,13 +344,7 @@ def run(quick: bool = False, rounds: int | None = None) -> dict:
     Returns:
         {"machine", "mode", "plan", "seconds", "matmul", "layer", "ops"}.
     """
-    import keras
-
-    if keras.backend.backend() != "tensorflow":
-        raise ValueError(
-            "benchmarks.int8_matmul needs KERAS_BACKEND=tensorflow (its ONNX "
-            f"export). Received: backend={keras.backend.backend()}"
-        )
+    report.require_tensorflow("int8_matmul", "its ONNX export")
     plan = QUICK if quick else FULL
     if rounds is not None:
         plan = dataclasses.replace(plan, rounds=rounds)

@@ -469,13 +469,7 @@ def run(quick: bool = False, rounds: int | None = None) -> dict:
         {"machine", "mode", "model", "rounds", "export_seconds", "seconds",
         "files", "rows", "targets"}.
     """
-    import keras
-
-    if keras.backend.backend() != "tensorflow":
-        raise ValueError(
-            "benchmarks.quantized needs KERAS_BACKEND=tensorflow (SavedModel and "
-            f"LiteRT export). Received: backend={keras.backend.backend()}"
-        )
+    report.require_tensorflow("quantized", "SavedModel and LiteRT export")
     plan = QUICK if quick else FULL
     if rounds is not None:
         plan = Plan(

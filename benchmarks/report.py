@@ -87,6 +87,19 @@ _SPEEDUPS = {
 }
 
 
+def require_tensorflow(name: str, why: str) -> None:
+    """Raises ValueError unless Keras runs on TensorFlow, which the benchmark
+    `name` needs for `why`."""
+    import keras
+
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        raise ValueError(
+            f"benchmarks.{name} needs KERAS_BACKEND=tensorflow ({why}). "
+            f"Received: backend={backend}"
+        )
+
+
 def _format(key: str, value) -> str:
     if value is None:
         return ""

@@ -231,13 +231,7 @@ def run(quick: bool = False, rounds: int | None = None) -> dict:
     Returns:
         {"machine", "mode", "seconds", "rows"}.
     """
-    import keras
-
-    if keras.backend.backend() != "tensorflow":
-        raise ValueError(
-            "benchmarks.runtimes needs KERAS_BACKEND=tensorflow (SavedModel and "
-            f"fused ONNX export). Received: backend={keras.backend.backend()}"
-        )
+    report.require_tensorflow("runtimes", "SavedModel and fused ONNX export")
     plan = QUICK if quick else FULL
     if rounds is not None:
         plan = Plan(plan.shapes, rounds, plan.min_round_s)

@@ -15,19 +15,15 @@ import contextlib
 import io
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 from decimal import Decimal
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from benchmarks import cases, cpu, quantized, report, runtimes, subprocesses, timing
+from tests.benchmark_runs import run_quick
 
-ROOT = Path(__file__).resolve().parents[1]
 tensorflow_only = pytest.mark.tensorflow_only(
     "the CPU benchmark runs tf.function, SavedModel and ONNX"
 )
@@ -218,30 +214,7 @@ def test_memory_probe_runs_in_a_fresh_process():
 @pytest.fixture(scope="module")
 def runtimes_results(tmp_path_factory):
     """`python -m benchmarks.runtimes --quick` in a fresh TensorFlow interpreter."""
-    out = tmp_path_factory.mktemp("runtimes")
-    command = [
-        sys.executable,
-        "-m",
-        "benchmarks.runtimes",
-        "--quick",
-        "--out",
-        str(out),
-    ]
-    done = subprocess.run(
-        command,
-        cwd=ROOT,
-        env={**os.environ, "KERAS_BACKEND": "tensorflow"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    with open(out / "runtimes.json", encoding="utf-8") as handle:
-        loaded = json.load(handle)
-    markdown = (out / "runtimes.md").read_text(encoding="utf-8")
-    assert markdown in done.stdout  # the table printed is the table written
-    return loaded, markdown
+    return run_quick("runtimes", tmp_path_factory.mktemp("runtimes"), 300)
 
 
 @pytest.mark.slow  # checked exports in every format
@@ -291,19 +264,7 @@ def test_runtimes_tokens_are_right_padded():
     "benchmarks.quantized runs in its own KERAS_BACKEND=tensorflow interpreter"
 )
 def test_quantized_reports_every_runtime_and_precision(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.quantized", "--quick", "--out", tmp_path],
-        cwd=ROOT,
-        env={**os.environ, "KERAS_BACKEND": "tensorflow"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    loaded = json.loads((tmp_path / "quantized.json").read_text(encoding="utf-8"))
-    markdown = (tmp_path / "quantized.md").read_text(encoding="utf-8")
-    assert markdown in done.stdout  # the table printed is the table written
+    loaded, markdown = run_quick("quantized", tmp_path, 600)
     expected = [
         (runtime, precision)
         for runtime in quantized.RUNTIMES
@@ -628,19 +589,7 @@ def test_decode_records_the_model_it_measured(decode_quick):
     "benchmarks.generation runs TensorFlow here and children per backend"
 )
 def test_generation_times_every_candidate_with_the_same_tokens(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.generation", "--quick", "--out", tmp_path],
-        cwd=ROOT,
-        env={**os.environ, "KERAS_BACKEND": "tensorflow"},
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    loaded = json.loads((tmp_path / "generation.json").read_text(encoding="utf-8"))
-    markdown = (tmp_path / "generation.md").read_text(encoding="utf-8")
-    assert markdown in done.stdout
+    loaded, markdown = run_quick("generation", tmp_path, 900)
     rows = loaded["rows"]
     tensorflow = [row for row in rows if row["backend"] == "tensorflow"]
     assert [(row["threads"], row["candidate"]) for row in tensorflow] == [

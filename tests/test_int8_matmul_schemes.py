@@ -9,18 +9,11 @@ benchmark's run itself is the slow smoke test below.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from benchmarks import int8_matmul, machine
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.benchmark_runs import run_quick
 
 
 def test_every_scheme_computes_the_integer_product():
@@ -46,18 +39,7 @@ def test_every_scheme_computes_the_integer_product():
     "benchmarks.int8_matmul runs in its own KERAS_BACKEND=tensorflow interpreter"
 )
 def test_the_benchmark_reports_every_section(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.int8_matmul", "--quick", "--out", tmp_path],
-        cwd=ROOT,
-        env={**os.environ, "KERAS_BACKEND": "tensorflow"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    loaded = json.loads((tmp_path / "int8_matmul.json").read_text(encoding="utf-8"))
-    assert (tmp_path / "int8_matmul.md").read_text(encoding="utf-8") in done.stdout
+    loaded, _ = run_quick("int8_matmul", tmp_path, 600)
     assert [r["scheme"] for r in loaded["matmul"]] == list(int8_matmul.OPERANDS) * 2
     for row in loaded["matmul"]:
         assert row["ms"] > 0 and row["vs_float"] > 0, row
