@@ -39,10 +39,8 @@ benchmarks/results).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
-import datetime
 import json
 import os
 import tempfile
@@ -409,16 +407,13 @@ def to_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# The help of `--quick` and `--rounds`.
+_HELPS = {"quick": "tiny sizes, 2 rounds", "rounds": "rounds per table"}
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds")
-    parser.add_argument("--out", default=report.RESULTS_DIR, help="output folder")
-    parser.add_argument("--rounds", type=int, default=None, help="rounds per table")
-    args = parser.parse_args(argv)
-    results = run(quick=args.quick, rounds=args.rounds)
-    paths = report.write(results, args.out, "int8_matmul", to_markdown)
-    print(to_markdown(results))
-    print(f"Wrote {paths[0]} and {paths[1]} at {datetime.datetime.now()}")
+    """Runs the benchmark (`--quick`, `--out`, `--rounds`: `report.main`)."""
+    report.main(argv, __doc__, run, to_markdown, "int8_matmul", _HELPS)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,6 @@ Needs the TensorFlow backend. Writes DIR/quantized.json and DIR/quantized.md
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import importlib.util
 import os
 import tempfile
@@ -592,16 +590,13 @@ def to_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# The help of `--quick` and `--rounds`.
+_HELPS = {"quick": "tiny model, 2 rounds", "rounds": "rounds per shape"}
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model, 2 rounds")
-    parser.add_argument("--out", default=report.RESULTS_DIR, help="output folder")
-    parser.add_argument("--rounds", type=int, default=None, help="rounds per shape")
-    args = parser.parse_args(argv)
-    results = run(quick=args.quick, rounds=args.rounds)
-    json_path, markdown_path = report.write(results, args.out, "quantized", to_markdown)
-    print(to_markdown(results))
-    print(f"Wrote {json_path} and {markdown_path} at {datetime.datetime.now()}")
+    """Runs the benchmark (`--quick`, `--out`, `--rounds`: `report.main`)."""
+    report.main(argv, __doc__, run, to_markdown, "quantized", _HELPS)
 
 
 if __name__ == "__main__":
