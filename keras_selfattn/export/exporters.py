@@ -217,13 +217,12 @@ def export_onnx(
         check: Whether to run the onnxruntime comparison (see `verify`).
         atol, rtol: Tolerances of that check.
         precision: As in `export_saved_model`.
-        int8_matmul: Deprecated, to be removed: "any_cpu" (the default) or
-            "vnni", which warns (`DeprecationWarning`) and writes the default
-            file. The file's int8 layers with quantized activations (Keras's
-            `quantize("int8")`) run on ONNX Runtime's uint8 x int8 kernel
-            where a probe of the machine's kernel, run when the session
-            loads, finds it exact (VNNI, AMX), on uint8 x uint8 elsewhere:
-            exact on every CPU.
+        int8_matmul: Deprecated, to be removed: "any_cpu" (the default) or "vnni", which
+            warns (`FutureWarning`, shown by default) and writes the default file. The
+            file's int8 layers with quantized activations (Keras's `quantize("int8")`)
+            run on ONNX Runtime's uint8 x int8 kernel where a probe of the machine's
+            kernel, run when the session loads, finds it exact (VNNI, AMX), on uint8 x
+            uint8 elsewhere: exact on every CPU.
 
     Returns:
         `path`, as a string.

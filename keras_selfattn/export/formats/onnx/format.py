@@ -165,7 +165,7 @@ class OnnxFormat(Format):
                 "removed: the default int8 ONNX file now picks the CPU's fast "
                 "exact kernel by itself (uint8 x int8 with VNNI or AMX, uint8 x "
                 "uint8 elsewhere); this writes the default file",
-                DeprecationWarning,
+                FutureWarning,
                 stacklevel=2,
             )
         return {
