@@ -142,16 +142,17 @@ class _Command(pipeline.Target):
         target: What the command exports (`_command`).
         destinations: {format: its checked `formats.Destination`}.
         check_label: The line printed while the check runs.
-        verify: The check of the staged artifacts, {format: path}.
         describe: The line printed of the first graph built, or None.
+        verify: The check of the staged artifacts, {format: path}; None:
+            the target's own (`target.check`).
         report: The check's `ParityReport`, once it ran.
     """
 
     target: pipeline.Target
     destinations: Mapping[str, formats.Destination]
     check_label: str
-    verify: Callable[[Mapping[str, str]], ParityReport]
     describe: Callable[[ExportTarget], str | None] = lambda built: None
+    verify: Callable[[Mapping[str, str]], ParityReport] | None = None
     report: ParityReport | None = None
     _described: bool = False
 
@@ -195,7 +196,8 @@ class _Command(pipeline.Target):
                     print(f"  {line}", flush=True)
 
     def check(self, staged: Mapping[str, str]) -> ParityReport:
-        self.report = _step(self.check_label, lambda: self.verify(staged))
+        verify = self.verify or self.target.check
+        self.report = _step(self.check_label, lambda: verify(staged))
         return self.report
 
 
@@ -216,7 +218,6 @@ def _command(
             step,
             destinations,
             "Decoding step by step against Keras",
-            step.check,
             lambda built: (
                 f"  decode step: caches {', '.join(built.input_names[1:-1])} "
                 f"(max_length {args.max_length})"
@@ -231,7 +232,6 @@ def _command(
             loop,
             destinations,
             "Generating against keras_selfattn.generate",
-            loop.check,
             lambda built: (
                 f"  generator: inputs {', '.join(built.input_names)}; outputs "
                 f"{', '.join(built.output_names)} (max_length {args.max_length})"
@@ -241,7 +241,7 @@ def _command(
         forward.Forward(model, None, args.atol, args.rtol, "float32", {}),
         destinations,
         "Verifying against Keras",
-        lambda staged: _verify_paths(model, staged, args),
+        verify=lambda staged: _verify_paths(model, staged, args),
     )
 
 
