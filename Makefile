@@ -24,10 +24,15 @@ test -x $(1)/bin/python || { $(PYTHON) -m venv $(1) && echo '*' > $(1)/.gitignor
 $(1)/bin/python -m pip install --quiet --upgrade pip
 endef
 
+# Test-only packages installed without their declared dependencies (the
+# file says why).
+NO_DEPS := requirements/no-deps.txt
+
 # The locked versions, then the package itself built by the locked setuptools.
-$(STAMP): pyproject.toml $(LOCK)
+$(STAMP): pyproject.toml $(LOCK) $(NO_DEPS)
 	$(call new_venv,$(VENV))
 	$(PY) -m pip install --quiet -r $(LOCK)
+	$(PY) -m pip install --quiet --no-deps -r $(NO_DEPS)
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
@@ -66,6 +71,7 @@ test-latest:
 	$(call new_venv,$(LATEST_VENV))
 	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade \
 		--upgrade-strategy eager -c $(CONSTRAINTS) -e ".[test]"
+	$(LATEST_VENV)/bin/python -m pip install --quiet --no-deps -r $(NO_DEPS)
 	touch $(LATEST_VENV)/.installed
 	$(MAKE) --no-print-directory test VENV=$(LATEST_VENV)
 

@@ -6,7 +6,19 @@ Importing the package registers `keras_selfattn>SelfAttention` with Keras, so
 
 from keras_selfattn.generation import Generated, generate
 from keras_selfattn.migration import ConversionReport, convert
+from keras_selfattn.position_embedding import (
+    PositionEmbedding,
+    TokenAndPositionEmbedding,
+)
 from keras_selfattn.self_attention import SelfAttention
 
-__all__ = ["ConversionReport", "Generated", "SelfAttention", "convert", "generate"]
+__all__ = [
+    "ConversionReport",
+    "Generated",
+    "PositionEmbedding",
+    "SelfAttention",
+    "TokenAndPositionEmbedding",
+    "convert",
+    "generate",
+]
 __version__ = "0.2.0"

@@ -14,6 +14,7 @@ from keras_selfattn import (
     _outputs,
     _projection_ops,
     _score_weights,
+    decoding,
     tracing,
 )
 from keras_selfattn import projections as projections_lib
@@ -189,6 +190,9 @@ class SelfAttention(
         input_dim = None if self._dims is None else self._dims.input_dim
         _inputs.check(self.name, args[0] if args else kwargs.get("inputs"), input_dim)
         cache = kwargs.get("cache", args[5] if len(args) > 5 else None)
+        if cache is None and decoding.active() is not None:
+            # A decoding run: the cache is the scope's (keras_selfattn.decoding).
+            return decoding.attend(self, self.__call__, args, kwargs)
         if cache is not None:
             cache_lib.check_dtype(cache, self.compute_dtype, self.name)
         elif len(args) < 2 and kwargs.get("mask") is None:

@@ -25,6 +25,7 @@ from collections.abc import Iterator, Mapping
 import keras
 
 from keras_selfattn import _tensorflow_extra
+from keras_selfattn._model_layers import every_layer
 from keras_selfattn.export.formats import ExportError, Writer, one_line
 from keras_selfattn.export.target import ExportTarget
 
@@ -58,10 +59,40 @@ def keras_file(model: keras.Model) -> Iterator[str]:
         yield path
 
 
-def writer(path: str, export_format: str, max_length: int, jit_compile: bool) -> Writer:
+def class_modules(model: keras.Model) -> dict[str, str]:
+    """The modules defining the model's layer classes that the TensorFlow
+    process must import before it loads the .keras file (their classes
+    register themselves there: the user's, keras-hub's), each with the
+    folder it is imported from. Keras's and this package's are left out,
+    and so is `__main__`, which another process cannot import."""
+    found = {}
+    for layer in every_layer(model):
+        name = type(layer).__module__
+        if name.split(".")[0] in ("keras", "keras_selfattn", "builtins", "__main__"):
+            continue
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path is None:
+            continue
+        root = os.path.dirname(path)  # the module's package folder
+        if os.path.basename(path) == "__init__.py":
+            root = os.path.dirname(root)
+        for _ in range(name.count(".")):
+            root = os.path.dirname(root)
+        found[name] = root
+    return found
+
+
+def writer(
+    path: str,
+    export_format: str,
+    max_length: int,
+    jit_compile: bool,
+    modules: Mapping[str, str],
+) -> Writer:
     """A `formats.Writer` that writes the generator of the .keras file at
     `path` as `export_format` (`max_length`, `jit_compile` as in
-    `export_generator`) in a TensorFlow-backend process."""
+    `export_generator`) in a TensorFlow-backend process, which imports
+    `modules` ({module: folder}, `class_modules`) first."""
     _tensorflow_extra.require(
         f"A generator exported from {keras.backend.backend()} (written by a "
         f"{WRITER_BACKEND} process)"
@@ -76,9 +107,11 @@ def writer(path: str, export_format: str, max_length: int, jit_compile: bool) ->
             "format": export_format,
             "path": staged,
             "options": dict(options),
+            "modules": sorted(modules),
         }
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-        search = [package_root, os.environ.get("PYTHONPATH", "")]
+        search = [package_root, *sorted(set(modules.values()))]
+        search.append(os.environ.get("PYTHONPATH", ""))
         env = {
             **os.environ,
             "KERAS_BACKEND": WRITER_BACKEND,

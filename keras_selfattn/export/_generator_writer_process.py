@@ -3,13 +3,15 @@
 Started by `_generator_writer.writer` as `python -m
 keras_selfattn.export._generator_writer_process REQUEST_JSON` under
 KERAS_BACKEND=tensorflow. The request names the .keras file, `max_length`,
-`jit_compile`, the format, the staged path and the format's checked
-options; the worker loads the model, rebuilds its generator and writes the
+`jit_compile`, the format, the staged path, the format's checked
+options and the modules defining the model's layer classes; the worker
+imports those, loads the model, rebuilds its generator and writes the
 artifact there. A failure is one line on stderr and exit status 1.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 
@@ -23,6 +25,8 @@ def main(argv: list[str]) -> None:
     """Writes the generator the JSON request in `argv[0]` describes."""
     request = json.loads(argv[0])
     try:
+        for module in request["modules"]:  # the model's own layer classes
+            importlib.import_module(module)
         model = keras.saving.load_model(request["keras_file"])
         generator = build_generator(
             model, request["max_length"], request["jit_compile"]

@@ -15,8 +15,8 @@ from keras_selfattn.export.decode_step_graph import (
     INDEX_NAME,
     DecodeStep,
     build_decode_step,
+    teacher_probe,
 )
-from keras_selfattn.export.example_inputs import vocabulary_size
 from keras_selfattn.export.parity.arguments import artifact_paths, check_tolerance
 from keras_selfattn.export.parity.engine import check_artifacts, collect_artifacts
 from keras_selfattn.export.parity.report import ParityReport, finish_report
@@ -30,20 +30,9 @@ DEFAULT_SCHEDULES: tuple[tuple[int, int], ...] = ((1, 1), (2, 3), (3, 1 << 30))
 
 
 def teacher_inputs(step: DecodeStep, batch: int, seed: int = 0) -> np.ndarray:
-    """A whole random input sequence (batch, max_length, ...) without padding.
-
-    Token ids are in [1, vocabulary) (no 0: padding is not supported), float
-    features standard normal.
-    """
-    rng = np.random.default_rng(seed)
-    shape = (batch, step.max_length, *step.input.shape[2:])
-    if "int" in step.input.dtype:
-        values = rng.integers(1, max(vocabulary_size(step.model), 2), size=shape)
-    elif step.input.dtype == "bool":
-        values = np.ones(shape, bool)
-    else:
-        values = rng.standard_normal(shape)
-    return values.astype(step.input.dtype)
+    """A whole random input sequence (batch, max_length, ...) without padding
+    (`decode_step_graph.teacher_probe`)."""
+    return teacher_probe(step, step.max_length, batch, seed)
 
 
 def schedule(step: DecodeStep, sequence: np.ndarray, prompt_length: int):

@@ -14,9 +14,10 @@ import numpy as np
 from keras_selfattn import _checks
 from keras_selfattn.export import quantization
 from keras_selfattn.export.endpoint import model_inputs, model_output_names
+from keras_selfattn.export.example_inputs import vocabulary_size
 from keras_selfattn.export.formats import table
 from keras_selfattn.export.target import ExportTarget, NamedInput
-from keras_selfattn.generation import cached_model
+from keras_selfattn.generation import cached_model, decode_check
 from keras_selfattn.self_attention import SelfAttention
 
 _ACTION = "export a decoding step of"
@@ -51,12 +52,14 @@ class DecodeStep:
     @property
     def cache_names(self) -> tuple[str, ...]:
         """Input names of the caches, one per layer."""
-        return tuple(CACHE_PREFIX + layer.name for layer in self.layers)
+        names = cached_model.layer_names(self.model, self.layers)
+        return tuple(CACHE_PREFIX + name for name in names)
 
     @property
     def updated_cache_names(self) -> tuple[str, ...]:
         """Output names of the updated caches, one per layer."""
-        return tuple(UPDATED_CACHE_PREFIX + layer.name for layer in self.layers)
+        names = cached_model.layer_names(self.model, self.layers)
+        return tuple(UPDATED_CACHE_PREFIX + name for name in names)
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -135,19 +138,28 @@ def refuse_quantized(model: keras.Model, export_format: str, what: str) -> None:
     )
 
 
-def build_decode_step(model: keras.Model, max_length: int) -> DecodeStep:
+def build_decode_step(
+    model: keras.Model, max_length: int, check: bool = True
+) -> DecodeStep:
     """Checks the model's structure (module docstring) and builds its step.
+
+    Args:
+        model: The user's model (a subclassed one through its
+            `cached_model.functional_view`: input "tokens").
+        max_length: The caches' length.
+        check: Whether to check the cached decode against the full forward
+            pass on a probe first (`decode_check`); False is the caller's
+            explicit opt-out.
 
     Raises:
         TypeError: if `model` is not a keras.Model.
-        ValueError: for an unsupported model or `max_length`.
+        ValueError: for an unsupported model or `max_length`, or a model
+            whose cached decode differs from its full forward pass.
     """
     max_length = _checks.positive_int("max_length", max_length)
-    inputs = model_inputs(model)  # named, non-subclassed
-    if not isinstance(model, keras.Sequential) and not hasattr(
-        model, "_nodes_by_depth"
-    ):
-        raise _refuse(model, "it is not a Sequential or Functional model")
+    if isinstance(model, keras.Model):
+        model = cached_model.functional_view(model, _ACTION)
+    inputs = model_inputs(model)  # named
     if len(inputs) != 1:
         raise _refuse(model, f"it has {len(inputs)} inputs")
     outputs = model_output_names(model)
@@ -156,9 +168,29 @@ def build_decode_step(model: keras.Model, max_length: int) -> DecodeStep:
     if len(inputs[0].shape) < 2:
         raise _refuse(model, "its input has no time axis (batch, time, ...)")
     layers = cached_model.cached_layers(model, _ACTION)
+    layer_names = cached_model.layer_names(model, layers)
     names = [inputs[0].name, outputs[0], INDEX_NAME]
-    names += [CACHE_PREFIX + layer.name for layer in layers]
-    names += [UPDATED_CACHE_PREFIX + layer.name for layer in layers]
+    names += [CACHE_PREFIX + name for name in layer_names]
+    names += [UPDATED_CACHE_PREFIX + name for name in layer_names]
     if len(set(names)) != len(names):
         raise _refuse(model, f"its input/output names clash: {names}")
-    return DecodeStep(model, inputs[0], outputs[0], layers, max_length)
+    step = DecodeStep(model, inputs[0], outputs[0], layers, max_length)
+    if check:
+        probe = teacher_probe(step, decode_check.PROBE_LENGTH)
+        decode_check.check(model, layers, probe, _ACTION)
+    return step
+
+
+def teacher_probe(step: DecodeStep, length: int, batch: int = 2, seed: int = 0):
+    """A random input sequence `(batch, length, ...)` without padding: token
+    ids in [1, vocabulary) (no 0: padding is not supported), float features
+    standard normal."""
+    rng = np.random.default_rng(seed)
+    shape = (batch, length, *step.input.shape[2:])
+    if "int" in step.input.dtype:
+        values = rng.integers(1, max(vocabulary_size(step.model), 2), size=shape)
+    elif step.input.dtype == "bool":
+        values = np.ones(shape, bool)
+    else:
+        values = rng.standard_normal(shape)
+    return values.astype(step.input.dtype)

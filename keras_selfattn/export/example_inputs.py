@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from keras_selfattn._model_layers import every_layer
 from keras_selfattn.export.target import ExportTarget
 
 # Token range when no Embedding layer tells the vocabulary size.
@@ -13,13 +14,11 @@ _FALLBACK_VOCAB = 10
 
 def vocabulary_size(model: keras.Model) -> int:
     """The smallest `input_dim` of the model's Embedding layers (nested too)."""
-    sizes = []
-    stack = list(model.layers)
-    while stack:
-        layer = stack.pop()
-        if isinstance(layer, keras.layers.Embedding):
-            sizes.append(layer.input_dim)
-        stack.extend(getattr(layer, "layers", []))
+    sizes = [
+        layer.input_dim
+        for layer in every_layer(model)
+        if isinstance(layer, keras.layers.Embedding)
+    ]
     return min(sizes) if sizes else _FALLBACK_VOCAB
 
 

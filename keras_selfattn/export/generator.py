@@ -235,7 +235,11 @@ def writer(
     if keras.backend.backend() == _generator_writer.WRITER_BACKEND:
         return None
     return _generator_writer.writer(
-        keras_path, export_format, generator.max_length, generator.jit_compile
+        keras_path,
+        export_format,
+        generator.max_length,
+        generator.jit_compile,
+        _generator_writer.class_modules(generator.read.model),
     )
 
 

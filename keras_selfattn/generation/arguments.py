@@ -15,7 +15,7 @@ import keras
 import numpy as np
 
 from keras_selfattn import _checks
-from keras_selfattn.generation import cached_model
+from keras_selfattn.generation import cached_model, decode_check
 from keras_selfattn.generation.loop import Controls
 
 ACTION = "generate with"
@@ -43,16 +43,25 @@ class Model:
     vocabulary: int | None
 
 
-def read_model(model) -> Model:
+def read_model(model, check: bool = True) -> Model:
     """Checks that `model` can generate; reads what generation needs.
+
+    Args:
+        model: The user's model (a subclassed one is read through its
+            `cached_model.functional_view`).
+        check: Whether to check that the cached decode equals the full
+            forward pass (`decode_check`); False is the caller's explicit
+            opt-out.
 
     Raises:
         TypeError: if `model` is not a keras.Model.
-        ValueError: for a structure that cannot decode, or inputs and
-            outputs that do not fit a token or a value model.
+        ValueError: for a structure that cannot decode, inputs and outputs
+            that do not fit a token or a value model, or a model whose
+            cached decode differs from its full forward pass.
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model. Received: model={model!r}")
+    model = cached_model.functional_view(model, ACTION)
     layers = cached_model.cached_layers(model, ACTION)
     if len(model.inputs) != 1 or len(model.outputs) != 1:
         raise cached_model.refusal(
@@ -85,7 +94,7 @@ def read_model(model) -> Model:
             "(batch, time, features) alike, so an output cannot be its next input",
             ACTION,
         )
-    return Model(
+    read = Model(
         model,
         layers,
         tokens,
@@ -93,6 +102,21 @@ def read_model(model) -> Model:
         None if tokens else int(source.shape[-1]),
         int(output.shape[-1]) if tokens else None,
     )
+    if check:
+        decode_check.check(model, layers, probe(read), ACTION)
+    return read
+
+
+def probe(read: Model) -> np.ndarray:
+    """Two rows of `decode_check.PROBE_LENGTH` seeded inputs: ids in [1,
+    vocabulary) (0 may be padding), or standard normal values."""
+    rng = np.random.default_rng(0)
+    shape = (2, decode_check.PROBE_LENGTH)
+    if read.tokens:
+        return rng.integers(1, max(read.vocabulary, 2), size=shape).astype(
+            read.input_dtype
+        )
+    return rng.standard_normal((*shape, read.features)).astype(read.input_dtype)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,29 +1,35 @@
 """A model run on new positions only, with one key/value cache per layer.
 
 Decoding (an exported step, `generate`) runs a model on the positions
-`index .. index + new - 1` only: each causal SelfAttention layer reads and
-extends its own cache, every other layer runs as in the full forward. This
-holds for a Sequential model, or a Functional model, in which every
-SelfAttention is a top-level layer with `causal=True`, called once on a
-single tensor without masks; any graph around them works as long as it is
-position-wise (position t's output depends on earlier positions only
-through the SelfAttention layers), which callers check numerically, since
-it cannot be read from the graph.
+`index .. index + new - 1` only: the model is called as its user calls it,
+inside a decoding scope (`keras_selfattn.decoding`) from which each causal
+SelfAttention layer, wherever it sits (top level, inside a subclassed
+layer, a nested model or a subclassed model), reads and extends its own
+cache; position layers read the new positions there. Every other layer runs
+as in the full forward pass, which is right as long as it is position-wise
+(position t's output depends on earlier positions only through the
+SelfAttention layers and the position layers): `decode_check` checks that
+numerically, since it cannot be read from the code.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import keras
+from keras import ops
 
+from keras_selfattn import decoding
 from keras_selfattn._model_layers import every_layer
-from keras_selfattn.attention import rotary
+from keras_selfattn.attention import masks, rotary
+from keras_selfattn.generation import position_layers
 from keras_selfattn.self_attention import SelfAttention
 
 SUPPORTED = (
-    "supported: one input, one output, top-level causal SelfAttention layers "
-    "each called once on one tensor, no padding masks"
+    "supported: causal SelfAttention layers anywhere in the model, each "
+    "called once per step on one tensor, position-wise layers around them, "
+    "no padding masks"
 )
 
 
@@ -33,80 +39,62 @@ def refusal(model: keras.Model, why: str, action: str) -> ValueError:
     return ValueError(f"Cannot {action} model {model.name!r}: {why} ({SUPPORTED})")
 
 
-def _calls(model: keras.Model, action: str) -> list[SelfAttention]:
-    """The SelfAttention layers in call order; refuses extra call arguments."""
-    if isinstance(model, keras.Sequential):
-        return [layer for layer in model.layers if isinstance(layer, SelfAttention)]
-    calls = []
-    for depth in sorted(model._nodes_by_depth, reverse=True):
-        for node in model._nodes_by_depth[depth]:
-            if not isinstance(node.operation, SelfAttention):
-                continue
-            calls.append(node.operation)
-            tensors = [
-                value
-                for value in keras.tree.flatten(
-                    (node.arguments.args, node.arguments.kwargs)
-                )
-                if isinstance(value, keras.KerasTensor)
-            ]
-            extra = {
-                k: v
-                for k, v in node.arguments.kwargs.items()
-                if v is not None and v is not False
-            }
-            if len(tensors) != 1 or extra:
-                raise refusal(
-                    model,
-                    f"SelfAttention {node.operation.name!r} is called with more "
-                    f"than one input tensor or with {sorted(extra)}",
-                    action,
-                )
-    return calls
+# Subclassed models and their Functional views (`functional_view`).
+_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def functional_view(model: keras.Model, action: str) -> keras.Model:
+    """`model` itself if it is Sequential or Functional; for a subclassed
+    model, a Functional model calling it on int32 token ids named "tokens"
+    (the same weights; one per model), so that it has a named input and an
+    output to read and export.
+
+    Raises:
+        ValueError: (one line) for a subclassed model that cannot be called
+            on `(batch, time)` int32 ids.
+    """
+    if isinstance(model, keras.Sequential) or hasattr(model, "_nodes_by_depth"):
+        return model
+    if model not in _VIEWS:
+        tokens = keras.Input((None,), dtype="int32", name="tokens")
+        try:
+            outputs = model(tokens)
+        except Exception as error:  # the user's code: any error
+            raise refusal(
+                model,
+                "it is a subclassed model that cannot be called on int32 token "
+                f"ids (batch, time) ({type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''}); wrap it: "
+                "keras.Model(keras.Input(...), model(...))",
+                action,
+            ) from error
+        _VIEWS[model] = keras.Model(tokens, outputs, name=model.name)
+    return _VIEWS[model]
 
 
 def cached_layers(model: keras.Model, action: str) -> tuple[SelfAttention, ...]:
-    """The model's SelfAttention layers in call order, each of which gets a
-    cache (module docstring).
+    """The model's SelfAttention layers at any depth, in the order the model
+    tracks them, each of which gets a cache (module docstring).
 
     Args:
-        model: A Sequential or Functional model.
+        model: Any Keras model.
         action: How refusals name what was asked ("generate with").
 
     Raises:
         ValueError: for a structure that cannot decode (one line).
     """
-    if not isinstance(model, keras.Sequential) and not hasattr(
-        model, "_nodes_by_depth"
-    ):
-        raise refusal(model, "it is not a Sequential or Functional model", action)
-    top = list(model.layers)
-    calls = _calls(model, action)
-    names = [layer.name for layer in calls]
-    duplicated = sorted({name for name in names if names.count(name) > 1})
-    if duplicated:
-        raise refusal(
-            model, f"SelfAttention {duplicated} is called more than once", action
-        )
-    nested = [
-        layer.name
-        for layer in every_layer(model)
-        if isinstance(layer, SelfAttention) and layer not in top
-    ]
-    if nested:
-        raise refusal(
-            model, f"SelfAttention {nested} is nested inside another layer", action
-        )
-    if not calls:
+    layers = every_layer(model)
+    found = tuple(layer for layer in layers if isinstance(layer, SelfAttention))
+    if not found:
         raise refusal(model, "it has no SelfAttention layer", action)
-    for layer in calls:
+    for layer in found:
         if not layer.causal:
             raise refusal(
                 model, f"SelfAttention {layer.name!r} has causal=False", action
             )
     masking = [
         layer.name
-        for layer in every_layer(model)
+        for layer in layers
         if isinstance(layer, keras.layers.Masking) or getattr(layer, "mask_zero", 0)
     ]
     if masking:
@@ -116,7 +104,56 @@ def cached_layers(model: keras.Model, action: str) -> tuple[SelfAttention, ...]:
             "positions cannot apply to the cached ones",
             action,
         )
-    return tuple(calls)
+    position_layers.adapt(model)
+    return found
+
+
+# `layer_names` by model, for the layers it was asked about.
+_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def layer_names(model: keras.Model, layers: Sequence[SelfAttention]) -> list[str]:
+    """A unique name per cached layer, for exported inputs and errors: the
+    layer's own name, or where two share one, the names of the layers
+    holding it joined by "_" (`block_1_attention`)."""
+    known = _NAMES.get(model)
+    if known is None or known[0] != tuple(map(id, layers)):
+        known = (tuple(map(id, layers)), _unique_names(model, layers))
+        _NAMES[model] = known
+    return list(known[1])
+
+
+def _unique_names(model: keras.Model, layers: Sequence[SelfAttention]) -> list[str]:
+    owners = {}
+    for owner in every_layer(model):
+        for inner in owner._layers:
+            owners.setdefault(id(inner), owner)
+    own = [layer.name for layer in layers]
+    names = list(own)
+    for position, layer in enumerate(layers):
+        if own.count(layer.name) == 1:
+            continue
+        path, holder = [layer.name], owners.get(id(layer))
+        while holder is not None and holder is not model:
+            path.insert(0, holder.name)
+            holder = owners.get(id(holder))
+        names[position] = "_".join(path)
+    if len(set(names)) != len(names):
+        raise ValueError(
+            f"Model {model.name!r} holds SelfAttention layers whose names and "
+            f"paths clash: {names}. Name them apart"
+        )
+    return names
+
+
+def _positions(index, new, starts):
+    """int32 `(batch or 1, new)`: slot `index + t` less each row's start."""
+    slots = ops.add(masks.positions(new), ops.cast(index, "int32"))
+    slots = ops.expand_dims(slots, 0)
+    if starts is None:
+        return slots
+    moved = ops.subtract(slots, ops.expand_dims(ops.cast(starts, "int32"), 1))
+    return ops.maximum(moved, 0)
 
 
 def run_cached(
@@ -126,47 +163,45 @@ def run_cached(
     caches: Sequence,
     index,
     padding=None,
+    starts=None,
 ):
     """Runs `model` on new positions with a cache per layer.
 
     Args:
         model: The model `layers` came from (`cached_layers`).
-        layers: Its SelfAttention layers, in call order.
+        layers: Its SelfAttention layers.
         inputs: The new positions `(batch, new, ...)`.
         caches: One cache per layer, in `layers` order.
-        index: The first new position (int or int32 scalar tensor).
+        index: The first new position's cache slot (int or int32 scalar).
         padding: Optional `(batch, max_length)` bool mask over the whole
-            cached sequence, True where a position holds a token; handed to
-            every SelfAttention call as its `mask`.
+            cached sequence, True where a slot holds a token; every
+            SelfAttention call's `mask`.
+        starts: Optional int32 `(batch,)`: the slot of each row's first
+            token (left-padded rows), so that position layers see each
+            row's positions counted from its own start. None: 0.
 
     Returns:
         Tuple (the model's output for the new positions, the updated caches
         in `layers` order).
     """
-    by_layer = dict(zip(layers, caches, strict=True))
-    updated = {}
-
-    def call_layer(layer, *args, **kwargs):
-        if not isinstance(layer, SelfAttention):
-            return layer(*args, **kwargs)
-        kwargs = {k: v for k, v in kwargs.items() if k != "mask"}
-        if padding is not None:
-            kwargs["mask"] = padding
-        output, cache = layer(
-            *args, cache=by_layer[layer], cache_update_index=index, **kwargs
-        )
-        updated[layer] = cache
-        return output
-
+    names = layer_names(model, layers)
+    scope = decoding.Scope(
+        caches={id(layer): c for layer, c in zip(layers, caches, strict=True)},
+        names={id(layer): n for layer, n in zip(layers, names, strict=True)},
+        index=index,
+        padding=padding,
+        positions=_positions(index, ops.shape(inputs)[1], starts),
+    )
     # Every layer rotates the same new positions: one rotary table.
-    with rotary.shared_tables():
-        if isinstance(model, keras.Sequential):
-            output = inputs
-            for layer in model.layers:
-                output = call_layer(layer, output)
-        else:
-            output = model._run_through_graph(
-                [inputs], operation_fn=lambda op: op, call_fn=call_layer
-            )
-            output = keras.tree.flatten(output)[0]
-    return output, [updated[layer] for layer in layers]
+    with rotary.shared_tables(), decoding.decoding(scope):
+        try:
+            output = model(inputs)
+        except Exception:
+            if scope.refusal is None:
+                raise
+            raise refusal(model, scope.refusal, "decode") from None
+    output = keras.tree.flatten(output)[0]
+    updated = [
+        scope.updated.get(id(layer), c) for layer, c in zip(layers, caches, strict=True)
+    ]
+    return output, updated

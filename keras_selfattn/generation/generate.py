@@ -42,6 +42,7 @@ def generate(
     top_p: float | None = None,
     seed: int | None = None,
     end_token: int | None = None,
+    check: bool = True,
 ) -> Generated:
     """Generates continuations of `prompts` with one key/value cache per
     SelfAttention layer, compiled on the model's backend.
@@ -52,11 +53,17 @@ def generate(
     `top_p` filters) and fed back as the next input. Value models take
     float `(batch, time, features)` and return the same shape: the output
     at the last position is the next input (a forecaster). The model must
-    be one `SelfAttention` layers can decode (`export_decode_step`'s
-    models: Sequential or Functional, top-level causal layers, no padding
-    masks). Prompts of different lengths run in one batch; each row
-    computes what it would alone (rows are aligned at their last position,
-    which rotary embeddings do not see).
+    be one `SelfAttention` layers can decode: causal layers anywhere in it
+    (top level, inside subclassed layers, nested or subclassed models),
+    position-wise layers around them, position layers that take the
+    decoded positions (`keras_selfattn.PositionEmbedding`, keras-hub's),
+    no padding masks. Before the first token, a probe's cached decode is
+    checked against the model's full forward pass, once per model: a
+    model that differs is refused naming the layer that mixes positions.
+    Prompts of different lengths run in one batch; each row computes what
+    it would alone (rows are aligned at their last position, which rotary
+    embeddings do not see; position layers see each row's own
+    positions).
 
     Sampling is reproducible: each row and step draws one uniform number
     from a counter-based stream of `seed` (`random_stream`), which the
@@ -78,6 +85,10 @@ def generate(
             add up to `top_p` (nucleus sampling), in (0, 1].
         seed: Seeds the uniform stream (default: a random one).
         end_token: A row ends after emitting this id.
+        check: Whether to check the cached decode against the full forward
+            pass first (a few calls on 2 rows of 5 positions, once per
+            model). False skips it: the explicit opt-out for a model too
+            large to run twice, whose tokens are then unchecked.
 
     Returns:
         A `Generated` (tokens or values, and each row's length).
@@ -103,7 +114,7 @@ def generate(
     print(result.tokens.shape, result.lengths)  # (2, 5) [5 5]
     ```
     """
-    read = arguments.read_model(model)
+    read = arguments.read_model(model, check)
     request = arguments.request(
         read,
         prompts,

@@ -7,9 +7,11 @@ generators carry into their graphs (a `tf.while_loop` on TensorFlow, a
 1. Prompts arrive right-padded, `(batch, P)` with their lengths; each row is
    moved right so that all end at position P - 1 (left padding), and the
    padding mask over the cache, `(batch, max_length)`, marks the slots
-   before a row's first token. Positions then differ between rows by a
-   constant, which rotary embeddings (and attention without positions)
-   do not see, so each row computes what it would alone.
+   before a row's first token. Slots then differ from a row's own
+   positions by a constant, which rotary embeddings (and attention without
+   positions) do not see; position layers (learned absolute positions) are
+   given each row's positions counted from its first token. So each row
+   computes what it would alone.
 2. The prompts run once into one cache per SelfAttention layer, and the
    first token is chosen from the last position (`sampling.next_token`,
    with the uniform of step 0).
@@ -162,7 +164,11 @@ def run(
             last, uniform, controls.temperature, controls.top_k, controls.top_p
         )
 
-    output, caches = cached_model.run_cached(model, layers, moved, caches, 0, padding)
+    # Each row's first token's slot: position layers count from there.
+    starts = ops.subtract(width, lengths)
+    output, caches = cached_model.run_cached(
+        model, layers, moved, caches, 0, padding, starts
+    )
     # Padded slots to zeros: the steps' caches then read zero wherever no
     # query may attend, which `tracing.CHECKED_BY_CALLER` requires.
     slots = ops.expand_dims(padding, (1, 3, 4))
@@ -198,7 +204,13 @@ def run(
         # position is never padding.
         with tracing.traced_as(*step_modes):
             output, caches = cached_model.run_cached(
-                model, layers, fed, list(caches), ops.add(width - 1, t), padding
+                model,
+                layers,
+                fed,
+                list(caches),
+                ops.add(width - 1, t),
+                padding,
+                starts,
             )
         chosen = choose(output, t)
         if tokens:

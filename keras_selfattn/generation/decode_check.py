@@ -1,0 +1,194 @@
+"""The check every decoding API makes before it returns a token or writes
+a file: the cached decode of a probe equals the model's full forward pass.
+
+A model decodes right only if every layer outside SelfAttention and the
+position layers is position-wise, which cannot be read from code the
+package does not own (a Conv1D over time, a position layer computing its
+positions with `ops.arange`, a layer normalizing over time). So it is
+measured: two probe rows of different lengths, left-padded as `generate`
+runs them, go through the cached path (a prompt, then one position per
+step) and each row alone through the full forward pass; their outputs at
+every real position must agree. Where they differ, the layers' outputs are
+recorded in both runs and the first layer (in the order calls end) whose
+output differs is named in the refusal.
+
+A model that passes is remembered (by object) for later calls. Callers
+offer `check=False` as the explicit opt-out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator, Sequence
+
+import keras
+import numpy as np
+
+from keras_selfattn._model_layers import every_layer
+from keras_selfattn.generation import cached_model, loop
+
+# Probe rows' lengths: a full row and one left-padded by two slots; the
+# last two positions are decoded one per step.
+PROBE_LENGTH = 5
+_SHORTER_BY = 2
+_STEPS = 2
+# |cached - full| <= RTOL * max|full| + ATOL (float32); 16-bit compute
+# dtypes round each layer's output to 8 or 11 bits.
+RTOL = {"float32": 1e-4, "float64": 1e-4}
+RTOL_16_BIT = 3e-2
+ATOL = 1e-5
+
+_PASSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+REPLACEMENT = (
+    "a position layer must take the decoded positions: keras_selfattn's "
+    "PositionEmbedding or TokenAndPositionEmbedding (or keras-hub's) in place "
+    "of one computing them with ops.arange"
+)
+
+
+def check(
+    model: keras.Model,
+    layers: Sequence,
+    probe: np.ndarray,
+    action: str,
+) -> None:
+    """Refuses `model` (ValueError, one line) if its cached decode of
+    `probe` differs from its full forward pass (module docstring).
+
+    Args:
+        model, layers: The model and its SelfAttention layers
+            (`cached_model.cached_layers`).
+        probe: `(2, PROBE_LENGTH, ...)` inputs, no padding.
+        action: How the refusal names what was asked ("generate with").
+    """
+    if model in _PASSED:
+        return
+    prompts, lengths = _prompts(probe)
+    cached = _cached_run(model, layers, prompts, lengths)
+    full = [_call(model, prompts[row : row + 1, :n]) for row, n in enumerate(lengths)]
+    error = _error(_aligned(cached, lengths), full)
+    if error > _tolerance(model, full):
+        culprit = _culprit(model, layers, prompts, lengths)
+        raise cached_model.refusal(
+            model,
+            f"its cached decode differs from its full forward pass by {error:.3g}: "
+            f"{culprit} mixes positions (position t's output must depend on "
+            f"earlier positions only through SelfAttention; {REPLACEMENT})",
+            action,
+        )
+    _PASSED[model] = True
+
+
+def _prompts(probe: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    lengths = [probe.shape[1], probe.shape[1] - _SHORTER_BY]
+    prompts = probe.copy()
+    prompts[1, lengths[1] :] = 0
+    return prompts, lengths
+
+
+def _call(model, inputs):
+    return keras.ops.convert_to_numpy(keras.tree.flatten(model(inputs))[0])
+
+
+def _cached_run(model, layers, prompts, lengths) -> np.ndarray:
+    """The cached outputs `(2, width, ...)`: the left-aligned prompt, then
+    the last `_STEPS` slots one per step, as the generation loop runs."""
+    width = prompts.shape[1]
+    lengths = np.asarray(lengths, np.int32)
+    moved, valid = loop.left_aligned(prompts, lengths)
+    starts = width - lengths
+    caches = [layer.empty_cache(len(lengths), width) for layer in layers]
+    outputs, index = [], 0
+    for new in (width - _STEPS, *([1] * _STEPS)):
+        output, caches = cached_model.run_cached(
+            model,
+            layers,
+            moved[:, index : index + new],
+            caches,
+            index,
+            valid,
+            starts,
+        )
+        outputs.append(keras.ops.convert_to_numpy(output))
+        index += new
+    return np.concatenate(outputs, axis=1)
+
+
+def _aligned(cached: np.ndarray, lengths) -> list[np.ndarray]:
+    width = cached.shape[1]
+    return [cached[row : row + 1, width - n :] for row, n in enumerate(lengths)]
+
+
+def _error(cached: Sequence[np.ndarray], full: Sequence[np.ndarray]) -> float:
+    return max(
+        float(np.max(np.abs(c.astype("float64") - f.astype("float64"))))
+        for c, f in zip(cached, full, strict=True)
+    )
+
+
+def _tolerance(model, full: Sequence[np.ndarray]) -> float:
+    dtypes = {layer.compute_dtype for layer in every_layer(model)}
+    rtol = max(RTOL.get(dtype, RTOL_16_BIT) for dtype in dtypes)
+    scale = max(float(np.max(np.abs(f))) for f in full)
+    return rtol * scale + ATOL
+
+
+@contextlib.contextmanager
+def _recording(model) -> Iterator[dict]:
+    """Records every layer's first output, in the order calls end:
+    {"order": [layer, ...], id(layer): [outputs]}."""
+    records: dict = {"order": []}
+
+    def recorder(layer, original):
+        def recorded(*args, **kwargs):
+            output = original(*args, **kwargs)
+            if id(layer) not in records:
+                records["order"].append(layer)
+                records[id(layer)] = []
+            records[id(layer)].append(keras.tree.flatten(output)[0])
+            return output
+
+        return recorded
+
+    patched = []
+    for layer in every_layer(model)[1:]:
+        patched.append((layer, vars(layer).get("call")))
+        object.__setattr__(layer, "call", recorder(layer, layer.call))
+    try:
+        yield records
+    finally:
+        for layer, own in patched:
+            if own is None:
+                object.__delattr__(layer, "call")
+            else:
+                object.__setattr__(layer, "call", own)
+
+
+def _culprit(model, layers, prompts, lengths) -> str:
+    """Names the first layer whose output differs between the cached run
+    and the full runs (module docstring), or says none could be told."""
+    with _recording(model) as cached:
+        _cached_run(model, layers, prompts, lengths)
+    full = []
+    for row, n in enumerate(lengths):
+        with _recording(model) as records:
+            _call(model, prompts[row : row + 1, :n])
+        full.append(records)
+    for layer in full[0]["order"]:
+        outputs = cached.get(id(layer))
+        once = all(len(f.get(id(layer), ())) == 1 for f in full)
+        if not once or len(outputs or ()) != 1 + _STEPS:
+            continue  # called more than once a pass: not comparable
+        try:
+            pieces = [keras.ops.convert_to_numpy(o) for o in outputs]
+            joined = np.concatenate(pieces, axis=1)
+            mine = _aligned(joined, lengths)
+            theirs = [keras.ops.convert_to_numpy(f[id(layer)][0]) for f in full]
+            error = _error(mine, theirs)
+        except (ValueError, TypeError, IndexError):
+            continue  # not a (batch, time, ...) output
+        if error > _tolerance(model, theirs):
+            return f"layer {layer.name!r} ({type(layer).__name__})"
+    return "a layer outside SelfAttention"
