@@ -402,3 +402,25 @@ def test_quickstart_second_run_exports_a_new_version(quickstart):
         assert (folder / "assets.extra" / "tf_serving_warmup_requests").is_file()
     # Nothing hidden (temporary export folders or files) is left behind.
     assert not [p for p in out.rglob(".*")]
+
+
+@pytest.mark.slow
+def test_mini_gpt(tmp_path):
+    """keras.io's miniature GPT with SelfAttention in subclassed blocks and
+    learned absolute positions: `generate` equals the uncached loop, the
+    continuations follow the sequences it learned (an independent truth,
+    computed here), and the three exported generators (each checked by its
+    exporter in a fresh runtime process) return `generate`'s tokens."""
+    out = tmp_path / "artifacts"
+    stdout = run_example("mini_gpt", out, "--fast")
+    results = json.loads((out / "mini_gpt.json").read_text())
+    assert results["generate"] == results["uncached"]
+    for prompt, row in zip(results["prompts"], results["generate"], strict=True):
+        step = (prompt[1] - prompt[0]) % 20
+        expected = [(prompt[-1] + step * (i + 1)) % 20 for i in range(len(row))]
+        assert sum(a == b for a, b in zip(row, expected, strict=True)) >= len(row) // 2
+    assert set(results["exports"]) == {"saved_model", "onnx", "litert"}
+    for tokens in results["exports"].values():
+        assert tokens == results["generate"]
+    assert (out / "mini_gpt.onnx").is_file() and (out / "mini_gpt.tflite").is_file()
+    assert "generate == uncached loop: True" in stdout

@@ -21,16 +21,19 @@ sequence decoded step by step (a prompt, then one position per step up to
 through Keras's cached calls, and Keras's cached calls against the model's
 full (uncached) forward.
 
-Supported models: a Sequential model, or a Functional model with one named
-`keras.Input` and one output, in which every SelfAttention is a top-level
-layer with `causal=True`, called once on a single tensor without masks.
-Any graph around them (Embedding, Dense, LayerNormalization, residual Adds)
-works as long as it is position-wise: position t's output may depend on
-earlier positions only through the SelfAttention layers. That is checked
-numerically (the cached decode must equal the full forward), not assumed.
-Refused with a ValueError: subclassed models, several inputs or outputs,
-SelfAttention nested in another layer or called twice, non-causal layers,
-padding masks (`mask_zero=True`, `Masking`).
+Supported models: one input and one output (a subclassed model is called
+on int32 ids named "tokens"), causal SelfAttention layers anywhere in it
+(top level, inside subclassed layers, nested or subclassed models), each
+called once per step on one tensor, learned positions from layers that
+take the decoded positions (docs/decoding.md, "Which models decode").
+Any graph around them (Embedding, Dense, LayerNormalization, residual
+Adds) works as long as it is position-wise: position t's output may depend
+on earlier positions only through the SelfAttention layers. That is
+checked numerically before anything is written (`generation.decode_check`:
+the cached decode must equal the full forward), not assumed. Refused with
+a ValueError: several inputs or outputs, a SelfAttention called twice or
+with an attention mask or bias, non-causal layers, padding masks
+(`mask_zero=True`, `Masking`), layers that mix positions.
 """
 
 from __future__ import annotations
