@@ -89,7 +89,8 @@ lock:
 
 bench: install
 	$(PY) -m benchmarks.cpu && $(PY) -m benchmarks.runtimes && $(PY) -m benchmarks.quantized \
-		&& $(PY) -m benchmarks.generation && $(PY) -m benchmarks.score_mods \
+		&& $(PY) -m benchmarks.generation && $(PY) -m benchmarks.nested \
+		&& $(PY) -m benchmarks.score_mods \
 		&& $(PY) -m benchmarks.overhead
 
 # Keras and the packages it needs that the GPU machine's image lacks, for
