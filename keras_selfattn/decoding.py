@@ -49,8 +49,8 @@ class Scope:
         index: The first new position's cache slot (int or int32 scalar).
         padding: Optional bool `(batch, max_length)`, True where a cache
             slot holds a token: every layer's `mask`.
-        positions: int32 `(batch or 1, new)`: each new position's index in
-            its own row (the slot less the row's first token's slot).
+        make_positions: Computes `positions` (only for a model with a
+            position layer: a step without one holds no such ops).
         updated: The caches the layers returned, by `id(layer)`.
         refusal: The one-line reason a layer refused to decode, kept for
             the caller (Keras rewrites errors raised inside layer calls
@@ -61,9 +61,18 @@ class Scope:
     names: dict
     index: object
     padding: object
-    positions: object
+    make_positions: Callable[[], object]
     updated: dict = dataclasses.field(default_factory=dict)
     refusal: str | None = None
+    _positions: object = None
+
+    @property
+    def positions(self):
+        """int32 `(batch or 1, new)`: each new position's index in its own
+        row (the slot less the slot of the row's first token)."""
+        if self._positions is None:
+            self._positions = self.make_positions()
+        return self._positions
 
 
 _SCOPE: contextvars.ContextVar[Scope | None] = contextvars.ContextVar(

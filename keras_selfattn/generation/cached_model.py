@@ -190,7 +190,7 @@ def run_cached(
         names={id(layer): n for layer, n in zip(layers, names, strict=True)},
         index=index,
         padding=padding,
-        positions=_positions(index, ops.shape(inputs)[1], starts),
+        make_positions=lambda: _positions(index, ops.shape(inputs)[1], starts),
     )
     # Every layer rotates the same new positions: one rotary table.
     with rotary.shared_tables(), decoding.decoding(scope):
