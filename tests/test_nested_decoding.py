@@ -17,6 +17,8 @@ import pytest
 import keras_selfattn
 from keras_selfattn import SelfAttention, generate
 from keras_selfattn.export import export_decode_step, export_generator
+from keras_selfattn.export.decode_step_graph import build_decode_step
+from keras_selfattn.generation import decode_check
 from tests import decoder_zoo
 from tests import generation_reference as reference
 
@@ -148,6 +150,10 @@ def test_the_check_is_what_catches_a_position_mixing_model():
     unchecked = generate(model, PROMPTS, STEPS, check=False).tokens
     tokens, _ = reference.uncached(model, PROMPTS, STEPS)
     assert (unchecked != tokens).any()
+    # The exporters' check=False waives it the same way (decode_check.waived).
+    _refused(lambda: build_decode_step(model, 6), "'mixes' (Conv1D)")
+    with decode_check.waived():
+        assert len(build_decode_step(model, 6).layers) == 1
 
 
 def test_a_layer_called_twice_or_with_an_attention_bias_is_refused():
@@ -184,8 +190,6 @@ def test_same_named_layers_in_blocks_get_their_path_as_cache_names():
     h = keras.layers.Embedding(10, 8)(tokens)
     h = Block(name="block_a")(Block(name="block_b")(h))
     model = keras.Model(tokens, keras.layers.Dense(10, name="logits")(h))
-    from keras_selfattn.export.decode_step_graph import build_decode_step
-
     step = build_decode_step(model, 6)
     assert step.cache_names == ("cache_block_b_att", "cache_block_a_att")
     result = generate(model, PROMPTS, 3)

@@ -28,6 +28,7 @@ from keras_selfattn import _tensorflow_extra
 from keras_selfattn._model_layers import every_layer
 from keras_selfattn.export.formats import ExportError, Writer, one_line
 from keras_selfattn.export.target import ExportTarget
+from keras_selfattn.generation import decode_check
 
 WRITER_BACKEND = "tensorflow"
 # The TensorFlow process's entry point (a module of its own: it imports the
@@ -108,6 +109,7 @@ def writer(
             "path": staged,
             "options": dict(options),
             "modules": sorted(modules),
+            "check_decoding": not decode_check.is_waived(),
         }
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
         search = [package_root, *sorted(set(modules.values()))]

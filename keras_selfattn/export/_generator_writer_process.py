@@ -19,6 +19,7 @@ import keras
 
 from keras_selfattn.export import formats
 from keras_selfattn.export.generator_graph import build_generator
+from keras_selfattn.generation import decode_check
 
 
 def main(argv: list[str]) -> None:
@@ -28,9 +29,10 @@ def main(argv: list[str]) -> None:
         for module in request["modules"]:  # the model's own layer classes
             importlib.import_module(module)
         model = keras.saving.load_model(request["keras_file"])
-        generator = build_generator(
-            model, request["max_length"], request["jit_compile"]
-        )
+        with decode_check.waived(not request["check_decoding"]):
+            generator = build_generator(
+                model, request["max_length"], request["jit_compile"]
+            )
         options = dict(request["options"])
         if options.get("shape") is not None:
             options["shape"] = tuple(options["shape"])

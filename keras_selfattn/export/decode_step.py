@@ -61,6 +61,7 @@ from keras_selfattn.export.formats import table
 from keras_selfattn.export.parity.report import ParityReport
 from keras_selfattn.export.parity.rules import DEFAULT_ATOL, DEFAULT_RTOL
 from keras_selfattn.export.target import ExportTarget
+from keras_selfattn.generation import decode_check
 
 # What importers of the exporters find here besides them: the step and its
 # check.
@@ -110,7 +111,9 @@ def export_decode_step(
         name, version, models_config: The SavedModel's (as in
             `export_saved_model`); `name` is required there.
         opset: ONNX opset, 13 to 18 (ONNX only). Defaults to 17.
-        check: Whether to verify the export before it appears.
+        check: Whether to verify the export before it appears (and the
+            model's cached decode against its full forward pass first,
+            docs/decoding.md); False skips both.
         atol, rtol: Tolerances of that check.
 
     Returns:
@@ -129,7 +132,8 @@ def export_decode_step(
         "opset": opset,
     }
     step = DecodeStepExport(model, max_length, options, {"atol": atol, "rtol": rtol})
-    return pipeline.export(step, {export_format: path}, check)[export_format]
+    with decode_check.waived(not check):
+        return pipeline.export(step, {export_format: path}, check)[export_format]
 
 
 @dataclasses.dataclass

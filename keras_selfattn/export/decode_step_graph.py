@@ -138,18 +138,16 @@ def refuse_quantized(model: keras.Model, export_format: str, what: str) -> None:
     )
 
 
-def build_decode_step(
-    model: keras.Model, max_length: int, check: bool = True
-) -> DecodeStep:
+def build_decode_step(model: keras.Model, max_length: int) -> DecodeStep:
     """Checks the model's structure (module docstring) and builds its step.
 
     Args:
         model: The user's model (a subclassed one through its
             `cached_model.functional_view`: input "tokens").
         max_length: The caches' length.
-        check: Whether to check the cached decode against the full forward
-            pass on a probe first (`decode_check`); False is the caller's
-            explicit opt-out.
+
+    The cached decode is checked against the full forward pass on a probe
+    first (`decode_check`, unless the caller waived it).
 
     Raises:
         TypeError: if `model` is not a keras.Model.
@@ -175,9 +173,8 @@ def build_decode_step(
     if len(set(names)) != len(names):
         raise _refuse(model, f"its input/output names clash: {names}")
     step = DecodeStep(model, inputs[0], outputs[0], layers, max_length)
-    if check:
-        probe = teacher_probe(step, decode_check.PROBE_LENGTH)
-        decode_check.check(model, layers, probe, _ACTION)
+    probe = teacher_probe(step, decode_check.PROBE_LENGTH)
+    decode_check.check(model, layers, probe, _ACTION)
     return step
 
 

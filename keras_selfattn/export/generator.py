@@ -76,6 +76,7 @@ from keras_selfattn.export.generator_check import (
 from keras_selfattn.export.generator_graph import Generator, build_generator
 from keras_selfattn.export.parity.report import ParityReport
 from keras_selfattn.export.target import ExportTarget
+from keras_selfattn.generation import decode_check
 
 # What importers of `export_generator` find here besides it: its check.
 __all__ = ["FORMATS", "PAIR_RUNTIME", "export_generator", "verify_generator"]
@@ -117,7 +118,9 @@ def export_generator(
             which it answers every request with an error). Default False:
             servable by any TF Serving.
         check: Whether to run the generator in its runtime against
-            `keras_selfattn.generate` before it appears.
+            `keras_selfattn.generate` before it appears (and the model's
+            cached decode against its full forward pass first,
+            docs/decoding.md); False skips both.
 
     Returns:
         The version folder or the file.
@@ -151,7 +154,8 @@ def export_generator(
         "opset": opset,
     }
     exported = GeneratorExport(model, max_length, jit_compile, options)
-    return pipeline.export(exported, {export_format: path}, check)[export_format]
+    with decode_check.waived(not check):
+        return pipeline.export(exported, {export_format: path}, check)[export_format]
 
 
 @dataclasses.dataclass

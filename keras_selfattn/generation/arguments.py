@@ -43,15 +43,13 @@ class Model:
     vocabulary: int | None
 
 
-def read_model(model, check: bool = True) -> Model:
+def read_model(model) -> Model:
     """Checks that `model` can generate; reads what generation needs.
 
     Args:
         model: The user's model (a subclassed one is read through its
-            `cached_model.functional_view`).
-        check: Whether to check that the cached decode equals the full
-            forward pass (`decode_check`); False is the caller's explicit
-            opt-out.
+            `cached_model.functional_view`). Its cached decode is checked
+            against the full forward pass (`decode_check`, unless waived).
 
     Raises:
         TypeError: if `model` is not a keras.Model.
@@ -102,8 +100,7 @@ def read_model(model, check: bool = True) -> Model:
         None if tokens else int(source.shape[-1]),
         int(output.shape[-1]) if tokens else None,
     )
-    if check:
-        decode_check.check(model, layers, probe(read), ACTION)
+    decode_check.check(model, layers, probe(read), ACTION)
     return read
 
 

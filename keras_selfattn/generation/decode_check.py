@@ -13,12 +13,14 @@ recorded in both runs and the first layer (in the order calls end) whose
 output differs is named in the refusal.
 
 A model that passes is remembered (by object) for later calls. Callers
-offer `check=False` as the explicit opt-out.
+offer `check=False` as the explicit opt-out: within `waived()` no check
+runs (nested calls included: an export's writer and checks).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import weakref
 from collections.abc import Iterator, Sequence
 
@@ -40,12 +42,30 @@ RTOL_16_BIT = 3e-2
 ATOL = 1e-5
 
 _PASSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_WAIVED = contextvars.ContextVar("keras_selfattn_decode_check_waived", default=False)
+
+
+@contextlib.contextmanager
+def waived(waive: bool = True) -> Iterator[None]:
+    """Within this context (if `waive`), `check` checks nothing: the
+    caller's explicit opt-out (`generate(check=False)`)."""
+    token = _WAIVED.set(_WAIVED.get() or waive)
+    try:
+        yield
+    finally:
+        _WAIVED.reset(token)
+
 
 REPLACEMENT = (
     "a position layer must take the decoded positions: keras_selfattn's "
     "PositionEmbedding or TokenAndPositionEmbedding (or keras-hub's) in place "
     "of one computing them with ops.arange"
 )
+
+
+def is_waived() -> bool:
+    """Whether calls made now are within `waived()`."""
+    return _WAIVED.get()
 
 
 def check(
@@ -63,7 +83,7 @@ def check(
         probe: `(2, PROBE_LENGTH, ...)` inputs, no padding.
         action: How the refusal names what was asked ("generate with").
     """
-    if model in _PASSED:
+    if _WAIVED.get() or model in _PASSED:
         return
     prompts, lengths = _prompts(probe)
     cached = _cached_run(model, layers, prompts, lengths)
