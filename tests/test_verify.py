@@ -50,9 +50,25 @@ def _unmasked_twin(model: keras.Model) -> keras.Model:
     return twin
 
 
-def test_report_of_faithful_exports(classifier_exports):
+def _count_float64_views(monkeypatch) -> list:
+    """Records each float64 reference built (`precision.float64_view`)."""
+    from keras_selfattn.export import precision
+
+    built, real = [], precision.float64_view
+
+    def counted(model):
+        built.append(model)
+        return real(model)
+
+    monkeypatch.setattr(precision, "float64_view", counted)
+    return built
+
+
+def test_report_of_faithful_exports(classifier_exports, monkeypatch):
     model, version_dir, onnx_path = classifier_exports
+    built = _count_float64_views(monkeypatch)
     report = verify(model, version_dir, onnx_path)
+    assert built == []  # within the tolerance: no float64 reference computed
     assert isinstance(report, ParityReport) and report.ok
     assert [(r.runtime, r.shape) for r in report.rows] == [
         (runtime, label)
@@ -86,6 +102,39 @@ def test_report_table_rendering():
         "tolerance: |err| <= 1e-05 + 0.0001 * |keras|",
     ]
     assert not report.ok and report.failures == (report.rows[1],)
+
+
+def test_report_table_with_rows_judged_against_float64():
+    report = ParityReport(
+        (
+            ParityRow("onnx", "1x1", 1.5e-7, 3e-5, True),
+            ParityRow(
+                "onnx",
+                "2x512",
+                2e-3,
+                0.5,
+                True,
+                None,
+                None,
+                "",
+                None,
+                1.1,
+                2.2e-3,
+                2e-3,
+            ),
+        ),  # fmt: skip
+        atol=1e-5,
+        rtol=1e-4,
+    )
+    lines = report.table().splitlines()
+    assert lines[0].endswith("ok   vs float64  keras vs float64  rms ratio")
+    assert lines[2].split()[-3:] == ["-", "-", "-"]
+    assert lines[3].split()[-4:] == ["yes", "2.20e-03", "2.00e-03", "1.10"]
+    assert lines[-1] == (
+        "rows beyond it judged against the model in float64, over all the shapes: "
+        "rms <= 1.5 x keras's own (rms ratio) + 1e-05, each element <= 3 x keras's "
+        "largest + 1e-05 + 0.0001 * |float64|"
+    )
 
 
 def test_custom_shapes(classifier_exports):
@@ -142,13 +191,20 @@ def _shift_initializer(source, target, value: np.ndarray, delta: float) -> str:
     return os.fspath(target)
 
 
-def test_tolerance_is_applied(tmp_path):
+@pytest.fixture(scope="module")
+def causal_onnx(tmp_path_factory):
+    """causal_multihead (seed 0) as ONNX."""
+    model = model_zoo.causal_multihead(seed=0)
+    base = tmp_path_factory.mktemp("causal")
+    return model, export_onnx(model, base / "exact.onnx", check=False)
+
+
+def test_tolerance_is_applied(causal_onnx, tmp_path):
     # The output bias is added last (no mask, no activation): shifting it by
     # DELTA in the ONNX file shifts every output element by DELTA, so verify
     # must see DELTA itself, whatever either runtime rounds.
     delta = 2.0**-10
-    model = model_zoo.causal_multihead(seed=0)
-    path = export_onnx(model, tmp_path / "exact.onnx", check=False)
+    model, path = causal_onnx
     bias = keras.ops.convert_to_numpy(model.get_layer("causal_attention").output_bias)
     shifted = _shift_initializer(path, tmp_path / "shifted.onnx", bias, delta)
     shapes = [(3, 40)]
@@ -161,9 +217,47 @@ def test_tolerance_is_applied(tmp_path):
             verify(model, onnx_path=shifted, shapes=shapes, atol=atol, rtol=rtol)
         (strict,) = caught.value.report.rows
         assert not strict.ok and strict.max_abs_err == row.max_abs_err
+        # Nor does the float64 reference accept it: Keras is ~1e-7 from it.
+        assert strict.keras_float64_err < 1e-6 < delta / 2 < strict.float64_err
     # The unshifted export is within the default tolerance, far below DELTA.
     (exact,) = verify(model, onnx_path=path, shapes=shapes).rows
     assert exact.ok and exact.max_abs_err < delta / 100
+    assert exact.float64_err is None  # the tolerance sufficed
+
+
+def test_rows_beyond_the_tolerance_are_judged_against_float64(causal_onnx, monkeypatch):
+    """With no tolerance at all, ONNX Runtime's float32 rounding is beyond
+    it; the export passes as no further from the model in float64 than
+    Keras is, the reference built once for every run."""
+    model, path = causal_onnx
+    built = _count_float64_views(monkeypatch)
+    report = verify(model, onnx_path=path, shapes=[(3, 40), (2, 9)], atol=0, rtol=0)
+    assert report.ok, report.table()
+    assert len(built) == 1
+    for row in report.rows:
+        assert row.max_abs_err > 0 and row.float64_err is not None, row
+        assert 0 < row.keras_float64_err < 1e-5 and row.float64_err < 1e-5, row
+    assert "vs float64" in report.table()
+
+
+def test_an_unavailable_float64_reference_leaves_the_tolerance(
+    causal_onnx, monkeypatch
+):
+    from keras_selfattn.export import precision
+
+    def refuse(model):
+        raise ValueError("no float64 kernel")
+
+    monkeypatch.setattr(precision, "float64_view", refuse)
+    model, path = causal_onnx
+    with pytest.raises(ParityError, match="differ from Keras") as caught:
+        verify(model, onnx_path=path, shapes=[(2, 9)], atol=0, rtol=0)
+    report = caught.value.report
+    assert [row.float64_err for row in report.rows] == [None]
+    assert report.notes == (
+        "rows beyond the tolerance, no float64 reference: no float64 kernel",
+    )
+    assert str(report).endswith(report.notes[0])
 
 
 def test_attention_outputs_are_compared(tmp_path):

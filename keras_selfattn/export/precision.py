@@ -9,7 +9,8 @@ weights. The export and its check are made from that view; the check's
 report also gives the artifact's error against the model's own
 half-precision outputs. `PRECISIONS` names the choices exporters take:
 "float32", or "model" for the model's own compute dtype where a runtime
-runs it, checked with `half_tolerance`.
+runs it, checked with `half_tolerance`. `float64_view`, the same clone in
+float64, is the checks' second reference (`parity.exact`).
 """
 
 from __future__ import annotations
@@ -51,10 +52,10 @@ def half_dtype(model: keras.Model) -> str | None:
     return found.pop() if found else None
 
 
-def _float32_policies(config):
-    """`config` with every dtype policy's float source made float32."""
+def _policies(config, dtype: str):
+    """`config` with every dtype policy's float source made `dtype`."""
     if isinstance(config, list):
-        return [_float32_policies(item) for item in config]
+        return [_policies(item, dtype) for item in config]
     if not isinstance(config, dict):
         return config
     class_name = config.get("class_name", "")
@@ -62,35 +63,47 @@ def _float32_policies(config):
     if class_name.endswith("DTypePolicy") and isinstance(inner, dict):
         inner = dict(inner)
         if "source_name" in inner:
-            inner["source_name"] = "float32"
+            inner["source_name"] = dtype
         elif "name" in inner:
-            inner["name"] = "float32"
+            inner["name"] = dtype
         return {**config, "config": inner}
-    return {key: _float32_policies(value) for key, value in config.items()}
+    return {key: _policies(value, dtype) for key, value in config.items()}
 
 
-def _float32_layer(layer):
-    if not isinstance(layer, keras.layers.Layer) or isinstance(
-        layer, keras.layers.InputLayer
-    ):
-        return layer
-    config = _float32_policies(layer.get_config())
-    if isinstance(config.get("dtype"), str) and config["dtype"] in (
-        "mixed_bfloat16",
-        "mixed_float16",
-        *HALF,
-    ):
-        config["dtype"] = "float32"
-    return layer.__class__.from_config(config)
+def _view(model: keras.Model, dtype: str) -> keras.Model:
+    """A clone of `model` whose every layer computes in `dtype`, with
+    `model`'s weights."""
+
+    def clone(layer):
+        if not isinstance(layer, keras.layers.Layer) or isinstance(
+            layer, keras.layers.InputLayer
+        ):
+            return layer
+        config = _policies(layer.get_config(), dtype)
+        if isinstance(config.get("dtype"), str) and config["dtype"] in (
+            "mixed_bfloat16",
+            "mixed_float16",
+            "float32",
+            *HALF,
+        ):
+            config["dtype"] = dtype
+        return layer.__class__.from_config(config)
+
+    view = keras.models.clone_model(model, clone_function=clone, recursive=True)
+    view.set_weights(model.get_weights())
+    return view
 
 
 def float32_view(model: keras.Model) -> keras.Model:
     """A clone of `model` computing in float32, with `model`'s weights."""
-    clone = keras.models.clone_model(
-        model, clone_function=_float32_layer, recursive=True
-    )
-    clone.set_weights(model.get_weights())
-    return clone
+    return _view(model, "float32")
+
+
+def float64_view(model: keras.Model) -> keras.Model:
+    """A clone of a float32 `model` computing in float64, with its weights
+    (the float64 reference of the export checks, `parity.exact`; on JAX,
+    build and call it within `jax.enable_x64`)."""
+    return _view(model, "float64")
 
 
 def check_precision(precision: object) -> str:

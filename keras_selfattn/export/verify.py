@@ -14,7 +14,7 @@ import keras
 from keras_selfattn.export import _artifact_runner, precision, quantization
 from keras_selfattn.export.endpoint import Endpoint, build_endpoint, keras_reference
 from keras_selfattn.export.example_inputs import example_inputs, is_padded
-from keras_selfattn.export.parity import arguments, engine
+from keras_selfattn.export.parity import arguments, engine, exact
 from keras_selfattn.export.parity.report import (
     ParityError,
     ParityReport,
@@ -218,6 +218,10 @@ def verify(
     if endpoint.target().quantized:
         shapes = quantized_shapes(endpoint, shapes, default)
     runs, labels, references = forward_runs(endpoint, shapes, seed)
+    float64 = None
+    if references.dequantized is None and endpoint.half is None:
+        steps = [run.steps[0] for run in runs]
+        float64 = exact.Float64Reference(endpoint, attention_outputs, steps)
     rows = engine.check_artifacts(
         endpoint.target(),
         artifacts,
@@ -229,10 +233,10 @@ def verify(
         dequantized=references.dequantized,
         model_outputs=references.model_outputs,
         half=endpoint.half,
+        float64=float64,
     )
-    return finish_report(
-        rows, atol, rtol, "checks differ from Keras", notes=_notes(endpoint)
-    )
+    notes = _notes(endpoint) + (float64.note() if float64 else ())
+    return finish_report(rows, atol, rtol, "checks differ from Keras", notes=notes)
 
 
 def _notes(endpoint: Endpoint) -> tuple[str, ...]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -126,6 +126,7 @@ def check_artifacts(
     dequantized: Sequence[Sequence[Mapping[str, np.ndarray]]] | None = None,
     model_outputs: Sequence[Sequence[Mapping[str, np.ndarray]]] | None = None,
     half: str | None = None,
+    float64: Callable[[Sequence[int]], Mapping[int, Sequence[Mapping]]] | None = None,
 ) -> tuple[ParityRow, ...]:
     """Runs each artifact in a fresh process and compares it with `expected`.
 
@@ -143,6 +144,10 @@ def check_artifacts(
             when `expected` is its float32 view's (reported, not judged).
         half: The half dtype the artifacts compute in: each output's atol
             is then at least `precision.half_tolerance` of it.
+        float64: A float32 model's second reference (`exact.Float64Reference`):
+            called once a row is beyond the tolerance, with every run, for
+            their outputs in float64, as `expected`; the runtimes with rows
+            beyond it are then judged by `rules.float64_judged`.
 
     Returns:
         The rows, run by run, each run's artifacts in `artifacts` order.
@@ -154,6 +159,7 @@ def check_artifacts(
     outcomes = run_checked(target, artifacts, runs, labels, action, atol, rtol)
     rows = {}
     runs_triples: dict[str, list] = {}  # quantized: per runtime, per run
+    float_pairs: dict[str, list] = {}  # float: per runtime, per run
     for runtime, outcome in outcomes.items():
         for index, (want, have) in enumerate(
             zip(expected, outcome.outputs, strict=True)
@@ -171,6 +177,7 @@ def check_artifacts(
                     )
                     row = dataclasses.replace(row, model_precision_err=gap)
                 rows[(index, runtime)] = row
+                float_pairs.setdefault(runtime, []).append(pairs)
                 continue
             floats = [
                 step[name]
@@ -192,4 +199,39 @@ def check_artifacts(
                 outcome.description,
             )
             rows.update(zip(keys, judged, strict=True))
+    if float64 is not None and half is None:
+        rows.update(_judged_by_float64(rows, float_pairs, float64, target, atol, rtol))
     return tuple(rows[key] for key in sorted(rows, key=lambda k: k[0]))
+
+
+def _judged_by_float64(rows, float_pairs, float64, target, atol, rtol) -> dict:
+    """The float rows of each runtime with a row beyond the tolerance,
+    judged against the float64 outputs of every run (`rules.float64_judged`);
+    none when no row is beyond it or the reference is unavailable.
+
+    Args:
+        rows: {(run, runtime): row}.
+        float_pairs: {runtime: per run, its (keras, actual) pairs}.
+    """
+    beyond = {runtime for (_, runtime), row in rows.items() if not row.ok}
+    runtimes = [runtime for runtime in float_pairs if runtime in beyond]
+    if not runtimes:
+        return {}
+    count = len(float_pairs[runtimes[0]])
+    exact = float64(range(count))
+    judged = {}
+    for runtime in runtimes if exact else ():
+        keys = [(run, runtime) for run in range(count)]
+        triples = [
+            _with_float64(pairs, exact[run], target.output_names)
+            for run, pairs in enumerate(float_pairs[runtime])
+        ]
+        found = rules.float64_judged([rows[key] for key in keys], triples, atol, rtol)
+        judged.update(zip(keys, found, strict=True))
+    return judged
+
+
+def _with_float64(pairs, steps, names) -> list[tuple]:
+    """A run's (keras, actual) pairs as (keras, float64, actual) triples."""
+    wanted = [step[name] for step in steps for name in names]
+    return [(k, e, a) for (k, a), e in zip(pairs, wanted, strict=True)]

@@ -7,6 +7,8 @@ import dataclasses
 from collections.abc import Sequence
 
 from keras_selfattn.export.parity.rules import (
+    FLOAT64_LARGEST,
+    FLOAT64_MARGIN,
     LARGEST_MARGIN,
     QUANTIZED_MARGIN,
     ROUNDING_SHARE,
@@ -74,8 +76,10 @@ class ParityReport:
             below = self._quantized_rules()
         else:
             half = any(row.model_precision_err is not None for row in self.rows)
+            exact = any(row.float64_err is not None for row in self.rows)
             header = ("runtime", "shape", "max abs err", "max rel err", "ok")
             header += ("vs model's own dtype",) if half else ()
+            header += ("vs float64", "keras vs float64", "rms ratio") if exact else ()
             lines = [
                 (
                     row.runtime,
@@ -85,9 +89,17 @@ class ParityReport:
                     _yes(row),
                 )
                 + ((f"{row.model_precision_err:.2e}",) if half else ())
+                + (_float64_cells(row) if exact else ())
                 for row in self.rows
             ]
             below = [f"tolerance: |err| <= {self.atol:g} + {self.rtol:g} * |keras|"]
+            if exact:
+                below.append(
+                    "rows beyond it judged against the model in float64, over all "
+                    f"the shapes: rms <= {FLOAT64_MARGIN:g} x keras's own (rms "
+                    f"ratio) + {self.atol:g}, each element <= {FLOAT64_LARGEST:g} x "
+                    f"keras's largest + {self.atol:g} + {self.rtol:g} * |float64|"
+                )
         return "\n".join(_aligned([header, *lines]) + below + list(self.notes))
 
     def _quantized_rules(self) -> list[str]:
@@ -112,6 +124,17 @@ class ParityReport:
 
 def _yes(row: ParityRow) -> str:
     return "yes" if row.ok else "NO"
+
+
+def _float64_cells(row: ParityRow) -> tuple[str, ...]:
+    """A float row's distances from float64, "-" where the tolerance sufficed."""
+    if row.float64_err is None:
+        return ("-", "-", "-")
+    return (
+        f"{row.float64_err:.2e}",
+        f"{row.keras_float64_err:.2e}",
+        f"{row.rms_ratio:.2f}",
+    )
 
 
 def _aligned(lines: Sequence[tuple[str, ...]]) -> list[str]:
