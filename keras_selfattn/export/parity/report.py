@@ -112,7 +112,8 @@ class ParityReport:
             "errors are largest |difference|; rms ratio: root mean square error "
             "vs dequantized float over keras's own, over all the shapes",
             f"tolerance: rms ratio <= {QUANTIZED_MARGIN:g} and each element vs "
-            f"dequantized <= {LARGEST_MARGIN:g} x keras's own, + {self.atol:g} + "
+            f"dequantized <= {LARGEST_MARGIN:g} x keras's own largest over the "
+            f"shapes, + {self.atol:g} + "
             f"{self.rtol:g} * |reference|; Keras's own scheme also rms vs quantized "
             f"keras <= {ROUNDING_SHARE:g} x keras's own rms, each element <= keras's "
             "own",

@@ -14,7 +14,9 @@ tensor, asymmetric, dynamic range), so, per output:
   typical size of each scheme's error, which the largest element of a few
   outputs (one token, a classifier's logits) measures too noisily; and no
   element is further from that reference than `LARGEST_MARGIN` times Keras's
-  own largest error (plus the float tolerance in both);
+  own largest error over all of the call's shapes too (plus the float
+  tolerance in both): a classifier's one-token row has four logits, whose
+  largest error is no measure of a scheme's;
 - an artifact that computes Keras's own scheme (it says so in its metadata)
   must also match the quantized model: its root mean square error against it
   (over all the shapes) at most `ROUNDING_SHARE` of Keras's own, and no
@@ -174,17 +176,15 @@ def quantized_row(
     description: Mapping[str, object],
 ) -> ParityRow:
     """One row of a quantized model over (keras, dequantized, actual) triples
-    (one per output): the largest errors and the rules on each element (the
-    root mean square rules pool a call's rows: `pooled`)."""
+    (one per output): the largest errors and, for Keras's own scheme, the
+    rule on each element against the quantized model (the rules against
+    the dequantized-float model pool a call's rows: `pooled`)."""
     exact = bool(description.get("exact"))
     errors, dequantized, own, relative, ok = [], [], [], [], True
     for keras_out, float_out, actual in triples:
         keras_gap = _gap(actual, keras_out)
         float_gap = _gap(actual, float_out)
         own_largest = float(_gap(keras_out, float_out).max(initial=0.0))
-        ok &= _within(
-            float_gap, LARGEST_MARGIN * own_largest + atol + rtol * np.abs(float_out)
-        )
         if exact:
             ok &= _within(keras_gap, own_largest + atol + rtol * np.abs(keras_out))
         errors.append(float(keras_gap.max(initial=0.0)))
@@ -210,9 +210,11 @@ def pooled(
     rtol: float,
     description: Mapping[str, object],
 ) -> list[ParityRow]:
-    """`rows` (one runtime's, one per run) judged by the root mean square
-    rules over all their runs together, per output (a few outputs of one run
-    are too few to tell one scheme's typical error from another's).
+    """`rows` (one runtime's, one per run) judged by the rules against the
+    dequantized-float model over all their runs together, per output (a few
+    outputs of one run are too few to tell one scheme's typical or largest
+    error from another's): the root mean squares, and each element against
+    Keras's own largest error over the runs.
 
     Args:
         rows: From `quantized_row`, in run order.
@@ -220,8 +222,12 @@ def pooled(
             output.
     """
     exact = bool(description.get("exact"))
-    ok, ratios = True, []
+    ok, ratios, each = True, [], [row.ok for row in rows]
     for output in zip(*triples, strict=True):
+        own_largest = max(float(_gap(k, f).max(initial=0.0)) for k, f, _ in output)
+        for run, (_, float_out, actual) in enumerate(output):
+            allowed = LARGEST_MARGIN * own_largest + atol + rtol * np.abs(float_out)
+            each[run] &= _within(_gap(actual, float_out), allowed)
         keras_out, float_out, actual = (
             np.concatenate([np.ravel(np.asarray(t[i], np.float64)) for t in output])
             for i in range(3)
@@ -233,7 +239,10 @@ def pooled(
             ok &= _rms(_gap(actual, keras_out)) <= ROUNDING_SHARE * own_rms + atol
         ratios.append(float_rms / own_rms if own_rms else 0.0)
     ratio = max(ratios, default=0.0)
-    return [dataclasses.replace(r, ok=r.ok and ok, rms_ratio=ratio) for r in rows]
+    return [
+        dataclasses.replace(row, ok=row_ok and ok, rms_ratio=ratio)
+        for row, row_ok in zip(rows, each, strict=True)
+    ]
 
 
 def float64_judged(
