@@ -113,31 +113,57 @@ _NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def layer_names(model: keras.Model, layers: Sequence[SelfAttention]) -> list[str]:
-    """A unique name per cached layer, for exported inputs and errors: the
-    layer's own name, or where two share one, the names of the layers
-    holding it joined by "_" (`block_1_attention`)."""
+    """A unique name per cached layer, for exported inputs and errors, that
+    the same model loaded from its .keras file in another process gives
+    too: the layer's own name where a Functional or Sequential model holds
+    it (its config keeps that name); else, for a layer a subclassed layer
+    creates in its code (named anew in each process), its holder's name
+    and the attribute holding it, joined by "_" (`transformer_block_att`,
+    `mini_gpt_blocks_0_att`).
+
+    Raises:
+        ValueError: if two such names clash.
+    """
     known = _NAMES.get(model)
     if known is None or known[0] != tuple(map(id, layers)):
-        known = (tuple(map(id, layers)), _unique_names(model, layers))
+        known = (tuple(map(id, layers)), _stable_names(model, layers))
         _NAMES[model] = known
     return list(known[1])
 
 
-def _unique_names(model: keras.Model, layers: Sequence[SelfAttention]) -> list[str]:
-    owners = {}
-    for owner in every_layer(model):
-        for inner in owner._layers:
-            owners.setdefault(id(inner), owner)
-    own = [layer.name for layer in layers]
-    names = list(own)
-    for position, layer in enumerate(layers):
-        if own.count(layer.name) == 1:
+def _graph_model(layer) -> bool:
+    """Whether `layer` keeps its layers' names in its config."""
+    return isinstance(layer, keras.Sequential) or hasattr(layer, "_nodes_by_depth")
+
+
+def _attribute(holder, layer) -> str:
+    """The attribute of `holder` holding `layer` (`blocks_0` for an item of
+    a list), or the layer's own name."""
+    for key, value in vars(holder).items():
+        if key.startswith("_"):  # Keras's own tracking lists
             continue
-        path, holder = [layer.name], owners.get(id(layer))
-        while holder is not None and holder is not model:
-            path.insert(0, holder.name)
-            holder = owners.get(id(holder))
-        names[position] = "_".join(path)
+        if value is layer:
+            return key
+        if isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                if item is layer:
+                    return f"{key}_{index}"
+    return layer.name
+
+
+def _stable_names(model: keras.Model, layers: Sequence[SelfAttention]) -> list[str]:
+    holders = {}
+    for holder in every_layer(model):
+        for inner in holder._layers:
+            holders.setdefault(id(inner), holder)
+
+    def name(layer) -> str:
+        holder = holders.get(id(layer))
+        if holder is None or _graph_model(holder):
+            return layer.name
+        return f"{name(holder)}_{_attribute(holder, layer)}"
+
+    names = [name(layer) for layer in layers]
     if len(set(names)) != len(names):
         raise ValueError(
             f"Model {model.name!r} holds SelfAttention layers whose names and "
