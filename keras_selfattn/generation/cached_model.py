@@ -138,8 +138,10 @@ def _graph_model(layer) -> bool:
 
 def _attribute(holder, layer) -> str:
     """The attribute of `holder` holding `layer` (`blocks_0` for an item of
-    a list), or the layer's own name."""
-    for key, value in vars(holder).items():
+    a list), or the layer's own name. On PyTorch a layer attribute lives in
+    the module's `_modules`, not in its `__dict__`."""
+    attributes = {**getattr(holder, "_modules", {}), **vars(holder)}
+    for key, value in attributes.items():
         if key.startswith("_"):  # Keras's own tracking lists
             continue
         if value is layer:
