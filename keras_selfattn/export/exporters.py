@@ -64,9 +64,9 @@ def export(
         **options: Every format's `attention_outputs`, `check`, `atol`,
             `rtol` and `precision` (as in `export_saved_model`, with its
             defaults), and the format's own (`FormatRow.options`): `name`,
-            `version`, `warmup`, `models_config` for a SavedModel (`name`
-            required); `opset`, `fuse_attention`, `int8_matmul` for ONNX;
-            `shape` for LiteRT.
+            `version`, `warmup`, `models_config`, `jit_compile` for a
+            SavedModel (`name` required); `opset`, `fuse_attention`,
+            `int8_matmul` for ONNX; `shape` for LiteRT.
 
     Returns:
         The version folder or the file.
@@ -100,6 +100,7 @@ def export_saved_model(
     attention_outputs: str | Mapping[str, str] | None = None,
     warmup: bool = False,
     models_config: bool = True,
+    jit_compile: bool = False,
     check: bool = True,
     atol: float = DEFAULT_ATOL,
     rtol: float = DEFAULT_RTOL,
@@ -136,6 +137,11 @@ def export_saved_model(
             batch 1, times 1, 8 and 32.
         models_config: Whether to (re)write `base_dir/models.config` listing
             every model folder of `base_dir` with a served version.
+        jit_compile: TensorFlow only: whether the signature is compiled by
+            XLA (`tf.function(jit_compile=True)`), once per input shape.
+            TF Serving then needs `--xla_cpu_compilation_enabled=true`
+            (the SavedModel says so in `assets.extra/keras_selfattn.json`);
+            docs/export.md ("XLA") says where it pays.
         check: Whether to load the written SavedModel and compare it with
             Keras (see `verify`) before moving it into place.
         atol, rtol: Tolerances of that check.
@@ -176,6 +182,7 @@ def export_saved_model(
         version=version,
         warmup=warmup,
         models_config=models_config,
+        jit_compile=jit_compile,
     )
 
 

@@ -17,12 +17,16 @@ only XLA runs (jax2tf's XlaCallModule, so every SavedModel written on JAX;
 a `jit_compile=True` function; an Xla* op) fails every request without
 it. Such a SavedModel says so in `DESCRIPTION_PATH` (`tf_serving_flags`),
 the export logs it, and the runtime check runs every SavedModel under the
-setting TF Serving would give it (`_artifact_runner_process`).
+setting TF Serving would give it (`_artifact_runner_process`). Option
+`jit_compile` writes a model's forward pass so (on TensorFlow): its
+signature calls one `jit_compile=True` function, which XLA compiles once
+per input shape.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -31,6 +35,7 @@ from collections.abc import Iterator, Mapping
 import keras
 
 from keras_selfattn import _checks
+from keras_selfattn._model_layers import every_layer
 from keras_selfattn.export import _files, quantization
 from keras_selfattn.export.example_inputs import example_inputs
 from keras_selfattn.export.formats import table
@@ -148,6 +153,27 @@ def _write_description(target: ExportTarget, directory: str, xla: bool) -> None:
         json.dump(description, file)
 
 
+def compiled(target: ExportTarget) -> ExportTarget:
+    """`target` with its function compiled by XLA (option `jit_compile`):
+    one `tf.function(jit_compile=True)`, which the signature calls.
+
+    Raises:
+        ValueError: for a model with a layer XLA cannot compile
+            (`supports_jit` False: a causal `chunk_size` without a window).
+    """
+    import tensorflow as tf
+
+    for layer in every_layer(target.model):
+        if not getattr(layer, "supports_jit", True):
+            raise ValueError(
+                f"Layer '{layer.name}' cannot be compiled by XLA (supports_jit is "
+                "False), so its SavedModel cannot be written with jit_compile: "
+                "export it without. Received: jit_compile=True"
+            )
+    function = tf.function(target.function, jit_compile=True, autograph=False)
+    return dataclasses.replace(target, function=function)
+
+
 class SavedModelFormat(Format):
     """TF Serving's SavedModel (TensorFlow; JAX through jax2tf)."""
 
@@ -158,10 +184,20 @@ class SavedModelFormat(Format):
     def check_options(
         self, options: Mapping[str, object], backend: str | None = None
     ) -> dict[str, object]:
-        """`name` (required), `version`, `warmup`, `models_config`."""
+        """`name` (required), `version`, `warmup`, `models_config`,
+        `jit_compile` (TensorFlow only: a SavedModel written on JAX is one
+        XLA op already)."""
         super().check_options(options)
         if options.get("name") is None:
             raise ValueError("A SavedModel export needs `name`. Received: name=None")
+        jit_compile = _checks.boolean("jit_compile", options.get("jit_compile", False))
+        backend = backend or keras.backend.backend()
+        if jit_compile and backend != "tensorflow":
+            raise ValueError(
+                "`jit_compile` compiles a SavedModel written on TensorFlow with "
+                "XLA; one written on JAX is compiled by XLA already (jax2tf). "
+                f"Received: jit_compile=True on the {backend} backend"
+            )
         return {
             "name": layout.check_model_name(options["name"], "name"),
             "version": layout.check_version(options.get("version")),
@@ -169,6 +205,7 @@ class SavedModelFormat(Format):
             "models_config": _checks.boolean(
                 "models_config", options.get("models_config", True)
             ),
+            "jit_compile": jit_compile,
         }
 
     def check_artifact(self, path: str) -> None:
@@ -247,6 +284,8 @@ class SavedModelFormat(Format):
     def write(
         self, target: ExportTarget, path: str, options: Mapping[str, object]
     ) -> None:
+        if options.get("jit_compile"):
+            target = compiled(target)
         with (
             converting(self.row.title, self.advice),
             target.traced(self.quantized_form),
