@@ -88,7 +88,8 @@ lock:
 		--output-file $(LOCK) pyproject.toml
 
 bench: install
-	$(PY) -m benchmarks.cpu && $(PY) -m benchmarks.runtimes && $(PY) -m benchmarks.quantized \
+	$(PY) -m benchmarks.cpu && $(PY) -m benchmarks.runtimes && $(PY) -m benchmarks.serving \
+		&& $(PY) -m benchmarks.quantized \
 		&& $(PY) -m benchmarks.generation && $(PY) -m benchmarks.nested \
 		&& $(PY) -m benchmarks.score_mods \
 		&& $(PY) -m benchmarks.overhead

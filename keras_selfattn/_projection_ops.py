@@ -4,7 +4,13 @@
 `ProjectionMethods` holds the layer's methods on them (quantize, LoRA, the
 weights by their names from before the projections were layers, loading
 files saved then). `plain`, `heads`, `project` and `merge` compute them in
-a call: in an eager call without Keras's per-layer machinery (`plain`).
+a call: in an eager call without Keras's per-layer machinery (`plain`), and
+in a TensorFlow graph (`tf.function`: Keras's `fit` and `predict`, a
+SavedModel, a decoding step or generator for TF Serving) as one einsum
+each, into the heads' layout (`_graph_heads`, `_graph_project`).
+There Keras's own `Dense` call multiplies a 3-D input by `tensordot`: per
+call a chain of Shape, GatherV2, Prod, ConcatV2, Pack and Reshape around a
+2-D MatMul, and the split into heads is a Split and a Pack more.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import math
 import keras
 from keras import initializers, ops
 
-from keras_selfattn import _checks, _score_weights
+from keras_selfattn import _checks, _score_weights, tracing
 from keras_selfattn import projections as projections_lib
 from keras_selfattn.attention import heads as heads_lib
 
@@ -232,6 +238,20 @@ def _eager(x) -> bool:
     return False
 
 
+def _own_ops(projection, dtype: str) -> bool:
+    """Whether `projection`'s call is its kernel and bias alone, in `dtype`:
+    float (not quantized), without LoRA, rematerialization or (PyTorch)
+    hooks, computing in `dtype`."""
+    return not (
+        projection.quantization_mode is not None
+        or projection.lora_enabled
+        or projection._remat_mode
+        or (_BACKEND == "torch" and projection._forward_hooks)
+        or (_BACKEND == "torch" and projection._forward_pre_hooks)
+        or projection.compute_dtype != dtype
+    )
+
+
 def plain(layer, x) -> bool:
     """Whether this call computes the projections with the ops their `call`
     runs, without Keras's layer call around each (`Layer.__call__`: argument
@@ -240,23 +260,37 @@ def plain(layer, x) -> bool:
 
     True for an eager call of `x` in the projections' compute dtype, no
     `keras.distribution` set, each projection float, without LoRA,
-    rematerialization or (PyTorch) hooks. Traced calls keep the layer calls,
-    so exported graphs keep their names.
+    rematerialization or (PyTorch) hooks. Traced calls keep the layer calls
+    (or, on TensorFlow, one op per projection: `_graph_ops`), so exported
+    graphs keep their names.
     """
     if not _eager(x) or keras.distribution.distribution() is not None:
         return False
     dtype = layer.compute_dtype
-    for projection in of(layer).values():
-        if (
-            projection.quantization_mode is not None
-            or projection.lora_enabled
-            or projection._remat_mode
-            or (_BACKEND == "torch" and projection._forward_hooks)
-            or (_BACKEND == "torch" and projection._forward_pre_hooks)
-            or projection.compute_dtype != dtype
-        ):
-            return False
+    if not all(_own_ops(p, dtype) for p in of(layer).values()):
+        return False
     return keras.backend.standardize_dtype(x.dtype) == dtype
+
+
+def _graph_ops(projection, x) -> bool:
+    """Whether this call computes `projection` of `x` as one op in a
+    TensorFlow graph (`_graph_heads`, `_graph_project`).
+
+    True on TensorFlow while a graph is traced (not for a converter:
+    `tracing.FOR_CONVERTER`, whose tf2onnx and LiteRT passes find Keras's
+    own MatMul of each kernel, quantized ones included), no
+    `keras.distribution` set, for a projection whose call is its kernel
+    and bias alone (`_own_ops`) in `x`'s dtype. A quantized or LoRA
+    projection keeps its layer call (Keras's quantized call, an export's
+    traced form of it, the LoRA update).
+    """
+    return (
+        _BACKEND == "tensorflow"
+        and not tf.executing_eagerly()
+        and not tracing.active(tracing.FOR_CONVERTER)
+        and keras.distribution.distribution() is None
+        and _own_ops(projection, keras.backend.standardize_dtype(x.dtype))
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -315,9 +349,58 @@ def _apply(projection, x, shape: tuple[int, ...]):
     return y if len(shape) == 3 else _reshape(y, shape)
 
 
+def _graph_weights(projection):
+    """The kernel and bias (None without) as tensors in the projection's
+    compute dtype, as its layer call reads them (autocast)."""
+    dtype = projection.compute_dtype
+    kernel = tf.cast(projection.kernel.value, dtype)
+    bias = None if projection.bias is None else tf.cast(projection.bias.value, dtype)
+    return kernel, bias
+
+
+def _graph_project(projection, x):
+    """`projection.call(x)` for x (B, T, C) in a TensorFlow graph
+    (`_graph_ops`): the einsum `btc,cn->btn`, one matmul of (B * T, C) rows
+    that reads no shape, then the bias."""
+    with tf.name_scope(projection.name):
+        kernel, bias = _graph_weights(projection)
+        y = tf.einsum("btc,cn->btn", x, kernel)
+        return y if bias is None else tf.nn.bias_add(y, bias)
+
+
+def _graph_heads(projection, x, num_heads: int, layout: str):
+    """`projection.call(x)` for x (B, T, C) in a TensorFlow graph
+    (`_graph_ops`), split into `num_heads` heads in `layout`: the einsum
+    `btc,chd->bthd` with the kernel as (C, H, D) (one matmul; no shape is
+    read, the einsum sizes its output itself), the bias per head, then,
+    heads-first, one transpose (the copy the split made).
+
+    Not the einsum straight to `bhtd`: as fast forward, but its gradient
+    transposes twice (once per einsum of its backward pass), which made a
+    training step 8 to 16 % slower than the layer calls'. Not a batched
+    matmul of x (B, 1, T, C) with the kernel as (H, C, D), which writes
+    heads-first without a transpose: oneDNN's kernel for two broadcast
+    batch dimensions returns wrong values (one head, batch 2 by 33
+    positions: errors of 11; TensorFlow 2.21).
+    """
+    features, units = projection.kernel.shape
+    depth = units // num_heads
+    with tf.name_scope(projection.name):
+        kernel, bias = _graph_weights(projection)
+        kernel = tf.reshape(kernel, (features, num_heads, depth))
+        y = tf.einsum("btc,chd->bthd", x, kernel)
+        if bias is not None:
+            y = y + tf.reshape(bias, (num_heads, depth))
+        if layout == heads_lib.HEADS_FIRST:
+            y = tf.transpose(y, (0, 2, 1, 3))
+        return y
+
+
 def project(layer, x, prefix: str, plain_call: bool):
     """The `prefix` projection of `x` (B, T, C)."""
     projection = getattr(layer, f"{prefix}_dense")
+    if _graph_ops(projection, x):
+        return _graph_project(projection, x)
     if not plain_call:
         return projection(x)
     return _apply(projection, x, (*x.shape[:2], projection.units))
@@ -327,6 +410,8 @@ def heads(layer, x, prefix: str, num_heads: int, layout: str, plain_call: bool):
     """The `prefix` projection of `x` (B, T, C), split into `num_heads` heads
     in `layout` (`heads_lib.split`)."""
     projection = getattr(layer, f"{prefix}_dense")
+    if _graph_ops(projection, x):
+        return _graph_heads(projection, x, num_heads, layout)
     if not plain_call:
         return heads_lib.split(projection(x), num_heads, layout)
     batch, time = x.shape[:2]
