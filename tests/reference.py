@@ -235,15 +235,18 @@ def _layer_position_bias(layer, weights: dict, time: int):
     return None
 
 
-def for_layer(layer, x: np.ndarray, **masks) -> tuple[np.ndarray, np.ndarray]:
+def for_layer(
+    layer, x: np.ndarray, weights: dict | None = None, **masks
+) -> tuple[np.ndarray, np.ndarray]:
     """`self_attention` with the layer's weights and configuration.
 
     Default key_dim and value_dim are resolved from `x`'s feature size as the
-    layer documents; `masks` (padding_mask, attention_mask, attention_bias,
-    segment_ids) pass through.
+    layer documents; `weights` (by reference name, as `layer_weights` gives
+    them) replace the layer's own where given; `masks` (padding_mask,
+    attention_mask, attention_bias, segment_ids) pass through.
     """
     key_dim = layer.key_dim or x.shape[-1] // layer.num_heads
-    weights = layer_weights(layer)
+    weights = layer_weights(layer) if weights is None else weights
     return self_attention(
         x,
         weights,

@@ -166,14 +166,16 @@ def _with_gradient(packing: Packing, queries, keys, values):
 
 def _rematerialized(packing: Packing, blocks):
     """The blocks' outputs, with each query block recomputed for the
-    gradient (which also reaches the modifications' tensors)."""
-    tensors = packing.mods.tensors()
+    gradient (which also reaches the modifications' tensors, if any)."""
+    mods = packing.mods
+    tensors = () if mods is None else mods.tensors()
 
     def rematerialized(fn):
         def with_tensors(*args):
             count = len(args) - len(tensors)
-            mods = packing.mods.with_tensors(args[count:])
-            return fn(*args[:count], mods=mods)
+            if mods is None:
+                return fn(*args, mods=None)
+            return fn(*args[:count], mods=mods.with_tensors(args[count:]))
 
         return lambda *args: keras.remat(with_tensors)(*args, *tensors)
 

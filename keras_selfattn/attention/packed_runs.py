@@ -52,8 +52,10 @@ class Runs:
         else:
             real = ops.reshape(ops.cast(key_padding, "bool"), (-1,))
         first = ops.equal(ops.arange(ops.shape(ids)[0], dtype="int32") % time, 0)
+        # A position continues the run before it when both are real: a
+        # padded position ends a run, even one whose id goes on.
         continues = ops.logical_and(
-            ops.logical_not(first[1:]),
+            ops.logical_and(ops.logical_not(first[1:]), real[1:]),
             ops.logical_and(real[:-1], ops.equal(ids[1:], ids[:-1])),
         )
         continues = ops.concatenate([ops.zeros((1,), "bool"), continues], axis=0)
