@@ -84,7 +84,7 @@ def test_tensorflow_written_generators_name_the_extra(monkeypatch):
         lambda name, *a: None if name == "tensorflow" else real(name, *a),
     )
     with pytest.raises(ImportError) as error:
-        _generator_writer.writer("model.keras", "onnx", 8, False)
+        _generator_writer.writer("model.keras", "onnx", 8, False, {})
     message = str(error.value)
     assert message.startswith("A generator exported from ")
     assert "pip install 'keras_selfattn[tensorflow]'" in message
