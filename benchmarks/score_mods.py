@@ -13,17 +13,22 @@ JAX, PyTorch; a backend that is not installed is skipped):
   (chunk 512), unmodified against ALiBi and T5's relative bias, each in a
   process of its own (on JAX the temporaries of its compiled program);
   ratio = modified / unmodified peak growth;
-- packing: a training step (SelfAttention + MLP block, D=256, 4 heads,
-  `compile`'s defaults) on 64 sequences of lengths drawn uniformly from 16
-  to 512, padded to 512 (the layer's default path, a Keras mask) against
-  packed into rows of 2048 with `segment_ids` (`chunk_size=256`: the packed
-  path); speedup = padded time / packed time (1.5 is the target).
+- packing: a training step (`train_on_batch`) and a prediction
+  (`predict_on_batch`) of a SelfAttention + MLP block (D=256, 4 heads,
+  the layer's defaults, `compile`'s defaults) on 64 sequences of lengths
+  drawn uniformly from 16 to 512, padded to 512 (a Keras mask) against
+  packed into rows of 2048 with `segment_ids`, the four interleaved;
+  speedup = padded time / packed time (1.5 is the target), each with the
+  path the layer takes.
 
 Usage:
     python -m benchmarks.score_mods [--quick] [--out DIR] [--backends ...]
+        [--sections forward memory packing]
 
 `--quick` uses tiny sizes (seconds; its numbers mean nothing). Results go to
-DIR/score_mods.json and DIR/score_mods.md (default DIR: benchmarks/results).
+DIR/score_mods.json and DIR/score_mods.md (default DIR: benchmarks/results);
+with some `--sections` only, to DIR/score_mods_SECTION[_SECTION].json and
+.md. PyTorch runs with its default threads: set `OMP_NUM_THREADS=1` for one.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
 BACKENDS = ("tensorflow", "jax", "torch")
+SECTIONS = ("forward", "memory", "packing")
 MODS = {
     "alibi": {"position_bias": "alibi"},
     "relative": {"position_bias": "relative"},
@@ -56,7 +62,7 @@ def _sizes(quick: bool) -> dict:
             "chunk": 64,
             "sequences": 6,
             "longest": 32,
-            "row": 128,
+            "row": 256,
             "block": 32,
         }
     return {
@@ -226,14 +232,14 @@ def _packing_rows(sizes: dict) -> list[dict]:
             real[r, start : start + n] = True
             start += n
 
-    def block(chunk_size=None, packed=False):
-        """The padded model (the layer's default path, a Keras mask) or the
-        packed one (`chunk_size` blocks, `segment_ids`)."""
+    def block(packed=False):
+        """The padded model (a Keras mask) or the packed one (`segment_ids`),
+        its SelfAttention with the layer's defaults; and that layer."""
         keras.utils.set_random_seed(0)
         x = keras.Input((None, features))
         mask = keras.Input((None,), dtype="bool")
         inputs = [x, mask]
-        attention = SelfAttention(num_heads=4, chunk_size=chunk_size)
+        attention = SelfAttention(num_heads=4)
         if packed:
             segment_ids = keras.Input((None,), dtype="int32")
             inputs.append(segment_ids)
@@ -244,39 +250,76 @@ def _packing_rows(sizes: dict) -> list[dict]:
         y = y + keras.layers.Dense(features)(h)
         model = keras.Model(inputs, y)
         model.compile("adam", "mse")
-        return model
+        return model, attention
 
-    padded_model = block()
-    packed_model = block(sizes["block"], packed=True)
-    candidates = {
-        "padded": lambda: padded_model.train_on_batch([padded, padding], padded),
-        "packed": lambda: packed_model.train_on_batch([packed, real, segments], packed),
+    batches = {
+        "padded": ([padded, padding], {"mask": padding}),
+        "packed": ([packed, real, segments], {"mask": real, "segment_ids": segments}),
     }
-    timed = interleave(candidates, rounds=max(3, sizes["rounds"] // 3))
-    return [
-        {
-            "sequences": len(lengths),
-            "padded_shape": list(padded.shape[:2]),
-            "packed_shape": list(packed.shape[:2]),
-            "padded_ms": round(timed.median("padded") * 1e3, 1),
-            "packed_ms": round(timed.median("packed") * 1e3, 1),
-            "speedup": round(timed.speedup("padded", "packed"), 3),
+    models = {layout: block(packed=layout == "packed") for layout in batches}
+    candidates = {}
+    for layout, (inputs, _) in batches.items():
+        model = models[layout][0]
+        candidates[f"training, {layout}"] = lambda m=model, i=inputs: m.train_on_batch(
+            i, i[0]
+        )
+        candidates[f"prediction, {layout}"] = lambda m=model, i=inputs: (
+            m.predict_on_batch(i)
+        )
+    timed = interleave(candidates, rounds=max(3, sizes["rounds"] // 2 + 1))
+    rows = []
+    for step in ("training", "prediction"):
+        paths = {
+            layout: models[layout][1].implementation(
+                inputs[0], training=step == "training", **call
+            )
+            for layout, (inputs, call) in batches.items()
         }
-    ]
+        rows.append(
+            {
+                "step": step,
+                "sequences": len(lengths),
+                "padded_shape": list(padded.shape[:2]),
+                "packed_shape": list(packed.shape[:2]),
+                "padded_path": paths["padded"],
+                "packed_path": paths["packed"],
+                "padded_ms": round(timed.median(f"{step}, padded") * 1e3, 1),
+                "packed_ms": round(timed.median(f"{step}, packed") * 1e3, 1),
+                "speedup": round(
+                    timed.speedup(f"{step}, padded", f"{step}, packed"), 3
+                ),
+                "threads": _threads(),
+            }
+        )
+    return rows
 
 
-def _child(quick: bool) -> dict:
+def _threads() -> str:
+    """PyTorch's intra-op threads; "default" on the other backends."""
+    import keras
+
+    if keras.backend.backend() != "torch":
+        return "default"
+    import torch
+
+    return str(torch.get_num_threads())
+
+
+def _child(quick: bool, sections) -> dict:
     import keras
 
     from benchmarks import machine
 
     sizes = _sizes(quick)
+    measure = {
+        "forward": _forward_rows,
+        "memory": _memory_rows,
+        "packing": _packing_rows,
+    }
     return {
         "backend": keras.backend.backend(),
         "machine": machine.describe(),
-        "forward": _forward_rows(sizes),
-        "memory": _memory_rows(sizes),
-        "packing": _packing_rows(sizes),
+        **{section: measure[section](sizes) for section in sections},
     }
 
 
@@ -285,7 +328,7 @@ def _markdown(results: list[dict]) -> str:
     for result in results:
         cpu = result["machine"].get("cpu", "unknown CPU")
         lines += [f"## {result['backend']} ({cpu})", ""]
-        for section in ("forward", "memory", "packing"):
+        for section in (name for name in SECTIONS if name in result):
             rows = result[section]
             keys = list(rows[0])
             lines += [
@@ -304,14 +347,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS))
+    parser.add_argument(
+        "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS)
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    sections = [name for name in SECTIONS if name in args.sections]
     if args.child:
-        print(json.dumps(_child(args.quick)))
+        print(json.dumps(_child(args.quick, sections)))
         return []
     results = []
     for backend in args.backends:
         command = [sys.executable, "-m", "benchmarks.score_mods", "--child"]
+        command += ["--sections", *sections]
         done = subprocess.run(
             command + (["--quick"] if args.quick else []),
             capture_output=True,
@@ -323,9 +371,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             continue
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "score_mods.json").write_text(json.dumps(results, indent=1) + "\n")
+    # Some sections only: files of their own, beside the whole run's.
+    name = "_".join(["score_mods", *(sections if sections != list(SECTIONS) else [])])
+    (args.out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
     text = _markdown(results)
-    (args.out / "score_mods.md").write_text(text + "\n")
+    (args.out / f"{name}.md").write_text(text + "\n")
     print(text)
     return results
 

@@ -37,8 +37,19 @@ class CallPlan:
         segment_ids=None,
     ) -> str:
         """The name of the implementation a call with these arguments takes:
-        "fused", "single_query", "chunked" or "explicit" (see
+        "fused", "single_query", "packed", "chunked" or "explicit" (see
         docs/attention-paths.md).
+
+        A call with `segment_ids` takes "packed" (blocks that skip the keys
+        of other segments) with `chunk_size`, and without it (the default)
+        on a CPU when its rows have at least 256 positions, known while
+        tracing: blocks of the power of two nearest the cube root of 256
+        times the row's length (64 positions for rows of 512 to 2048, 128
+        from 4096 to 16384). Shorter rows, and rows of a length known only
+        at run time, attend whole (fused or explicit), which is faster there.
+        Training takes "packed" only where its gradient differentiates no
+        loop over key blocks (else "chunked" with `chunk_size`, the fused or
+        explicit path without).
 
         Raises:
             ValueError: the one the call would raise (checked alike, built or
@@ -84,6 +95,7 @@ class CallPlan:
             training=bool(training),
             return_weights=return_scores,
             score_mods=mods,
+            time=inputs.shape[1] if type(inputs.shape[1]) is int else None,
             layer_name=self.name,
         )
 

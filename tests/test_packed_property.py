@@ -10,7 +10,8 @@ configuration calls, with the same weights, a layer with a random
 `chunk_size`, one with the layer's defaults, and the latter with
 `return_attention_scores=True` (the explicit path, its weights compared
 too), each against `tests/reference.py` in float64. A few rows are long
-(256 positions and more). One configuration in five also
+enough (256 positions and more) for the layer's defaults to take the
+packed path too, with the block it chooses. One configuration in five also
 checks a gradient: the derivative of a random projection of the output
 along a random direction of the input and of every weight, against the
 reference's central difference in float64.
@@ -50,7 +51,8 @@ SLOW_CASES = range(40, 240)
 JAX_FAST = (0, 1, 8, 14, 17, 19, 34, 39)
 # How a row is padded, and how often.
 PADDINGS = {"none": 0.15, "tail": 0.4, "segment": 0.25, "full": 0.05, "random": 0.15}
-# Cases with long rows (one of the runs' family, one of the pairs').
+# Cases whose rows are long enough for the defaults' packed path (one of
+# the runs' family, one of the pairs').
 LONG = (8, 17)
 
 # (strategy or path, "forward" or "gradient") -> calls, over the cases run.
@@ -376,6 +378,7 @@ _STRATEGIES = {
         ("pairs", "forward"),
         ("loop", "forward"),
         ("explicit", "forward"),
+        ("packed (defaults)", "forward"),
         ("runs", "gradient"),
         ("pairs", "gradient"),
         ("loop", "gradient"),
@@ -387,6 +390,7 @@ _STRATEGIES = {
         ("pairs", "forward"),
         ("loop", "forward"),
         ("explicit", "forward"),
+        ("packed (defaults)", "forward"),
         ("runs", "gradient"),
         ("pairs", "gradient"),
         ("loop", "gradient"),
@@ -395,6 +399,7 @@ _STRATEGIES = {
     "jax": {
         ("loop", "forward"),
         ("explicit", "forward"),
+        ("packed (defaults)", "forward"),
         ("loop", "gradient"),
         ("loop's own gradient", "gradient"),
         ("chunked", "gradient"),

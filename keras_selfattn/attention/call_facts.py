@@ -1,7 +1,8 @@
 """The static facts of a call that decide its implementation (`CallFacts`),
 and the tracing contexts they read: the modes of `keras_selfattn.tracing`
-(`exact_unchunked()` its public shortcut) and PyTorch's export tracers
-(`exporting()`)."""
+(`exact_unchunked()` its public shortcut), PyTorch's export tracers
+(`exporting()`) and whether tensors may have sizes known only when they run
+(`sizes_may_vary()`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import dataclasses
 import keras
 
 from keras_selfattn import tracing
+from keras_selfattn.attention import cache_modes
 from keras_selfattn.attention.masks import Masks
 
 
@@ -52,6 +54,20 @@ def exporting() -> bool:
     return torch.jit.is_tracing() or torch.compiler.is_exporting()
 
 
+def sizes_may_vary() -> bool:
+    """Whether a call made now may hold tensors whose sizes are known only
+    when it runs: on PyTorch, and on TensorFlow outside XLA (eager calls, and
+    graphs that XLA does not compile)."""
+    backend = keras.backend.backend()
+    if backend == "torch":
+        return True
+    if backend != "tensorflow":
+        return False
+    import tensorflow as tf
+
+    return tf.executing_eagerly() or cache_modes.outside_xla()
+
+
 @dataclasses.dataclass(frozen=True)
 class CallFacts:
     """The static facts of one call that decide its implementation.
@@ -79,6 +95,10 @@ class CallFacts:
             (`score_mods.ScoreMods.names`).
         segments: Whether the call has `segment_ids`.
         training: Whether the call is made in training.
+        time: The call's number of positions where it is known while
+            tracing, else None.
+        sizes_may_vary: Whether the call is made where tensors may have
+            sizes known only when it runs (`sizes_may_vary()`).
     """
 
     backend: str
@@ -99,6 +119,8 @@ class CallFacts:
     score_mods: tuple[str, ...] = ()
     segments: bool = False
     training: bool = False
+    time: int | None = None
+    sizes_may_vary: bool = False
 
     @classmethod
     def of(
@@ -115,6 +137,7 @@ class CallFacts:
         return_weights: bool,
         score_mods: tuple[str, ...] = (),
         training: bool = False,
+        time: int | None = None,
     ) -> CallFacts:
         """The facts of a call with these masks and arguments.
 
@@ -134,6 +157,8 @@ class CallFacts:
             return_weights: Whether the weights are returned.
             score_mods: The names of the call's score modifications.
             training: Whether the call is made in training.
+            time: The call's number of positions, a Python int where it is
+                known while tracing, else None.
         """
         if flash_attention is None:
             flash_attention = keras.config.is_flash_attention_enabled()
@@ -156,4 +181,6 @@ class CallFacts:
             score_mods=score_mods,
             segments=masks.segments is not None,
             training=training,
+            time=time,
+            sizes_may_vary=sizes_may_vary(),
         )

@@ -13,7 +13,8 @@ declares (`heads.TIME_FIRST` or `heads.HEADS_FIRST`), weights
 A call is described once, by its static facts (`CallFacts`: backend, dtype,
 device, masks present, decoding, one query, dropout in training, returned
 weights, the layer's `chunk_size` and `flash_attention`, whether PyTorch is
-tracing it for export, whether it is made within `exact_unchunked()`), never
+tracing it for export, whether it is made within `exact_unchunked()`, its
+time where known while tracing, whether sizes may vary where it runs), never
 by tensor values, so a traced or exported call takes one fixed path. Each
 implementation in `IMPLEMENTATIONS` declares what it cannot do, as
 (predicate over the facts, reason) pairs, and `choose` takes the first one,
@@ -25,6 +26,12 @@ convert for every length: the fused path with key and value repeated to the
 query's heads (they refuse `enable_gqa=True`), and the explicit path in place
 of the chunked one (whose blocks are a Python loop on PyTorch, which a trace
 would unroll at the traced length). Both compute the same numbers.
+
+A call with `segment_ids` takes the packed path with `chunk_size`, and
+without it (the layer's default) on a CPU where its rows have at least
+`packed.MIN_DEFAULT_TIME` positions, known while tracing: its blocks then
+have `packed.default_block(time)` positions. The fused path gives way to it
+there.
 
 `chunk_size` is a memory option of the layer, not a property of its
 function: within `exact_unchunked()` every call traced takes an exact
@@ -79,7 +86,7 @@ class Choice:
     """The implementation a call takes, with its arguments from the facts.
 
     Attributes:
-        name: "fused", "single_query", "chunked" or "explicit".
+        name: "fused", "single_query", "packed", "chunked" or "explicit".
         fn: The implementation, called with the signature above.
         layout: `heads.TIME_FIRST` or `heads.HEADS_FIRST`.
         grouped_key_value: Whether key and value may have fewer heads than
@@ -139,7 +146,6 @@ class Implementation:
 _WEIGHTS = "return_attention_scores=True needs the weights"
 # What the paths with a loop over blocks (packed, chunked) cannot do.
 _LOOP_OVER_BLOCKS: tuple[Limit, ...] = (
-    (lambda f: f.chunk_size is None, "the layer has no chunk_size"),
     (lambda f: f.return_weights, _WEIGHTS),
     (
         lambda f: f.exporting,
@@ -153,6 +159,12 @@ _LOOP_OVER_BLOCKS: tuple[Limit, ...] = (
 )
 # The score modifications that add a bias to the scores.
 _BIASES = {"alibi", "relative", "attention_bias"}
+
+
+def _packed_serves(facts: CallFacts) -> bool:
+    """Whether the packed path takes a call with these facts."""
+    return not IMPLEMENTATIONS["packed"].reasons(facts)
+
 
 # In the order `choose` prefers them.
 IMPLEMENTATIONS = {
@@ -211,6 +223,20 @@ IMPLEMENTATIONS = {
                 ),
                 "chunk_size bounds memory, which the fused kernels do on a GPU only",
             ),
+            (
+                # The packing benchmark's training step without chunk_size
+                # (docs/layer.md, "Packing short sequences"): on JAX 2.31x
+                # the padded batch's speed on the packed path, 0.55x on the
+                # fused one (rows of 2048, a 2-core Xeon).
+                lambda f: (
+                    f.flash_attention is None
+                    and f.chunk_size is None
+                    and f.segments
+                    and _packed_serves(f)
+                ),
+                "the packed path attends segment_ids, skipping the keys of "
+                "other segments",
+            ),
         ),
         # PyTorch's exporters refuse `enable_gqa=True`: while exporting, the
         # layer repeats key and value to the query's heads instead.
@@ -253,15 +279,29 @@ IMPLEMENTATIONS = {
                 lambda f: (
                     f.training
                     and not packed.trains_without_its_loop(
-                        f.attention_mask, f.score_mods
+                        f.sizes_may_vary, f.attention_mask, f.score_mods
                     )
                 ),
                 "in training its gradient would go through its loop over key "
                 "blocks, slower than the chunked path's, so training takes "
                 "that one",
             ),
+            (
+                lambda f: f.chunk_size is None and f.on_gpu,
+                "without chunk_size, an accelerator attends packed rows whole",
+            ),
+            (
+                lambda f: (
+                    f.chunk_size is None
+                    and (f.time is None or f.time < packed.MIN_DEFAULT_TIME)
+                ),
+                "without chunk_size, rows shorter than "
+                f"{packed.MIN_DEFAULT_TIME} positions (or of a length known "
+                "only at run time) are attended whole, faster",
+            ),
             *_LOOP_OVER_BLOCKS,
         ),
+        # None (the layer's default): a block chosen from the time axis.
         arguments=lambda f: {"chunk_size": f.chunk_size},
     ),
     "chunked": Implementation(
@@ -274,6 +314,7 @@ IMPLEMENTATIONS = {
                 "decoding with a cache attends a few new queries, not the "
                 "blocks of a whole sequence",
             ),
+            (lambda f: f.chunk_size is None, "the layer has no chunk_size"),
             *_LOOP_OVER_BLOCKS,
         ),
         arguments=lambda f: {"chunk_size": f.chunk_size},
@@ -293,7 +334,8 @@ def choose(masks: Masks, *, layer_name: str, **arguments: Any) -> Choice:
         layer_name: For error messages.
         **arguments: The rest of the call's facts, as `CallFacts.of` takes
             them (`query_on_gpu`, `same_head_dims`, `dtype`,
-            `flash_attention`, `chunk_size`, `dropout`, `return_weights`).
+            `flash_attention`, `chunk_size`, `dropout`, `return_weights`,
+            `time`, ...).
 
     Returns:
         A `Choice`.

@@ -4,8 +4,9 @@ segment with.
 A row packed with several sequences (`segment_ids`) attends within each
 sequence only, so most of its (T, T) scores are masked: computed in full, a
 packed row of 2048 costs as much as four rows of 1024 padded. Here each row's
-queries go `chunk_size` at a time, and each block of queries visits the
-key blocks of the same size in turn with an online softmax (running maximum,
+queries go `chunk_size` at a time (without one, a block chosen from the time
+axis: `default_block`), and each block of queries visits the key blocks of
+the same size in turn with an online softmax (running maximum,
 running denominator, running sum of weighted values, all in float32),
 computing only the key blocks whose range of segment ids meets the query
 block's (`packed_blocks`): the work follows the sum of the squares of the
@@ -32,6 +33,8 @@ V = value_dim.
 
 from __future__ import annotations
 
+import math
+
 import keras
 from keras import ops
 
@@ -44,6 +47,24 @@ from keras_selfattn.attention import (
     score_mods,
 )
 from keras_selfattn.attention.packed_blocks import Packing, loop
+
+# Without `chunk_size` (the layer's default), rows of fewer positions attend
+# whole (the fused or explicit path): there the packed path's blocks cost
+# more than the other segments' keys they skip.
+MIN_DEFAULT_TIME = 256
+
+
+def default_block(time: int) -> int:
+    """The block of a call of `time` positions without `chunk_size`: the
+    power of two nearest the cube root of 256 T (32 at T = 256, 64 from 512
+    to 2048, 128 from 4096 to 16384).
+
+    The steps of the loop over key blocks grow as (T / C) ** 2, the work of
+    the keys of other segments it cannot skip as C * T: the block that
+    balances them grows as T ** (1/3). The constant comes from the packing
+    benchmark (benchmarks/README.md, "Packing").
+    """
+    return min(time, 2 ** round(math.log2(256 * time) / 3))
 
 
 def packed_attention(
@@ -66,7 +87,8 @@ def packed_attention(
         value: (B, H, T, V).
         masks: A `Masks` with `segments`.
         scale: Multiplier of the raw scores.
-        chunk_size: Queries (and keys) per block (C).
+        chunk_size: Queries (and keys) per block (C), or None (the layer's
+            default, a `time` known while tracing): `default_block(time)`.
         dropout: Must be None (`dispatch` rules the path out with dropout).
         return_weights: Must be False.
         mods: None or a `score_mods.ScoreMods`.
@@ -77,6 +99,8 @@ def packed_attention(
     """
     del dropout, return_weights  # see Args
     time = query.shape[2]
+    if chunk_size is None:
+        chunk_size = default_block(time)
     if not isinstance(time, int) or time == 0:
         # A time known only at run time (or none): the chunked path's loop.
         return chunked.chunked_attention(
@@ -105,12 +129,14 @@ def packed_attention(
     return ops.cond(runs.one_run_per_id, alone, in_pairs), None
 
 
-def trains_without_its_loop(attention_mask: bool, score_mods: tuple[str, ...]) -> bool:
+def trains_without_its_loop(
+    sizes_may_vary: bool, attention_mask: bool, score_mods: tuple[str, ...]
+) -> bool:
     """Whether a call in training gets a gradient that differentiates no loop
     over key blocks: the runs' or pairs' (where sizes may vary, with no
     `attention_mask` or `attention_bias`), or FlashAttention's (off PyTorch,
     with no learned modification)."""
-    if packed_pairs.sizes_may_vary():
+    if sizes_may_vary:
         return not attention_mask and "attention_bias" not in score_mods
     return keras.backend.backend() != "torch" and not set(score_mods) & {
         "relative",

@@ -17,25 +17,12 @@ that meet, K = key_dim, V = value_dim.
 
 from __future__ import annotations
 
-import keras
 from keras import ops
 
-from keras_selfattn.attention import cache_modes, explicit, score_mods
+from keras_selfattn.attention import explicit, score_mods
 from keras_selfattn.attention import masks as masks_lib
+from keras_selfattn.attention.call_facts import sizes_may_vary
 from keras_selfattn.attention.packed_blocks import Packing
-
-
-def sizes_may_vary() -> bool:
-    """Whether this call may hold tensors whose sizes are known only when it
-    runs: on PyTorch, and on TensorFlow outside XLA."""
-    backend = keras.backend.backend()
-    if backend == "torch":
-        return True
-    if backend != "tensorflow":
-        return False
-    import tensorflow as tf
-
-    return tf.executing_eagerly() or cache_modes.outside_xla()
 
 
 def applies(masks: masks_lib.Masks, mods: score_mods.ScoreMods | None) -> bool:
