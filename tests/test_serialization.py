@@ -85,6 +85,12 @@ def test_load_in_fresh_process_with_only_the_package_import(tmp_path):
     assert loaded["configs"] == originals
 
 
+# Keras's deserialization, the same on every backend: checked in `make test`
+# where a fresh interpreter costs least (Keras on JAX imports in about half
+# the CPU of TensorFlow or PyTorch), on the other two in `make test-slow`.
+@pytest.mark.slow_on(
+    "tensorflow", "torch", "a fresh interpreter; the JAX suite checks it"
+)
 def test_loading_without_the_package_import_names_the_layer(tmp_path):
     """Documents why `import keras_selfattn` is the one requirement."""
     path = tmp_path / "model.keras"

@@ -236,7 +236,16 @@ def test_saved_model_cli_show_all(served):
     assert "shape: (-1, 2, -1, -1)" in attention.split("outputs[")[1]
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+# saved_model_cli starts a TensorFlow interpreter per run: `make test` runs
+# the classifier (integer tokens, padding, two outputs), the slow suite the
+# encoder too.
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=pytest.mark.slow) if name == "encoder" else name
+        for name in MODELS
+    ],
+)
 def test_saved_model_cli_run_matches_keras(served, tmp_path, name):
     _, exports = served
     export = exports[name]

@@ -72,7 +72,12 @@ def map_sequentially(fn, starts, dtype):
         return ops.map(fn, starts)
     import tensorflow as tf
 
-    return tf.map_fn(fn, starts, fn_output_signature=dtype, parallel_iterations=1)
+    return tf.map_fn(
+        tf.autograph.experimental.do_not_convert(fn),
+        starts,
+        fn_output_signature=dtype,
+        parallel_iterations=1,
+    )
 
 
 def assemble(blocks, time, block, num_blocks):
