@@ -40,7 +40,7 @@ def loop_attention(packing: Packing, blocks, gradient: str):
 
 def _with_gradient(packing: Packing, queries, keys, values):
     """The blocks' outputs `(B n, H, C, V)` and FlashAttention's gradient."""
-    both = _sweep(packing, (queries, keys, values), lambda fn: fn)
+    both = _every_query_block(packing, (queries, keys, values), lambda fn: fn)
     outputs = ops.cast(both[..., :-1], values.dtype)
     log_sums = both[..., -1:]
 
@@ -67,11 +67,11 @@ def _rematerialized(packing: Packing, blocks):
 
         return lambda *args: keras.remat(with_tensors)(*args, *tensors)
 
-    both = _sweep(packing, blocks, rematerialized)
+    both = _every_query_block(packing, blocks, rematerialized)
     return ops.cast(both[..., :-1], blocks[2].dtype)
 
 
-def _sweep(packing: Packing, blocks, wrap):
+def _every_query_block(packing: Packing, blocks, wrap):
     """Every query block of every row, float32 `(B n, H, C, V + 1)`: the
     output, then the log-sum-exp of each query's scores. `wrap` wraps the
     function of one block (`fn(queries, keys, values, mods=...)`)."""
