@@ -21,11 +21,11 @@ rounding where a mode says so):
   are all real tokens, as the generation loop's steps after the prompt do.
 - `TIME_MAJOR`: cached calls take and return their caches time-major,
   `(2, max_length, batch, num_key_value_heads, key_dim)`
-  (`attention.cache_modes.to_time_major`), and read their keys and values
+  (`attention.cache.modes.to_time_major`), and read their keys and values
   as the leading slices `cache[0][:n]` and `cache[1][:n]`, which a
   TensorFlow graph reads as views (the public layout's `cache[:, 0, :n]`
   is a copy on every call). Only within `CHECKED_BY_CALLER`, one position
-  per call, for callers that `cache_modes.views_pay()`; a call writes into
+  per call, for callers that `cache.modes.views_pay()`; a call writes into
   the buffer of the cache it takes, so callers read only the cache it
   returns.
 - `GATHERED_WRITES`: cached calls write their caches as one gather instead

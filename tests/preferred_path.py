@@ -27,7 +27,8 @@ def preferred(name: str) -> Iterator[None]:
     """Within this context, calls take the `name` path where it can serve them.
 
     Args:
-        name: "explicit", "chunked", "fused" or "single_query".
+        name: A path of `dispatch.IMPLEMENTATIONS`: "fused", "single_query",
+            "packed", "chunked" or "explicit".
     """
     if name not in dispatch.IMPLEMENTATIONS:
         raise ValueError(

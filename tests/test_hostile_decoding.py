@@ -91,9 +91,9 @@ def test_every_integer_index_type_decodes_alike(kind):
 @pytest.mark.parametrize("kind", ["0-d np.int64 array", "int32 tensor", "int64 tensor"])
 def test_a_tensor_index_is_read_once_per_call(kind, monkeypatch):
     """Reading a tensor index's value waits for the device (a host sync):
-    every backend reads it in `cache_checks._known_value`, once per cached
+    every backend reads it in `cache.checks._known_value`, once per cached
     call."""
-    from keras_selfattn.attention import cache_checks as cache_lib
+    from keras_selfattn.attention.cache import checks as cache_lib
 
     layer = _layer(rope_max_wavelength=100.0)
     full = to_numpy(layer(X))

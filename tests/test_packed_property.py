@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 
 from keras_selfattn import SelfAttention
-from keras_selfattn.attention import packed, packed_grad, packed_pairs, packed_runs
+from keras_selfattn.attention.packed import loop, own_gradient, pairs, runs
 from tests import reference
 from tests.backend import BACKEND, compiled, to_numpy, value_and_grad
 
@@ -180,10 +180,10 @@ def _counting(phase: str):
     take (a compiled function counts when it is traced)."""
     patch = pytest.MonkeyPatch()
     targets = [
-        (packed_runs, "runs_attention", "runs"),
-        (packed_pairs, "pairs_attention", "pairs"),
-        (packed, "_looped", "loop"),
-        (packed_grad, "gradients", "loop's own gradient"),
+        (runs, "runs_attention", "runs"),
+        (pairs, "pairs_attention", "pairs"),
+        (loop, "loop_attention", "loop"),
+        (own_gradient, "gradients", "loop's own gradient"),
     ]
     for module, name, strategy in targets:
         original = getattr(module, name)

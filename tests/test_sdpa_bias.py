@@ -1,4 +1,4 @@
-"""PyTorch's kernel with a learned float mask (`attention.sdpa_bias`): its
+"""PyTorch's kernel with a learned float mask (`attention.fused.sdpa_bias`): its
 output and every gradient against float64 autograd through the explicit
 softmax formula, and the layer's fused path against its explicit path."""
 
@@ -33,8 +33,8 @@ def _reference(query, key, value, mask, scale):
 def test_output_and_gradients_equal_float64_autograd(key_heads, mask_shape):
     import torch
 
-    from keras_selfattn.attention import sdpa_bias
     from keras_selfattn.attention.explicit import MASK_VALUE
+    from keras_selfattn.attention.fused import sdpa_bias
 
     shapes = [(3, 4, 5, 8), (3, key_heads, 6, 8), (3, key_heads, 6, 7), mask_shape]
     arrays = [RNG.normal(size=shape) for shape in shapes]
@@ -60,7 +60,7 @@ def test_output_and_gradients_equal_float64_autograd(key_heads, mask_shape):
 def test_not_without_gradients_nor_for_a_plain_mask():
     import torch
 
-    from keras_selfattn.attention import sdpa_bias
+    from keras_selfattn.attention.fused import sdpa_bias
 
     query = torch.zeros((1, 1, 2, 2))
     learned = torch.zeros((1, 1, 2, 2), requires_grad=True)

@@ -1,5 +1,5 @@
 """PyTorch's kernel on a right-padded batch without a mask
-(`attention.sdpa_lengths`), run here on the CPU: its output and gradients
+(`attention.fused.sdpa_lengths`), run here on the CPU: its output and gradients
 against float64 autograd through the masked softmax formula, a batch that is
 not right-padded handed back, and the layer's fused path through it against
 the numpy reference."""
@@ -46,7 +46,7 @@ def _padding(lengths, time):
 def test_output_and_gradients_equal_float64_autograd(causal, key_heads):
     import torch
 
-    from keras_selfattn.attention import sdpa_lengths
+    from keras_selfattn.attention.fused import sdpa_lengths
 
     batch, time = len(LENGTHS), 5
     shapes = [(batch, time, 4, 8), (batch, time, key_heads, 8)]
@@ -81,7 +81,7 @@ def test_output_and_gradients_equal_float64_autograd(causal, key_heads):
 def test_a_batch_that_is_not_right_padded_is_handed_back():
     import torch
 
-    from keras_selfattn.attention import sdpa_lengths
+    from keras_selfattn.attention.fused import sdpa_lengths
 
     padding = torch.tensor(_padding([3, 2], 4))
     padding[1] = torch.tensor([False, True, True, False])
@@ -95,7 +95,7 @@ def test_the_layer_through_it_matches_the_reference(monkeypatch, causal):
     """The fused path with the per-length kernel calls (let in on the CPU
     here; on a GPU it takes them by itself), against numpy."""
     from keras_selfattn import SelfAttention
-    from keras_selfattn.attention import sdpa_lengths
+    from keras_selfattn.attention.fused import sdpa_lengths
     from tests.backend import to_numpy
 
     calls = []

@@ -1,5 +1,6 @@
 """The static facts of a call that decide its implementation (`CallFacts`),
-and the tracing contexts they read: the modes of `keras_selfattn.tracing`
+the tables of choices over them (`Limit`, `allowed`, `first`), and the
+tracing contexts they read: the modes of `keras_selfattn.tracing`
 (`exact_unchunked()` its public shortcut), PyTorch's export tracers
 (`exporting()`) and whether tensors may have sizes known only when they run
 (`sizes_may_vary()`)."""
@@ -8,11 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 
 import keras
 
 from keras_selfattn import tracing
-from keras_selfattn.attention import cache_modes
+from keras_selfattn.attention.cache import modes as cache_modes
 from keras_selfattn.attention.masks import Masks
 
 
@@ -99,6 +101,7 @@ class CallFacts:
             tracing, else None.
         sizes_may_vary: Whether the call is made where tensors may have
             sizes known only when it runs (`sizes_may_vary()`).
+        key_padding: Whether the call has a padding mask of its keys.
     """
 
     backend: str
@@ -121,6 +124,7 @@ class CallFacts:
     training: bool = False
     time: int | None = None
     sizes_may_vary: bool = False
+    key_padding: bool = False
 
     @classmethod
     def of(
@@ -183,4 +187,39 @@ class CallFacts:
             training=training,
             time=time,
             sizes_may_vary=sizes_may_vary(),
+            key_padding=masks.key_padding is not None,
         )
+
+
+# What rules a choice out for a call: a predicate over its facts, and the
+# reason (a `str.format` template over the facts' fields).
+Limit = tuple[Callable[[CallFacts], bool], str]
+
+
+def reasons(limits: tuple[Limit, ...], facts: CallFacts) -> list[str]:
+    """Why `limits` rule a choice out for a call with these facts (empty:
+    they do not)."""
+    return [
+        reason.format(**vars(facts)) for rules_out, reason in limits if rules_out(facts)
+    ]
+
+
+def allowed(table: dict[str, tuple[Limit, ...]], facts: CallFacts) -> list[str]:
+    """The names of `table` (in its order) whose limits do not rule them out
+    for a call with these facts."""
+    return [
+        name
+        for name, limits in table.items()
+        if not any(rules_out(facts) for rules_out, _ in limits)
+    ]
+
+
+def first(table: dict[str, tuple[Limit, ...]], facts: CallFacts) -> str:
+    """The first name of `table` that nothing rules out for a call with these
+    facts: each room's choices are such tables (the last entry of each has
+    no limit)."""
+    return next(
+        name
+        for name, limits in table.items()
+        if not any(rules_out(facts) for rules_out, _ in limits)
+    )

@@ -173,7 +173,7 @@ def block_bias(mods, masks, start, key_start, block, key_span):
     if keras.backend.backend() == "tensorflow":
         return score_mods.bias_block(mods, masks, start, key_start, block, key_span)
     position = None
-    if mods.alibi_slopes is not None or mods.relative_table is not None:
+    if mods.has_position_bias:
         first_query = start
         if masks.decoding:
             first_query = ops.add(masks.query_offset, start)

@@ -14,12 +14,22 @@ A call is described once, by its static facts (`CallFacts`: backend, dtype,
 device, masks present, decoding, one query, dropout in training, returned
 weights, the layer's `chunk_size` and `flash_attention`, whether PyTorch is
 tracing it for export, whether it is made within `exact_unchunked()`, its
-time where known while tracing, whether sizes may vary where it runs), never
-by tensor values, so a traced or exported call takes one fixed path. Each
-implementation in `IMPLEMENTATIONS` declares what it cannot do, as
-(predicate over the facts, reason) pairs, and `choose` takes the first one,
-in the order fused, single_query, packed, chunked, explicit, that nothing rules
-out; those declarations are the only rules.
+time where known while tracing, whether sizes may vary where it runs),
+never by tensor values, so a traced or exported call takes one fixed path.
+There are five paths: fused, single_query, packed, chunked and explicit.
+Each implementation in `IMPLEMENTATIONS` declares what it cannot do, as
+(predicate over the facts, reason) pairs (`call_facts.Limit`), and `choose`
+takes the first one, in that order, that nothing rules out.
+
+Each room declares its own choices the same way, in tables of limits that
+read only `CallFacts`, the first entry that nothing rules out taken
+(`call_facts.first`): `packed.STRATEGIES` and `packed.GRADIENTS` (how
+packed rows are attended, and the loop's gradient), `fused.VARIANTS` and
+`fused.JAX_KERNELS` (which kernel call, with which masks), and the cache's
+`cache.writes.WRITES` (over its own `WriteFacts`). What only the tensors
+tell (a batch's right-padding, a bias that requires grad, whether every
+segment id makes one run) is decided at run time, within the entry the
+table chose, which falls back to the next one.
 
 While PyTorch traces a call for export, the path taken is one its exporters
 convert for every length: the fused path with key and value repeated to the
@@ -57,12 +67,15 @@ from keras_selfattn.attention import (
     fused,
     heads,
     packed,
+    score_mods,
     single_query,
 )
 from keras_selfattn.attention.call_facts import (
     CallFacts,
+    Limit,
     exact_unchunked,
     exporting,
+    reasons,
 )
 from keras_selfattn.attention.masks import Masks
 
@@ -76,17 +89,14 @@ __all__ = [
     "exporting",
 ]
 
-# What an implementation cannot do: a predicate over the facts, and the
-# reason (a `str.format` template over the facts' fields).
-Limit = tuple[Callable[[CallFacts], bool], str]
-
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
     """The implementation a call takes, with its arguments from the facts.
 
     Attributes:
-        name: "fused", "single_query", "packed", "chunked" or "explicit".
+        name: One of the five paths: "fused", "single_query", "packed",
+            "chunked" or "explicit".
         fn: The implementation, called with the signature above.
         layout: `heads.TIME_FIRST` or `heads.HEADS_FIRST`.
         grouped_key_value: Whether key and value may have fewer heads than
@@ -126,11 +136,7 @@ class Implementation:
 
     def reasons(self, facts: CallFacts) -> list[str]:
         """Why it cannot serve a call with these facts (empty: it can)."""
-        return [
-            reason.format(**vars(facts))
-            for rules_out, reason in self.cannot
-            if rules_out(facts)
-        ]
+        return reasons(self.cannot, facts)
 
     def choice(self, facts: CallFacts) -> Choice:
         """It, as a call with these facts takes it."""
@@ -157,8 +163,6 @@ _LOOP_OVER_BLOCKS: tuple[Limit, ...] = (
         "that cannot hold its loop over blocks",
     ),
 )
-# The score modifications that add a bias to the scores.
-_BIASES = {"alibi", "relative", "attention_bias"}
 
 
 def _packed_serves(facts: CallFacts) -> bool:
@@ -203,7 +207,7 @@ IMPLEMENTATIONS = {
                 lambda f: (
                     f.backend == "torch"
                     and f.dtype != "float32"
-                    and set(f.score_mods) & _BIASES
+                    and set(f.score_mods) & set(score_mods.BIASES)
                 ),
                 "PyTorch's kernel would add the bias in {dtype}, not float32",
             ),
@@ -240,7 +244,7 @@ IMPLEMENTATIONS = {
         ),
         # PyTorch's exporters refuse `enable_gqa=True`: while exporting, the
         # layer repeats key and value to the query's heads instead.
-        arguments=lambda f: {"grouped_key_value": not f.exporting},
+        arguments=lambda f: {"grouped_key_value": not f.exporting, "facts": f},
     ),
     "single_query": Implementation(
         "single_query",
@@ -276,12 +280,7 @@ IMPLEMENTATIONS = {
                 # with the gradient through its loop, its training step took
                 # 5.5x (TensorFlow) and 1.9x (JAX) the padded batch's time,
                 # the chunked path's 1.4x.
-                lambda f: (
-                    f.training
-                    and not packed.trains_without_its_loop(
-                        f.sizes_may_vary, f.attention_mask, f.score_mods
-                    )
-                ),
+                lambda f: f.training and not packed.trains_without_its_loop(f),
                 "in training its gradient would go through its loop over key "
                 "blocks, slower than the chunked path's, so training takes "
                 "that one",
@@ -302,7 +301,7 @@ IMPLEMENTATIONS = {
             *_LOOP_OVER_BLOCKS,
         ),
         # None (the layer's default): a block chosen from the time axis.
-        arguments=lambda f: {"chunk_size": f.chunk_size},
+        arguments=lambda f: {"chunk_size": f.chunk_size, "facts": f},
     ),
     "chunked": Implementation(
         "chunked",

@@ -1,6 +1,7 @@
 """One description of what each query may attend, and its formulas.
 
-Every implementation (explicit, chunked, fused) reads the same `Masks`; the
+Every implementation (fused, single_query, packed, chunked, explicit) reads
+the same `Masks`; the
 causal and sliding-window rules are written once, in `band`, and `block`
 builds the mask of any block of queries and keys from them, so the full
 (T, T) mask is just the block that starts at 0 and spans everything.

@@ -32,9 +32,21 @@ from keras import ops
 
 from keras_selfattn.attention import masks as masks_lib
 
-POSITION_BIASES = ("alibi", "relative")
+# The name of each field of `ScoreMods` (`ScoreMods.names`, `CallFacts`).
+_NAMES = {
+    "soft_cap": "soft_cap",
+    "alibi_slopes": "alibi",
+    "relative_table": "relative",
+    "bias": "attention_bias",
+    "sinks": "sinks",
+}
 # The fields of `ScoreMods` that hold tensors.
 _TENSORS = ("relative_table", "bias", "sinks")
+# By name: the position biases; every modification that adds a bias to the
+# scores; those that carry tensors (which a gradient reaches).
+POSITION_BIASES = ("alibi", "relative")
+BIASES = (*POSITION_BIASES, "attention_bias")
+WITH_TENSORS = tuple(_NAMES[field] for field in _TENSORS)
 
 
 def alibi_slopes(num_heads: int, alibi_bias_max: float = 8.0) -> tuple[float, ...]:
@@ -117,13 +129,20 @@ class ScoreMods:
     sinks: Any = None
 
     @property
+    def has_position_bias(self) -> bool:
+        """Whether it adds a position bias (ALiBi's or T5's)."""
+        return self.alibi_slopes is not None or self.relative_table is not None
+
+    @property
     def adds_bias(self) -> bool:
         """Whether a bias is added to the scores (position or call bias)."""
-        return (
-            self.alibi_slopes is not None
-            or self.relative_table is not None
-            or self.bias is not None
-        )
+        return self.has_position_bias or self.bias is not None
+
+    @property
+    def has_tensors(self) -> bool:
+        """Whether it carries tensors (`tensors()`): T5's learned table, the
+        sinks, an `attention_bias`; a gradient must reach them."""
+        return bool(self.tensors())
 
     def tensors(self) -> tuple:
         """The tensors it carries, in a fixed order (`with_tensors`)."""
@@ -139,14 +158,9 @@ class ScoreMods:
     @property
     def names(self) -> tuple[str, ...]:
         """The modifications present, for `call_facts.CallFacts`."""
-        present = {
-            "soft_cap": self.soft_cap is not None,
-            "alibi": self.alibi_slopes is not None,
-            "relative": self.relative_table is not None,
-            "attention_bias": self.bias is not None,
-            "sinks": self.sinks is not None,
-        }
-        return tuple(name for name, on in present.items() if on)
+        return tuple(
+            name for field, name in _NAMES.items() if getattr(self, field) is not None
+        )
 
 
 def relative_table(weight, num_buckets: int, max_distance: int, bidirectional: bool):
@@ -192,7 +206,7 @@ def bias_block(
     the call's `attention_bias`. Positions as `masks_lib.block` reads them
     (after `query_offset` when decoding)."""
     terms = []
-    if mods.alibi_slopes is not None or mods.relative_table is not None:
+    if mods.has_position_bias:
         query_pos, key_pos = masks_lib.block_positions(
             masks, query_start, key_start, query_len, key_len
         )

@@ -1,6 +1,6 @@
 """The key/value cache for decoding: its layout, and the one door callers
-use to its checks (`cache_checks`), its writes (`cache_writes`) and its
-layout under the modes of `keras_selfattn.tracing` (`cache_modes`).
+use to its checks (`checks`), its writes (`writes`) and its
+layout under the modes of `keras_selfattn.tracing` (`modes`).
 
 A cache holds the keys and values of every position decoded so far, in one
 tensor of shape `(batch, 2, max_length, num_key_value_heads, key_dim)`:
@@ -16,19 +16,19 @@ from __future__ import annotations
 from keras import ops
 
 from keras_selfattn._checks import positive_int
-from keras_selfattn.attention.cache_checks import (
+from keras_selfattn.attention.cache.checks import (
     Guard,
     check_call,
     check_dtype,
     check_no_index,
     index_of,
 )
-from keras_selfattn.attention.cache_modes import (
+from keras_selfattn.attention.cache.modes import (
     max_length,
     to_time_major,
     views_pay,
 )
-from keras_selfattn.attention.cache_writes import update
+from keras_selfattn.attention.cache.writes import update
 
 # What callers reach through this module besides the layout.
 __all__ = [

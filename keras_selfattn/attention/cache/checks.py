@@ -19,7 +19,7 @@ import numpy as np
 from keras import ops
 
 from keras_selfattn import tracing
-from keras_selfattn.attention import cache_modes
+from keras_selfattn.attention.cache import modes
 
 
 def check(cache, num_heads: int, head_dim: int, dtype: str, layer_name: str) -> None:
@@ -137,7 +137,7 @@ def check_batch(inputs, cache, layer_name: str) -> None:
     """Raises ValueError if `inputs` and `cache` have known, different batches."""
     batch, cache_batch = (
         tuple(inputs.shape)[0],
-        tuple(cache.shape)[cache_modes.batch_axis()],
+        tuple(cache.shape)[modes.batch_axis()],
     )
     if isinstance(batch, int) and isinstance(cache_batch, int) and batch != cache_batch:
         raise ValueError(
@@ -293,9 +293,7 @@ def check_call(
     check_batch(inputs, cache, layer_name)
     index = index_of(index, layer_name)
     if isinstance(index, int):
-        check_fit(
-            index, tuple(inputs.shape)[1], cache_modes.max_length(cache), layer_name
-        )
+        check_fit(index, tuple(inputs.shape)[1], modes.max_length(cache), layer_name)
     return index
 
 

@@ -4,7 +4,7 @@ that meets, at once.
 Eager calls and TensorFlow graphs that XLA does not compile take tensors
 whose sizes are known only when they run. There the packed path needs no
 loop: it gathers the P pairs of (query block, key block) whose ids meet
-(`packed_blocks.Packing.meeting`), computes their scores `(P, H, C, C)` in one
+(`blocks.Packing.meeting`), computes their scores `(P, H, C, C)` in one
 batched product, and sums each query block's softmax over its pairs with
 segment sums (each query's maximum over its pairs first, so nothing
 overflows). Every operation has its own gradient, so training
@@ -21,18 +21,7 @@ from keras import ops
 
 from keras_selfattn.attention import explicit, score_mods
 from keras_selfattn.attention import masks as masks_lib
-from keras_selfattn.attention.call_facts import sizes_may_vary
-from keras_selfattn.attention.packed_blocks import Packing
-
-
-def applies(masks: masks_lib.Masks, mods: score_mods.ScoreMods | None) -> bool:
-    """Whether this call's pairs can be gathered here: sizes may vary, and
-    no `attention_mask` or `attention_bias` (cut per pair, not gathered)."""
-    return (
-        sizes_may_vary()
-        and masks.attention is None
-        and (mods is None or mods.bias is None)
-    )
+from keras_selfattn.attention.packed.blocks import Packing
 
 
 def pairs_attention(packing: Packing, blocks):
@@ -78,7 +67,7 @@ def pairs_attention(packing: Packing, blocks):
     scores = ops.cast(scores, "float32")
     if mods is not None:
         bias = None
-        if mods.alibi_slopes is not None or mods.relative_table is not None:
+        if mods.has_position_bias:
             distance = ops.squeeze(key_pos - query_pos, 1)  # (P, C, C)
             bias = ops.transpose(score_mods.position_bias(mods, distance), (1, 0, 2, 3))
         scores = score_mods.modify(scores, mods, bias)

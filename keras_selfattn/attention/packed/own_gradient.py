@@ -1,4 +1,4 @@
-"""The packed path's gradient, FlashAttention's written out.
+"""The packed loop's own gradient, FlashAttention's written out.
 
 The forward pass keeps each query's log-sum-exp L of its scores, so the
 weights of any pair of blocks are `exp(S - L)` again without a softmax over
@@ -10,7 +10,7 @@ the row. With the upstream gradient dO of the outputs O and
 
 (dS times the soft-cap's derivative first, when the layer has one). Two
 sweeps over the same pairs the forward pass visited (the blocks that meet,
-`packed_blocks.Packing.meets`): one per query block, which sums its dQ; one
+`blocks.Packing.meets`): one per query block, which sums its dQ; one
 per key block, which sums its dK and dV. No loop is differentiated, and
 nothing of the forward pass is kept but O and L.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 from keras import ops
 
 from keras_selfattn.attention import chunked
-from keras_selfattn.attention.packed_blocks import Packing, loop
+from keras_selfattn.attention.packed.blocks import Packing, fori_loop
 
 
 def gradients(packing: Packing, blocks, outputs, log_sums, d_outputs):
@@ -111,7 +111,7 @@ def _query_block(packing: Packing, per_query, kv, index):
         meets = packing.meets(row, query_block, key_block)
         return ops.cond(meets, add, lambda: d_queries)
 
-    return loop(packing.num_blocks, visit, d_queries)
+    return fori_loop(packing.num_blocks, visit, d_queries)
 
 
 def _key_block(packing: Packing, per_query, kv, index):
@@ -144,5 +144,5 @@ def _key_block(packing: Packing, per_query, kv, index):
         meets = packing.meets(row, query_block, key_block)
         return ops.cond(meets, add, lambda: state)
 
-    d_keys, d_values = loop(packing.num_blocks, visit, (d_keys, d_values))
+    d_keys, d_values = fori_loop(packing.num_blocks, visit, (d_keys, d_values))
     return ops.concatenate([d_keys, d_values], axis=-1)

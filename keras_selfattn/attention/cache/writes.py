@@ -17,8 +17,9 @@ import keras
 from keras import ops
 
 from keras_selfattn import tracing
-from keras_selfattn.attention import cache_modes, masks, nan_safe
-from keras_selfattn.attention.cache_checks import is_static, size
+from keras_selfattn.attention import masks, nan_safe
+from keras_selfattn.attention.cache import modes
+from keras_selfattn.attention.cache.checks import is_static, size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +57,7 @@ class WriteFacts:
             gathered=tracing.active(tracing.GATHERED_WRITES),
             guarded=valid is not None,
             converter=tracing.active(tracing.FOR_CONVERTER),
-            outside_xla=cache_modes.outside_xla(),
+            outside_xla=modes.outside_xla(),
         )
 
 
@@ -303,7 +304,7 @@ def update(cache, key, value, index, valid=None, padding=None):
     length, visible = None, None
     if all(is_static(n) for n in (end, max_length)):
         length = end if end < max_length else None
-    elif cache_modes.outside_xla():
+    elif modes.outside_xla():
         # At least one key: an index out of range returns NaN (`Guard`);
         # in `tracing.CHECKED_BY_CALLER` none is.
         length = end

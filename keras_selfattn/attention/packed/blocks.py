@@ -1,6 +1,6 @@
 """The packed path's blocks: which key blocks a query block visits, and the
-scores of one pair of blocks, read by its forward (`packed`) and its
-gradient (`packed_grad`) alike.
+scores of one pair of blocks, read by its strategies (`loop`, `pairs`) and
+the loop's own gradient (`own_gradient`) alike.
 
 A packed row is cut into n blocks of C positions (the last one starts at
 T - C). The blocks of queries, keys and values are stacked `(B n, H, C, D)`:
@@ -19,7 +19,7 @@ from typing import Any
 import keras
 from keras import ops
 
-from keras_selfattn.attention import explicit, score_mods
+from keras_selfattn.attention import chunked, explicit, score_mods
 from keras_selfattn.attention import masks as masks_lib
 
 _NO_ID = 2**31 - 1
@@ -34,7 +34,7 @@ def row_of(x, row):
     return ops.slice(x, (row,) + (0,) * (len(x.shape) - 1), sizes)
 
 
-def loop(count: int, body, state):
+def fori_loop(count: int, body, state):
     """`body(i, state)` for i in 0 .. count - 1: on TensorFlow a while loop
     with its maximum set, whose gradient XLA compiles; elsewhere
     `ops.fori_loop` (on JAX a scan, which reverse-mode differentiates)."""
@@ -173,3 +173,20 @@ class Packing:
             )
             scores = score_mods.modify(scores, row_mods, bias)
         return ops.where(mask, scores, explicit.MASK_VALUE), mask, slope
+
+
+def in_blocks(packing: Packing, tensors, attend):
+    """`attend(packing, blocks)` on the blocks of `tensors` (the queries, keys
+    and values `(B, H, T, D)`), assembled `(B, H, T, V)`."""
+    query, _, value = tensors
+    outputs = attend(packing, tuple(packing.blocked(x) for x in tensors))
+    num_blocks, num_heads, value_dim = (
+        packing.num_blocks,
+        query.shape[1],
+        value.shape[3],
+    )
+    outputs = ops.reshape(
+        outputs, (-1, num_blocks, num_heads, packing.block, value_dim)
+    )
+    outputs = ops.transpose(outputs, (1, 0, 2, 3, 4))  # (n, B, H, C, V)
+    return chunked.assemble(outputs, query.shape[2], packing.block, num_blocks)

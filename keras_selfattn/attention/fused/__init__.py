@@ -36,8 +36,69 @@ from keras import ops
 
 from keras_selfattn.attention import masks as masks_lib
 from keras_selfattn.attention import score_mods
+from keras_selfattn.attention.call_facts import CallFacts, Limit, allowed, first
 from keras_selfattn.attention.explicit import MASK_VALUE
 from keras_selfattn.attention.masks import Masks
+
+# The kernel's own masks (a padding mask as lengths, `is_causal`, the
+# window) cannot describe these calls: they take the whole mask instead.
+_OWN_MASKS: tuple[Limit, ...] = (
+    (
+        lambda f: f.decoding,
+        "decoding with a cache: its queries do not start at key 0, which "
+        "is_causal would misplace",
+    ),
+    (lambda f: f.segments, "the kernels' own masks take no segment_ids"),
+)
+# PyTorch's kernel takes a bias as its float mask.
+_NO_BIAS: Limit = (
+    lambda f: bool(set(f.score_mods) & set(score_mods.BIASES)),
+    "PyTorch's kernel takes the bias as its mask",
+)
+
+# How the fused path computes a call, in the order `fused_attention` prefers
+# them: the first that nothing rules out (as `dispatch.IMPLEMENTATIONS`).
+# Where a variant also needs what only the tensors tell (`sdpa_lengths`: a
+# GPU tensor, no tracer, and a batch whose rows are right-padded), the call
+# falls back to the next one that nothing rules out.
+VARIANTS: dict[str, tuple[Limit, ...]] = {
+    # `jax.nn.dot_product_attention` with its own masks.
+    "jax": (
+        (lambda f: f.backend != "jax", "JAX's kernel runs on the JAX backend"),
+        *_OWN_MASKS,
+        (
+            lambda f: f.time is None,
+            "a time of unknown size: the kernel's own masks are built with "
+            "`arange` of the length, which jax2onnx cannot convert",
+        ),
+    ),
+    # `scaled_dot_product_attention` with no mask (the band as `is_causal`).
+    "sdpa": (
+        (lambda f: f.backend != "torch", "PyTorch's kernel runs on PyTorch"),
+        *_OWN_MASKS,
+        _NO_BIAS,
+        (lambda f: f.key_padding, "a padding mask is a mask"),
+    ),
+    # One call without a mask per row length (`sdpa_lengths`).
+    "sdpa_lengths": (
+        (lambda f: f.backend != "torch", "PyTorch's kernel runs on PyTorch"),
+        *_OWN_MASKS,
+        _NO_BIAS,
+        (lambda f: not f.key_padding, "no padding mask to take out"),
+    ),
+    # The call's whole mask, boolean (with a bias: PyTorch's float mask).
+    "whole_mask": (),
+}
+_HALF = ("float16", "bfloat16")
+# JAX's kernels, tried in this order where nothing rules them out (cuDNN may
+# still refuse a shape or dtype: then XLA's).
+JAX_KERNELS: dict[str, tuple[Limit, ...]] = {
+    "cudnn": (
+        (lambda f: f.dtype not in _HALF, "cuDNN's kernel is for half precision"),
+        (lambda f: not f.on_gpu, "cuDNN's kernel runs on a GPU"),
+    ),
+    "xla": (),
+}
 
 
 def on_gpu(query) -> bool:
@@ -68,15 +129,18 @@ def _compiled_attention():
     )
 
 
-def _jax_attention(query, key, value, masks: Masks, scale: float, bias=None):
+def _jax_attention(
+    query, key, value, masks: Masks, scale: float, facts: CallFacts, bias=None
+):
     import jax
     import jax.numpy as jnp
 
     window = None
     if masks.sliding_window is not None:
         window = (masks.sliding_window - 1, masks.sliding_window - 1)
-    half = keras.backend.standardize_dtype(query.dtype) in ("float16", "bfloat16")
-    implementations = ["cudnn", None] if half and on_gpu(query) else [None]
+    implementations = [
+        None if name == "xla" else name for name in allowed(JAX_KERNELS, facts)
+    ]
 
     kernel = jax.nn.dot_product_attention
 
@@ -101,7 +165,7 @@ def _jax_attention(query, key, value, masks: Masks, scale: float, bias=None):
                 continue
         return run(implementations[-1])
 
-    if masks.key_padding is None:
+    if not facts.key_padding:
         return attend()
     padding = jnp.asarray(masks.key_padding).astype(bool)
     lengths = jnp.sum(padding, axis=1, dtype="int32")
@@ -130,11 +194,12 @@ def _sdpa(query, key, value, scale: float, grouped: bool, mask=None, causal=Fals
     """torch's scaled_dot_product_attention on (B, T, H, D) tensors; with
     `grouped`, key and value may have fewer heads (grouped-query attention).
     A float `mask` that requires grad goes to `sdpa_bias` on the CPU, where
-    the kernel would fall back to its math kernel.
+    the kernel would fall back to its math kernel (what only the tensor and
+    autograd tell: `sdpa_bias.applies`).
     """
     import torch
 
-    from keras_selfattn.attention import sdpa_bias  # imports torch
+    from keras_selfattn.attention.fused import sdpa_bias  # imports torch
 
     query, key, value = (t.transpose(1, 2) for t in (query, key, value))
     if sdpa_bias.applies(query, mask):  # a learned bias, gradients recorded
@@ -151,26 +216,25 @@ def _sdpa(query, key, value, scale: float, grouped: bool, mask=None, causal=Fals
     return output.transpose(1, 2)
 
 
-def _torch_attention(query, key, value, masks: Masks, scale: float, grouped: bool):
-    if masks.key_padding is None:
-        return _sdpa(query, key, value, scale, grouped, causal=masks.causal)
-    from keras_selfattn.attention import sdpa_lengths  # imports torch
+def _per_length_attention(query, key, value, masks: Masks, scale, grouped):
+    """`sdpa_lengths`'s one call per row length, or None where the tensors
+    rule it out (`sdpa_lengths.applies`) or a row is not right-padded."""
+    from keras_selfattn.attention.fused import sdpa_lengths  # imports torch
 
-    if sdpa_lengths.applies(query, key, masks.key_padding):
-        output = sdpa_lengths.attention(
-            query,
-            key,
-            value,
-            masks.key_padding,
-            lambda q, k, v: _sdpa(q, k, v, scale, grouped, causal=masks.causal),
-        )
-        if output is not None:  # None: not right-padded
-            return output
-    # SDPA takes a mask or is_causal, not both: the band joins the mask.
-    return _dense_mask_attention(query, key, value, masks, scale, grouped)
+    if not sdpa_lengths.applies(query, key, masks.key_padding):
+        return None
+    return sdpa_lengths.attention(
+        query,
+        key,
+        value,
+        masks.key_padding,
+        lambda q, k, v: _sdpa(q, k, v, scale, grouped, causal=masks.causal),
+    )
 
 
-def _dense_mask_attention(query, key, value, masks: Masks, scale, grouped, bias=None):
+def _dense_mask_attention(
+    query, key, value, masks: Masks, scale, grouped, facts: CallFacts, bias=None
+):
     """The kernel with the call's whole mask as a boolean (B, 1, Tq, Tk) mask:
     for queries that do not start at key 0 (decoding with a cache, where Tq
     is a few new positions), which `is_causal` would misplace, for a time
@@ -182,7 +246,7 @@ def _dense_mask_attention(query, key, value, masks: Masks, scale, grouped, bias=
     mask = masks_lib.block(masks, query_len=query_len, key_len=key_len)
     if mask is not None:  # None: nothing is masked
         mask = _nonempty_rows(mask)
-    if keras.backend.backend() == "jax":
+    if facts.backend == "jax":
         import jax
 
         return jax.nn.dot_product_attention(
@@ -193,11 +257,6 @@ def _dense_mask_attention(query, key, value, masks: Masks, scale, grouped, bias=
     elif bias is not None:
         mask = bias
     return _sdpa(query, key, value, scale, grouped, mask)
-
-
-def _static_time(query, key) -> bool:
-    """Whether the query and key lengths are known while tracing."""
-    return isinstance(query.shape[1], int) and isinstance(key.shape[1], int)
 
 
 def fused_attention(
@@ -211,6 +270,7 @@ def fused_attention(
     return_weights=False,
     grouped_key_value=True,
     mods=None,
+    facts: CallFacts,
 ):
     """Attention through the backend's fused kernel (JAX or PyTorch).
 
@@ -233,24 +293,27 @@ def fused_attention(
             called with `enable_gqa=False`, which its exporters require.
         mods: None or a `score_mods.ScoreMods` that only adds a bias (the
             kernels take no soft-cap and no sinks).
+        facts: The call's `CallFacts`, which choose its `VARIANTS`.
 
     Returns:
         Tuple (output (B, Tq, H, V) in the inputs' dtype, None).
     """
-    backend = keras.backend.backend()
     grouped = grouped_key_value
     bias = None
     if mods is not None:
         query_len, key_len = ops.shape(query)[1], ops.shape(key)[1]
         bias = score_mods.bias_block(mods, masks, query_len=query_len, key_len=key_len)
-    dense = masks.decoding or masks.segments is not None
-    if backend == "jax":
-        dense = dense or not _static_time(query, key)
-    else:
-        dense = dense or bias is not None
-    if dense:
-        output = _dense_mask_attention(query, key, value, masks, scale, grouped, bias)
-        return output, None
-    if backend == "jax":
-        return _jax_attention(query, key, value, masks, scale, bias), None
-    return _torch_attention(query, key, value, masks, scale, grouped), None
+    variant = first(VARIANTS, facts)
+    if variant == "jax":
+        return _jax_attention(query, key, value, masks, scale, facts, bias), None
+    if variant == "sdpa":
+        return _sdpa(query, key, value, scale, grouped, causal=masks.causal), None
+    if variant == "sdpa_lengths":
+        output = _per_length_attention(query, key, value, masks, scale, grouped)
+        if output is not None:
+            return output, None
+    # SDPA takes a mask or is_causal, not both: the band joins the mask.
+    output = _dense_mask_attention(
+        query, key, value, masks, scale, grouped, facts, bias
+    )
+    return output, None

@@ -13,7 +13,7 @@ graph of a few operations per length class, differentiated as it is
 (learned modifications included).
 
 It holds where every id appears in one run per row; `packed_attention`
-falls back on `packed_pairs` (any ids) where one does not. The positions
+falls back on `pairs` (any ids) where one does not. The positions
 inside a run count from its start: the rules that read them (causal, the
 window, ALiBi, T5's buckets) read differences only, so that changes
 nothing.
@@ -28,7 +28,7 @@ import dataclasses
 
 from keras import ops
 
-from keras_selfattn.attention import explicit, score_mods
+from keras_selfattn.attention import explicit
 from keras_selfattn.attention import masks as masks_lib
 
 GRANULE = 64
@@ -138,9 +138,3 @@ def runs_attention(query, key, value, masks, runs: Runs, *, scale, granule, mods
     )
     summed = ops.reshape(summed, (batch, time, num_heads, value.shape[3]))
     return ops.transpose(summed, (0, 2, 1, 3))
-
-
-def applies_to(mods: score_mods.ScoreMods | None) -> bool:
-    """Whether `runs_attention` takes these modifications (not the call's
-    `attention_bias`, which would be cut per run)."""
-    return mods is None or mods.bias is None
