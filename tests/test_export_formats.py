@@ -60,6 +60,22 @@ FILES = {row.name: "m" + row.suffix for row in table.FILE_ROWS}
 # at this one (batch, time).
 TORCH_LITERT_SHAPE = (3, 33)
 FAST_SHAPES = ((2, 7), (3, 33))
+# The matrix's interpreter per backend costs 40 to 60 s: `make test` runs
+# TensorFlow's (the exports TF Serving gets), the slow suite JAX's and
+# PyTorch's.
+FAST_BACKENDS = ("tensorflow",)
+
+
+def _cases(pairs) -> list:
+    """(backend, ...) tuples as parameters, slow off `FAST_BACKENDS`."""
+    return [
+        pair
+        if pair[0] in FAST_BACKENDS
+        else pytest.param(*pair, marks=pytest.mark.slow)
+        for pair in pairs
+    ]
+
+
 SLOW_SHAPES = ((1, 1), (2, 7), (3, 33), (2, 128))
 MAX_ERROR = 1e-4
 
@@ -224,7 +240,7 @@ def _check_cell(result: dict, backend: str, fmt: str, shapes, wrong=False) -> No
 
 
 @pytest.mark.parametrize(
-    "backend, fmt", [(b, f) for b, formats in CELLS.items() for f in formats]
+    "backend, fmt", _cases([(b, f) for b, formats in CELLS.items() for f in formats])
 )
 def test_every_exportable_cell_matches_keras(matrix, backend, fmt):
     """Works within 1e-4 at T=7 and T=33 (padded rows)."""
@@ -241,7 +257,9 @@ def test_the_table_has_the_cells_measured_with_keras_3_15():
         assert reason in table.BY_NAME[fmt].refused[backend], (backend, fmt)
 
 
-@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+@pytest.mark.parametrize(
+    "backend", ["tensorflow", pytest.param("jax", marks=pytest.mark.slow)]
+)
 def test_saved_models_say_whether_tf_serving_needs_xla(matrix, backend):
     """jax2tf's SavedModel is one XlaCallModule, which TF Serving runs only
     with --xla_cpu_compilation_enabled=true (its check ran with XLA off
@@ -250,7 +268,7 @@ def test_saved_models_say_whether_tf_serving_needs_xla(matrix, backend):
     assert flags == (["--xla_cpu_compilation_enabled=true"] if backend == "jax" else [])
 
 
-@pytest.mark.parametrize("backend, fmt", sorted(REFUSED))
+@pytest.mark.parametrize("backend, fmt", _cases(sorted(REFUSED)))
 def test_formats_keras_cannot_export_are_refused_in_one_line(matrix, backend, fmt):
     result = matrix(backend)
     message = result["refused"][fmt]

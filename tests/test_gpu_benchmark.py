@@ -129,6 +129,7 @@ def test_times_ratios_and_flops_are_finite_and_positive(smoke):
             assert "sa_train_ms" not in row
 
 
+@pytest.mark.slow
 @pytest.mark.one_suite("two child interpreters on a fixed backend (jax)")
 def test_peak_rss_comes_from_child_processes(monkeypatch):
     # The children read KERAS_BACKEND; jax: no TensorFlow needed there.

@@ -33,22 +33,34 @@ def _model(kind: str) -> keras.Model:
     return _MODELS[kind]
 
 
-# In the fast suite: keras-hub positions in subclassed blocks (c; on JAX,
-# whose eager reference compiles every shape, in the slow suite) and a
-# subclassed model (e); the slow suite decodes every kind.
-_FAST = {
-    "hub_blocks": pytest.mark.slow_on("jax", "JAX compiles each shape anew"),
-    "subclassed": (),
+# Generation is eager here, a few milliseconds a step on PyTorch and tens on
+# TensorFlow and JAX (JAX compiles each new shape): PyTorch's fast suite
+# decodes every kind; TensorFlow's and JAX's slow suites two kinds each.
+_SLOW_KINDS = {
+    "tensorflow": ("hub_positions", "subclassed"),
+    "jax": ("blocks_rope", "hub_blocks"),
 }
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [
-        pytest.param(kind, marks=_FAST[kind] if kind in _FAST else pytest.mark.slow)
-        for kind in decoder_zoo.KINDS
-    ],
-)
+def _kind(kind: str):
+    """`kind` as a parameter: fast on PyTorch, slow where `_SLOW_KINDS`
+    names it, skipped elsewhere (another backend decodes it)."""
+    backend = keras.backend.backend()
+    if backend == "torch":
+        return kind
+    if kind in _SLOW_KINDS[backend]:
+        return pytest.param(kind, marks=pytest.mark.slow)
+    return pytest.param(
+        kind, marks=pytest.mark.skip(reason=f"decoded in the {_where(kind)}")
+    )
+
+
+def _where(kind: str) -> str:
+    suites = [f"{b} slow suite" for b, kinds in _SLOW_KINDS.items() if kind in kinds]
+    return " and ".join(["torch fast suite", *suites])
+
+
+@pytest.mark.parametrize("kind", [_kind(kind) for kind in decoder_zoo.KINDS])
 def test_greedy_and_seeded_tokens_equal_the_uncached_loop(kind):
     """Prompts of mixed lengths; the uniform stream is the numpy
     reference's, so the same seed gives these tokens on every backend."""
@@ -64,9 +76,17 @@ def test_greedy_and_seeded_tokens_equal_the_uncached_loop(kind):
     np.testing.assert_array_equal(sampled.tokens, tokens)
 
 
+# Every variant on PyTorch, one each on TensorFlow (30 to 50 s a variant)
+# and JAX.
+_VARIANTS = {"tensorflow": ("int8",), "jax": ("mixed_bfloat16",)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["int8", "lora", "mixed_bfloat16"])
 def test_quantized_lora_and_mixed_precision_blocks_decode(variant):
+    backend = keras.backend.backend()
+    if variant not in _VARIANTS.get(backend, (variant,)):
+        pytest.skip(f"{variant}: decoded by PyTorch's slow suite")
     if variant == "mixed_bfloat16":
         keras.config.set_dtype_policy(variant)
         try:
@@ -98,6 +118,7 @@ def test_own_position_embedding_equals_its_table():
     np.testing.assert_array_equal(out, table[rows])
 
 
+@pytest.mark.slow_on("jax", "JAX compiles each shape anew")
 def test_own_token_and_position_embedding_decodes_and_saves(tmp_path):
     keras.utils.set_random_seed(3)
     tokens = keras.Input((None,), dtype="int32", name="tokens")
@@ -137,6 +158,7 @@ def test_arange_positions_are_refused_by_every_api(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow_on("tensorflow", "jax", "eager generation; PyTorch's is fast")
 def test_the_check_is_what_catches_a_position_mixing_model():
     """A Conv1D over time decodes without error, into wrong tokens: the
     check refuses it; `check=False` (the opt-out) returns those tokens."""
@@ -175,6 +197,7 @@ def test_a_layer_called_twice_or_with_an_attention_bias_is_refused():
     _refused(lambda: generate(biased, [[1, 2]], 2), "['attention_bias']")
 
 
+@pytest.mark.slow_on("tensorflow", "jax", "eager generation; PyTorch's is fast")
 def test_same_named_layers_in_blocks_get_their_path_as_cache_names():
     keras.utils.set_random_seed(0)
 
@@ -198,8 +221,8 @@ def test_same_named_layers_in_blocks_get_their_path_as_cache_names():
 
 
 # ------------------------------------------------------------ exports
-# The formats each backend's fast suite exports nested models in; the slow
-# suite exports every kind in every format.
+# TensorFlow's slow suite exports a nested model's generator to ONNX (and
+# runs it here); the formats in every backend's slow suite below.
 FAST_EXPORTS = {"tensorflow": ("onnx",), "jax": (), "torch": ()}
 SUFFIX = {"saved_model": "", "onnx": ".onnx", "litert": ".tflite", "torch": ".pt2"}
 
@@ -226,28 +249,30 @@ def _export_and_run(model, export_format, tmp_path):
     np.testing.assert_array_equal(tokens, expected)
 
 
+@pytest.mark.slow
 def test_a_nested_model_s_generator_exports(tmp_path):
     backend = keras.backend.backend()
     if not FAST_EXPORTS[backend]:
-        pytest.skip(f"{backend}: exported in the slow suite")
+        pytest.skip(f"{backend}: exported in TensorFlow's slow suite")
     _export_and_run(_model("hub_blocks"), "onnx", tmp_path)
 
 
-# Each backend's slow suite exports each of these kinds once and each format
-# once (a different pairing per backend): every kind and every format from
-# every backend, in three exports a backend.
+# Each backend's slow suite exports one kind in one format (a minute or two
+# each): every kind and every format once, each from another backend.
 GENERATOR_KINDS = ("hub_positions", "blocks_rope", "subclassed")
 GENERATOR_FORMATS = ("saved_model", "onnx", "litert")
-BACKEND_ORDER = ("tensorflow", "jax", "torch")
+GENERATOR_PAIRS = {
+    "tensorflow": ("subclassed", "litert"),
+    "jax": ("blocks_rope", "saved_model"),
+    "torch": ("hub_positions", "onnx"),
+}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("export_format", GENERATOR_FORMATS)
 @pytest.mark.parametrize("kind", GENERATOR_KINDS)
 def test_nested_generators_in_every_format(kind, export_format, tmp_path):
-    shift = BACKEND_ORDER.index(keras.backend.backend())
-    pairing = GENERATOR_KINDS.index(kind) + GENERATOR_FORMATS.index(export_format)
-    if (pairing + shift) % 3:
+    if GENERATOR_PAIRS[keras.backend.backend()] != (kind, export_format):
         pytest.skip("exported by another backend's pairing")
     _export_and_run(_model(kind), export_format, tmp_path)
 
@@ -256,7 +281,11 @@ def test_nested_generators_in_every_format(kind, export_format, tmp_path):
 @pytest.mark.parametrize("kind", ["hub_blocks", "sequential_blocks", "subclassed"])
 def test_nested_decoding_steps_export(kind, tmp_path):
     """The step's own check decodes whole sequences through the export in
-    a fresh runtime process against Keras's cached and full forward."""
+    a fresh runtime process against Keras's cached and full forward. One
+    kind per backend (a minute each)."""
+    exported = {"tensorflow": "sequential_blocks", "jax": "hub_blocks"}
+    if exported.get(keras.backend.backend(), "subclassed") != kind:
+        pytest.skip("exported by another backend's slow suite")
     # On torch, .pt2: Keras's torch ONNX route cannot trace LayerNormalization.
     formats = {"tensorflow": "saved_model", "jax": "onnx", "torch": "torch"}
     export_format = formats[keras.backend.backend()]

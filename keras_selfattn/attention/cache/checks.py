@@ -196,8 +196,11 @@ class Guard:
             conditions.append(ops.equal(size(inputs, 0), size(cache, 0)))
         if not (is_static(index) and is_static(new) and is_static(max_length)):
             end = ops.add(index, size(inputs, 1))
-            conditions.append(ops.greater_equal(index, 0))
-            conditions.append(ops.less_equal(end, size(cache, 2)))
+            # Python's operators (as in `masks`): on torch they trace as
+            # aten::ge and aten::le, which OpenVINO's torch frontend
+            # converts (it has no rule for aten::greater_equal/less_equal).
+            conditions.append(index >= 0)
+            conditions.append(end <= size(cache, 2))
         valid = None
         for condition in conditions:
             valid = condition if valid is None else ops.logical_and(valid, condition)

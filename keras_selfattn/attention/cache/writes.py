@@ -114,7 +114,7 @@ def _clamped(cache, new, index, valid):
     start = ops.cast(index, _index_dtype())
     if valid is None:
         return start
-    last = ops.subtract(size(cache, 2), size(new, 2))
+    last = size(cache, 2) - size(new, 2)  # aten::sub on torch (see `checks`)
     return ops.minimum(ops.maximum(start, 0), ops.maximum(last, 0))
 
 
