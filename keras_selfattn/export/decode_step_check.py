@@ -136,7 +136,14 @@ def verify_decode_step(
     step = build_decode_step(model, max_length)
     atol = check_tolerance("atol", atol)
     rtol = check_tolerance("rtol", rtol)
-    paths = artifact_paths(locals(), paths)
+    keywords = {
+        "saved_model_dir": saved_model_dir,
+        "onnx_path": onnx_path,
+        "litert_path": litert_path,
+        "openvino_path": openvino_path,
+        "torch_path": torch_path,
+    }
+    paths = artifact_paths(keywords, paths)
     artifacts = (
         {} if all(p is None for p in paths.values()) else collect_artifacts(paths)
     )

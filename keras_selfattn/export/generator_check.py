@@ -195,7 +195,12 @@ def verify_generator(
         ParityError: if any output differs, or an export's names differ.
     """
     generator = build_generator(model, max_length)
-    paths = artifact_paths(locals(), paths, FORMATS)
+    keywords = {
+        "saved_model_dir": saved_model_dir,
+        "onnx_path": onnx_path,
+        "litert_path": litert_path,
+    }
+    paths = artifact_paths(keywords, paths, FORMATS)
     artifacts = collect_artifacts(paths)
     labelled = requests(generator, seed)
     labels = [label for label, _ in labelled]

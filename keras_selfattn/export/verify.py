@@ -208,7 +208,14 @@ def verify(
     >>> path = export_onnx(model, "model.onnx")  # doctest: +SKIP
     >>> print(verify(model, onnx_path=path))  # doctest: +SKIP
     """
-    paths = arguments.artifact_paths(locals(), paths)
+    keywords = {
+        "saved_model_dir": saved_model_dir,
+        "onnx_path": onnx_path,
+        "litert_path": litert_path,
+        "openvino_path": openvino_path,
+        "torch_path": torch_path,
+    }
+    paths = arguments.artifact_paths(keywords, paths)
     artifacts = engine.collect_artifacts(
         paths, {"openvino_precision": openvino_precision}
     )
