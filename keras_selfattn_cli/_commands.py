@@ -29,13 +29,13 @@ from keras_selfattn.export import (
     pipeline,
 )
 from keras_selfattn.export.formats import table
-from keras_selfattn.export.target import ExportTarget
-from keras_selfattn.export.verify import (
+from keras_selfattn.export.forward.check import (
     DEFAULT_ATOL,
     DEFAULT_RTOL,
     ParityReport,
     verify,
 )
+from keras_selfattn.export.target import ExportTarget
 from keras_selfattn.serving.layout import VersionExistsError
 from keras_selfattn_cli._process import CLIError, check_signals, one_line
 

@@ -275,7 +275,7 @@ def test_the_runtime_process_imports_neither_keras_nor_the_package(
     model_files, tmp_path
 ):
     """The worker on a real ONNX file: only onnxruntime and numpy."""
-    from keras_selfattn.export import _artifact_runner
+    from keras_selfattn.export.parity import runner as _artifact_runner
     from keras_selfattn.export.target import ExportTarget, NamedInput
 
     onnx = pytest.importorskip("onnx")

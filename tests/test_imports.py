@@ -22,11 +22,11 @@ LAYERS = ("layer", "serving", "export", "cli")
 # Modules of `export` above its formats: a format importing one of them
 # would run from a lower layer back up.
 ABOVE_FORMATS = (
-    "keras_selfattn.export.verify",
+    "keras_selfattn.export.forward.check",
     "keras_selfattn.export.pipeline",
-    "keras_selfattn.export.exporters",
+    "keras_selfattn.export.forward",
     "keras_selfattn.export.decode_step",
-    "keras_selfattn.export._artifact_runner",
+    "keras_selfattn.export.parity.runner",
 )
 
 
@@ -196,6 +196,6 @@ def test_a_private_import_across_packages_is_found():
     lets a package's own modules (its subpackages too) in."""
     owner = _private_owner("keras_selfattn.export.formats._base")
     assert owner == "keras_selfattn.export.formats"
-    assert not "keras_selfattn.export._generator_writer".startswith(f"{owner}.")
+    assert not "keras_selfattn.export.generator._writer".startswith(f"{owner}.")
     assert "keras_selfattn.export.formats.onnx.format".startswith(f"{owner}.")
-    assert _private_owner("keras_selfattn.export.verify") is None
+    assert _private_owner("keras_selfattn.export.forward.check") is None

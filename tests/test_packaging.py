@@ -75,7 +75,7 @@ def test_the_version_has_one_home():
 
 
 def test_tensorflow_written_generators_name_the_extra(monkeypatch):
-    from keras_selfattn.export import _generator_writer
+    from keras_selfattn.export.generator import _writer as _generator_writer
 
     real = importlib.util.find_spec
     monkeypatch.setattr(

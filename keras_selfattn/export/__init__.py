@@ -42,7 +42,8 @@ from keras_selfattn.export.decode_step import (
     export_decode_step_saved_model,
     verify_decode_step,
 )
-from keras_selfattn.export.exporters import (
+from keras_selfattn.export.formats import ExportError
+from keras_selfattn.export.forward import (
     export,
     export_litert,
     export_onnx,
@@ -50,9 +51,13 @@ from keras_selfattn.export.exporters import (
     export_saved_model,
     export_torch,
 )
-from keras_selfattn.export.formats import ExportError
+from keras_selfattn.export.forward.check import (
+    ParityError,
+    ParityReport,
+    ParityRow,
+    verify,
+)
 from keras_selfattn.export.generator import export_generator, verify_generator
-from keras_selfattn.export.verify import ParityError, ParityReport, ParityRow, verify
 
 __all__ = [
     "ExportError",

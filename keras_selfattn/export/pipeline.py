@@ -38,7 +38,7 @@ def check_destination(
         argument: How the caller names `path` in errors (default
             "base_dir" for a SavedModel, else "path").
         backend: The backend that writes the artifact, when another
-            process writes it (`export._generator_writer`); default this process's.
+            process writes it (`export.generator._writer`); default this process's.
         **options: The format's options (`name`, `version`, `warmup`,
             `models_config` for a SavedModel; `opset`, `fuse_attention` for
             ONNX; `shape` for LiteRT).
@@ -65,7 +65,7 @@ def stage(
         target: What to export (`Endpoint.target()`, `DecodeStep.target()`).
         destination: From `check_destination`.
         writer: Writes the staged artifact instead of the format's own
-            `write` (`export._generator_writer`).
+            `write` (`export.generator._writer`).
 
     Yields:
         The `_files.Staged` export (verify `staged.path` in the block).

@@ -35,7 +35,7 @@ from keras_selfattn.export.formats.table import FormatRow
 from keras_selfattn.export.target import ExportTarget
 
 # Writes a target's artifact at a staged path with the format's options:
-# `Format.write`, or another process's writer (`export._generator_writer`).
+# `Format.write`, or another process's writer (`export.generator._writer`).
 Writer = Callable[[ExportTarget, str, Mapping[str, object]], None]
 
 

@@ -17,7 +17,7 @@ only XLA runs (jax2tf's XlaCallModule, so every SavedModel written on JAX;
 a `jit_compile=True` function; an Xla* op) fails every request without
 it. Such a SavedModel says so in `DESCRIPTION_PATH` (`tf_serving_flags`),
 the export logs it, and the runtime check runs every SavedModel under the
-setting TF Serving would give it (`_artifact_runner_process`). Option
+setting TF Serving would give it (`parity._runner_process`). Option
 `jit_compile` writes a model's forward pass so (on TensorFlow): its
 signature calls one `jit_compile=True` function, which XLA compiles once
 per input shape.

@@ -5,7 +5,7 @@ format's row names its module: `FormatRow.runtime_module`), each with one
 `load(path, signature, **options)` returning a `_common.Loaded`: the
 artifact's input and output names, what it says of a quantized model
 (`description`), and a call from {input name: array} to {output name:
-array}. The check's runtime process (`export/_artifact_runner_process.py`)
+array}. The check's runtime process (`export/parity/_runner_process.py`)
 imports this package from its path, without keras_selfattn; the benchmarks
 import it by name. Nothing here imports Keras or keras_selfattn.
 """

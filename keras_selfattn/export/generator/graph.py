@@ -13,7 +13,7 @@ from keras import ops
 
 from keras_selfattn import _checks
 from keras_selfattn.attention import nan_safe
-from keras_selfattn.export.decode_step_graph import build_decode_step
+from keras_selfattn.export.decode_step.graph import build_decode_step
 from keras_selfattn.export.target import ExportTarget, NamedInput
 from keras_selfattn.generation import arguments, loop
 

@@ -9,9 +9,9 @@ only, with one key/value cache per causal SelfAttention layer:
     outputs: <model output>       (batch, new, ...)   the new positions' outputs
              updated_cache_<layer name>              the caches after the step
 
-The step's graph is `decode_step_graph` (finding the cached layers,
+The step's graph is `graph` (finding the cached layers,
 threading the caches through the model), its step-by-step check against
-Keras `decode_step_check`. The step is an `ExportTarget` (`DecodeStep.target()`)
+Keras `check`. The step is an `ExportTarget` (`DecodeStep.target()`)
 and rides the forward export's pipeline: `export_decode_step` writes it in
 any format the backend can export (`formats.table`; SavedModel signature
 "decode_step" for TF Serving, also aliased as "serving_default"; ONNX with
@@ -45,13 +45,13 @@ from collections.abc import Mapping
 import keras
 
 from keras_selfattn.export import formats, pipeline
-from keras_selfattn.export.decode_step_check import (
+from keras_selfattn.export.decode_step.check import (
     keras_decode,
     schedule,
     teacher_inputs,
     verify_decode_step,
 )
-from keras_selfattn.export.decode_step_graph import (
+from keras_selfattn.export.decode_step.graph import (
     INDEX_NAME,
     DecodeStep,
     build_decode_step,

@@ -10,13 +10,13 @@ from collections.abc import Mapping, Sequence
 import keras
 import numpy as np
 
-from keras_selfattn.export import _artifact_runner
-from keras_selfattn.export.decode_step_graph import (
+from keras_selfattn.export.decode_step.graph import (
     INDEX_NAME,
     DecodeStep,
     build_decode_step,
     teacher_probe,
 )
+from keras_selfattn.export.parity import runner
 from keras_selfattn.export.parity.arguments import artifact_paths, check_tolerance
 from keras_selfattn.export.parity.engine import check_artifacts, collect_artifacts
 from keras_selfattn.export.parity.report import ParityReport, finish_report
@@ -31,12 +31,12 @@ DEFAULT_SCHEDULES: tuple[tuple[int, int], ...] = ((1, 1), (2, 3), (3, 1 << 30))
 
 def teacher_inputs(step: DecodeStep, batch: int, seed: int = 0) -> np.ndarray:
     """A whole random input sequence (batch, max_length, ...) without padding
-    (`decode_step_graph.teacher_probe`)."""
+    (`graph.teacher_probe`)."""
     return teacher_probe(step, step.max_length, batch, seed)
 
 
 def schedule(step: DecodeStep, sequence: np.ndarray, prompt_length: int):
-    """The `_artifact_runner.Run` decoding `sequence`: the prompt, then one per step.
+    """The `runner.Run` decoding `sequence`: the prompt, then one per step.
 
     The first step gets empty caches; later steps get the caches the step
     before returned (the run's feedback).
@@ -53,7 +53,7 @@ def schedule(step: DecodeStep, sequence: np.ndarray, prompt_length: int):
         steps.append(arrays)
         index += new
     feedback = dict(zip(step.updated_cache_names, step.cache_names, strict=True))
-    return _artifact_runner.Run(tuple(steps), feedback)
+    return runner.Run(tuple(steps), feedback)
 
 
 def _reference_call(target: ExportTarget):
@@ -77,9 +77,7 @@ def _reference_call(target: ExportTarget):
     return lambda arrays: stateless([v.value for v in variables], arrays)
 
 
-def keras_decode(
-    step: DecodeStep, run: _artifact_runner.Run
-) -> list[dict[str, np.ndarray]]:
+def keras_decode(step: DecodeStep, run: runner.Run) -> list[dict[str, np.ndarray]]:
     """Keras's cached calls over `run` (eager; compiled on JAX, see
     `_reference_call`): the exports' reference."""
     results, state, target = [], {}, step.target()

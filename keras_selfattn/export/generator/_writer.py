@@ -5,7 +5,7 @@ jax2tf cannot bound the prompt's symbolic length by the cache's ("symbolic
 dimension comparison '- time + max_length' >= '0' is inconclusive") and
 torch.export cannot trace the loop. On JAX and torch, `export_generator`
 saves the model as .keras (`keras_file`), and the pipeline stages the
-artifact with `writer`: `python -m keras_selfattn.export._generator_writer_process`
+artifact with `writer`: `python -m keras_selfattn.export.generator._writer_process`
 under KERAS_BACKEND=tensorflow loads that file (the saved weights, bit for bit),
 rebuilds the generator and writes the format's artifact at the staged path.
 The caller's pipeline then checks it against `keras_selfattn.generate` on
@@ -33,7 +33,7 @@ from keras_selfattn.generation import decode_check
 WRITER_BACKEND = "tensorflow"
 # The TensorFlow process's entry point (a module of its own: it imports the
 # generator, which imports this module).
-WORKER = "keras_selfattn.export._generator_writer_process"
+WORKER = "keras_selfattn.export.generator._writer_process"
 # A generator's conversion takes seconds to a few minutes; a hung one fails.
 _TIMEOUT_S = 1800
 

@@ -1,7 +1,7 @@
 """Artifacts run in fresh processes, one per runtime, all started at once.
 
 `run_artifacts` writes the inputs as `.npz` files, starts
-`_artifact_runner_process.py` once per artifact (each loads only its format's
+`_runner_process.py` once per artifact (each loads only its format's
 runtime, without keras or keras_selfattn) and reads back every step's
 outputs, keyed by the export target's output names.
 """
@@ -23,9 +23,7 @@ from keras_selfattn.export.target import ExportTarget
 
 # A fresh runtime process: imports and a handful of calls.
 _WORKER_TIMEOUT_S = 600
-_WORKER = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "_artifact_runner_process.py"
-)
+_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_runner_process.py")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Runs exported artifacts in their own runtime, in a process of its own.
 
-Started as a script (`python _artifact_runner_process.py REQUEST.json`), never
+Started as a script (`python _runner_process.py REQUEST.json`), never
 imported by the package's other modules at run time: it imports numpy and
 the one runtime of the artifact it runs (TensorFlow for a SavedModel,
 onnxruntime, ai_edge_litert, openvino, torch.export), never keras or
@@ -94,10 +94,11 @@ def _generated(output: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 def _runtimes():
-    """The `runtimes` package beside this file, imported from its path as
-    `_PACKAGE`: by its own name, `keras_selfattn.export.runtimes`, Python
-    would first run `keras_selfattn`'s `__init__`, which imports Keras."""
-    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runtimes")
+    """The `runtimes` package beside this file's folder, imported from its
+    path as `_PACKAGE`: by its own name, `keras_selfattn.export.runtimes`,
+    Python would first run `keras_selfattn`'s `__init__`, which imports Keras."""
+    export = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    folder = os.path.join(export, "runtimes")
     spec = importlib.util.spec_from_file_location(
         _PACKAGE,
         os.path.join(folder, "__init__.py"),

@@ -11,14 +11,13 @@ from collections.abc import Mapping
 import keras
 import numpy as np
 
-from keras_selfattn.export._artifact_runner import Artifact, Run
-from keras_selfattn.export.decode_step_graph import (
+from keras_selfattn.export.decode_step.graph import (
     INDEX_NAME,
     DecodeStep,
     build_decode_step,
 )
 from keras_selfattn.export.formats import table
-from keras_selfattn.export.generator_graph import (
+from keras_selfattn.export.generator.graph import (
     DECODE_SIGNATURE,
     PREFILL_SIGNATURE,
     Generator,
@@ -34,6 +33,7 @@ from keras_selfattn.export.parity.engine import (
 )
 from keras_selfattn.export.parity.report import ParityReport, finish_report
 from keras_selfattn.export.parity.rules import ParityRow, parity_row
+from keras_selfattn.export.parity.runner import Artifact, Run
 from keras_selfattn.generation import generate
 
 # Formats a generator can be written in (by TensorFlow, from every backend).

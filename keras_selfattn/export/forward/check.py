@@ -11,10 +11,14 @@ from collections.abc import Mapping, Sequence
 
 import keras
 
-from keras_selfattn.export import _artifact_runner, precision, quantization
-from keras_selfattn.export.endpoint import Endpoint, build_endpoint, keras_reference
+from keras_selfattn.export import precision, quantization
 from keras_selfattn.export.example_inputs import example_inputs, is_padded
-from keras_selfattn.export.parity import arguments, engine, exact
+from keras_selfattn.export.forward.graph import (
+    Endpoint,
+    build_endpoint,
+    keras_reference,
+)
+from keras_selfattn.export.parity import arguments, engine, exact, runner
 from keras_selfattn.export.parity.report import (
     ParityError,
     ParityReport,
@@ -97,7 +101,7 @@ def quantized_shapes(
 
 def forward_runs(
     endpoint: Endpoint, shapes: Sequence[tuple[int, int]], seed: int
-) -> tuple[list[_artifact_runner.Run], list[str], _References]:
+) -> tuple[list[runner.Run], list[str], _References]:
     """The one-step runs of `verify`, their labels, and the references.
 
     A model with a fixed length keeps it (the label says the shape run).
@@ -118,7 +122,7 @@ def forward_runs(
             continue
         copies = sum(1 for known in labels if known.split(" #")[0] == label)
         labels.append(label if not copies else f"{label} #{copies + 1}")
-        runs.append(_artifact_runner.Run((arrays,)))
+        runs.append(runner.Run((arrays,)))
         expected.append([keras_reference(endpoint, arrays)])
         if dequantized is not None:
             with target.traced(quantization.CONSTANTS):
