@@ -237,11 +237,12 @@ def _command(
                 f"{', '.join(built.output_names)} (max_length {args.max_length})"
             ),
         )
+    passes = forward.Forward(model, None, args.atol, args.rtol, "float32", {})
     return _Command(
-        forward.Forward(model, None, args.atol, args.rtol, "float32", {}),
+        passes,
         destinations,
         "Verifying against Keras",
-        verify=lambda staged: _verify_paths(model, staged, args),
+        verify=lambda staged: _verify_paths(model, staged, args, passes),
     )
 
 
@@ -272,9 +273,13 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def _verify_paths(
-    model: keras.Model, paths: Mapping[str, str], args: argparse.Namespace
+    model: keras.Model,
+    paths: Mapping[str, str],
+    args: argparse.Namespace,
+    exported: forward.Forward | None = None,
 ) -> ParityReport:
-    """`verify` of every path; a fixed-shape LiteRT file at its one shape."""
+    """`verify` of every path; a fixed-shape LiteRT file at its one shape.
+    An export's check runs on the endpoint its export built (`exported`)."""
     shape = args.litert_shape
     fixed_shape = {r.name for r in table.ROWS if "shape" in r.cli_options}
     fixed = {f: path for f, path in paths.items() if f in fixed_shape and shape}
@@ -282,7 +287,10 @@ def _verify_paths(
     precision = getattr(args, "openvino_precision", "f32")
     rows: list[Any] = []
     for group, shapes in ((dynamic, None), (fixed, [shape])):
-        if group:
+        if group and exported is not None:
+            runtime = {"openvino_precision": precision}
+            rows.extend(exported.check_at(group, shapes, runtime).rows)
+        elif group:
             report = verify(
                 model,
                 atol=args.atol,

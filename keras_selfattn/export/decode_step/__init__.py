@@ -46,6 +46,7 @@ import keras
 
 from keras_selfattn.export import formats, pipeline
 from keras_selfattn.export.decode_step.check import (
+    check_step,
     keras_decode,
     schedule,
     teacher_inputs,
@@ -58,6 +59,8 @@ from keras_selfattn.export.decode_step.graph import (
     refuse_quantized,
 )
 from keras_selfattn.export.formats import table
+from keras_selfattn.export.parity.arguments import artifact_paths, check_tolerance
+from keras_selfattn.export.parity.engine import collect_artifacts
 from keras_selfattn.export.parity.report import ParityReport
 from keras_selfattn.export.parity.rules import DEFAULT_ATOL, DEFAULT_RTOL
 from keras_selfattn.export.target import ExportTarget
@@ -180,9 +183,12 @@ class DecodeStepExport(pipeline.Target):
         return self._step.target()
 
     def check(self, staged: Mapping[str, str]) -> ParityReport:
-        return verify_decode_step(
-            self.model, max_length=self.max_length, **self.checks, paths=staged
-        )
+        """`verify_decode_step`'s check of the staged artifacts, on the step
+        built for them (`build`)."""
+        atol = check_tolerance("atol", self.checks.get("atol", DEFAULT_ATOL))
+        rtol = check_tolerance("rtol", self.checks.get("rtol", DEFAULT_RTOL))
+        artifacts = collect_artifacts(artifact_paths({}, staged))
+        return check_step(self.model, self._step, artifacts, atol=atol, rtol=rtol)
 
 
 def export_decode_step_saved_model(

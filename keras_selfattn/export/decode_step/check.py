@@ -145,6 +145,30 @@ def verify_decode_step(
     artifacts = (
         {} if all(p is None for p in paths.values()) else collect_artifacts(paths)
     )
+    return check_step(model, step, artifacts, schedules, atol, rtol, seed)
+
+
+def check_step(
+    model: keras.Model,
+    step: DecodeStep,
+    artifacts: Mapping[str, runner.Artifact],
+    schedules: Sequence[tuple[int, int]] = DEFAULT_SCHEDULES,
+    atol: float = DEFAULT_ATOL,
+    rtol: float = DEFAULT_RTOL,
+    seed: int = 0,
+) -> ParityReport:
+    """The check `verify_decode_step` runs, on a step already built: the
+    exporter passes its own (`DecodeStepExport`), `verify_decode_step`
+    builds one from its arguments.
+
+    Args:
+        model: The model whose step `step` is (its full forward is the
+            "keras_cache" rows' reference).
+        step: The decoding step (`build_decode_step`).
+        artifacts: {runtime label: artifact} (`collect_artifacts`), or {}.
+        schedules, seed: As given to `verify_decode_step`.
+        atol, rtol: Checked tolerances (`check_tolerance`).
+    """
     runs, expected, labels, rows = [], [], [], []
     for number, (batch, prompt) in enumerate(schedules):
         prompt = min(prompt, step.max_length)

@@ -23,10 +23,12 @@ from keras_selfattn.export.formats import table
 from keras_selfattn.export.forward.check import (
     DEFAULT_ATOL,
     DEFAULT_RTOL,
+    DEFAULT_SHAPES,
     ParityReport,
-    verify,
+    check_endpoint,
 )
 from keras_selfattn.export.forward.graph import Endpoint, build_endpoint
+from keras_selfattn.export.parity import arguments, engine
 from keras_selfattn.export.target import ExportTarget
 
 # The options every format's export takes, and their defaults.
@@ -42,8 +44,10 @@ _COMMON = {
 @dataclasses.dataclass
 class Forward(pipeline.Target):
     """A model's forward pass (its `Endpoint`) as `pipeline.export` runs it:
-    refused in a half dtype its format cannot keep, checked by `verify`
-    (on a fixed-shape artifact's shape: the exporters give one format).
+    refused in a half dtype its format cannot keep, checked as `verify`
+    checks (on a fixed-shape artifact's shape: the exporters give one
+    format). The endpoint is built once per export, by the first `build`,
+    and the check reuses it and its target.
 
     Attributes:
         model, attention_outputs, atol, rtol, precision: As given to the
@@ -61,6 +65,11 @@ class Forward(pipeline.Target):
     # keywords of an artifact its runtime computes in a half dtype.
     _shapes: list | None = None
     _runtime: dict = dataclasses.field(default_factory=dict)
+    # The endpoint in the export's precision and its target, built once;
+    # a float32 one for a format whose runtime computes the half dtype.
+    _endpoint: Endpoint | None = None
+    _target: ExportTarget | None = None
+    _float32: ExportTarget | None = None
 
     def destination(
         self, export_format: str, path: str | os.PathLike
@@ -72,25 +81,49 @@ class Forward(pipeline.Target):
 
     def build(self, export_format: str) -> ExportTarget:
         row = table.BY_NAME[export_format]
-        endpoint = build_endpoint(self.model, self.attention_outputs, self.precision)
-        require_half(row, endpoint)
-        runtime = row.runtime_half.get(endpoint.half, {})
-        if runtime:
-            # A float32 artifact its runtime computes in the half dtype.
-            endpoint = build_endpoint(self.model, self.attention_outputs)
-            self._runtime.update(runtime)
-        return endpoint.target()
+        if self._endpoint is None:
+            self._endpoint = build_endpoint(
+                self.model, self.attention_outputs, self.precision
+            )
+            self._target = self._endpoint.target()
+        require_half(row, self._endpoint)
+        runtime = row.runtime_half.get(self._endpoint.half, {})
+        if not runtime:
+            return self._target
+        # A float32 artifact its runtime computes in the half dtype.
+        if self._float32 is None:
+            self._float32 = build_endpoint(self.model, self.attention_outputs).target()
+        self._runtime.update(runtime)
+        return self._float32
 
     def check(self, staged: Mapping[str, str]) -> ParityReport:
-        return verify(
-            self.model,
-            attention_outputs=self.attention_outputs,
-            atol=self.atol,
-            rtol=self.rtol,
-            shapes=self._shapes,
-            precision=self.precision,
-            **self._runtime,
-            paths=staged,
+        """`verify`'s check of the staged artifacts, on the endpoint built
+        for them (`build`)."""
+        return self.check_at(staged, self._shapes, self._runtime)
+
+    def check_at(
+        self,
+        staged: Mapping[str, str],
+        shapes: list | None = None,
+        runtime: Mapping[str, object] | None = None,
+    ) -> ParityReport:
+        """`verify` of the artifacts `staged`, {format: path}, on `shapes`
+        (None: `verify`'s defaults) with `verify`'s runtime keywords
+        `runtime` (`openvino_precision`), on the endpoint `build` built."""
+        paths = arguments.artifact_paths({}, staged)
+        keywords = {"openvino_precision": "f32", **(runtime or {})}
+        artifacts = engine.collect_artifacts(paths, keywords)
+        default = shapes is None
+        shapes = arguments.check_shapes(DEFAULT_SHAPES if default else shapes)
+        return check_endpoint(
+            self._endpoint,
+            self._target,
+            artifacts,
+            shapes,
+            default,
+            self.attention_outputs,
+            arguments.check_tolerance("atol", self.atol),
+            arguments.check_tolerance("rtol", self.rtol),
         )
 
 

@@ -72,9 +72,12 @@ from keras_selfattn.export.generator import _writer
 from keras_selfattn.export.generator.check import (
     FORMATS,
     PAIR_RUNTIME,
+    check_generator,
     verify_generator,
 )
 from keras_selfattn.export.generator.graph import Generator, build_generator
+from keras_selfattn.export.parity.arguments import artifact_paths
+from keras_selfattn.export.parity.engine import collect_artifacts
 from keras_selfattn.export.parity.report import ParityReport
 from keras_selfattn.export.target import ExportTarget
 from keras_selfattn.generation import decode_check
@@ -228,7 +231,10 @@ class GeneratorExport(pipeline.Target):
             yield writer(self._generator, keras_path, export_format)
 
     def check(self, staged: Mapping[str, str]) -> ParityReport:
-        return verify_generator(self.model, max_length=self.max_length, paths=staged)
+        """`verify_generator`'s check of the staged artifacts, on the
+        generator built for them (`build`)."""
+        artifacts = collect_artifacts(artifact_paths({}, staged, FORMATS))
+        return check_generator(self._generator, artifacts)
 
 
 def writer(

@@ -201,7 +201,21 @@ def verify_generator(
         "litert_path": litert_path,
     }
     paths = artifact_paths(keywords, paths, FORMATS)
-    artifacts = collect_artifacts(paths)
+    return check_generator(generator, collect_artifacts(paths), seed)
+
+
+def check_generator(
+    generator: Generator, artifacts: Mapping[str, Artifact], seed: int = 0
+) -> ParityReport:
+    """The check `verify_generator` runs, on a generator already built: the
+    exporter passes its own (`GeneratorExport`), `verify_generator` builds
+    one from its arguments.
+
+    Args:
+        generator: The generator (`build_generator`).
+        artifacts: {runtime label: artifact} (`collect_artifacts`).
+        seed: As given to `verify_generator`.
+    """
     labelled = requests(generator, seed)
     labels = [label for label, _ in labelled]
     runs = [Run((request,)) for _, request in labelled]
