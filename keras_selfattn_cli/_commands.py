@@ -35,7 +35,7 @@ from keras_selfattn.export.forward.check import (
     ParityReport,
     verify,
 )
-from keras_selfattn.export.target import ExportTarget
+from keras_selfattn.export.signature import Signature
 from keras_selfattn.serving.layout import VersionExistsError
 from keras_selfattn_cli._process import CLIError, check_signals, one_line
 
@@ -151,7 +151,7 @@ class _Command(pipeline.Target):
     target: pipeline.Target
     destinations: Mapping[str, formats.Destination]
     check_label: str
-    describe: Callable[[ExportTarget], str | None] = lambda built: None
+    describe: Callable[[Signature], str | None] = lambda built: None
     verify: Callable[[Mapping[str, str]], ParityReport] | None = None
     report: ParityReport | None = None
     _described: bool = False
@@ -164,7 +164,7 @@ class _Command(pipeline.Target):
         self.target.refuse(export_format)
         return self.destinations[export_format]
 
-    def build(self, export_format: str) -> ExportTarget:
+    def build(self, export_format: str) -> Signature:
         built = self.target.build(export_format)
         line = None if self._described else self.describe(built)
         self._described = True
@@ -182,7 +182,7 @@ class _Command(pipeline.Target):
         self,
         export_format: str,
         destination: formats.Destination,
-        built: ExportTarget,
+        built: Signature,
     ) -> Iterator[None]:
         """The format's step, then the lines its write shows (e.g. which
         layers were fused), also after a failure."""

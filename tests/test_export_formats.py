@@ -276,7 +276,7 @@ def test_the_runtime_process_imports_neither_keras_nor_the_package(
 ):
     """The worker on a real ONNX file: only onnxruntime and numpy."""
     from keras_selfattn.export.parity import runner as _artifact_runner
-    from keras_selfattn.export.target import ExportTarget, NamedInput
+    from keras_selfattn.export.signature import NamedInput, Signature
 
     onnx = pytest.importorskip("onnx")
     from onnx import TensorProto, helper
@@ -290,9 +290,7 @@ def test_the_runtime_process_imports_neither_keras_nor_the_package(
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     path = str(tmp_path / "double.onnx")
     onnx.save(model, path)
-    target = ExportTarget(
-        None, (NamedInput("x", (None, None), "float32"),), ("y",), None
-    )
+    target = Signature(None, (NamedInput("x", (None, None), "float32"),), ("y",), None)
     runs = [_artifact_runner.Run(({"x": np.arange(6, dtype="float32").reshape(2, 3)},))]
     (outcome,) = _artifact_runner.run_artifacts(
         target, {"onnx": _artifact_runner.Artifact("onnx", path)}, runs

@@ -2,7 +2,7 @@
 
 `check_destination` runs before any work (the command line runs it before
 loading the model): the backend, the packages, the path and the format's
-options (`formats.Format.destination`). `stage` writes an `ExportTarget`
+options (`formats.Format.destination`). `stage` writes a `Signature`
 (the model's forward endpoint, its decoding step or its generator) into a
 hidden temporary beside the destination and moves it into place when its
 `with` block ends without error; verification goes in that block.
@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping
 
 from keras_selfattn.export import _files, formats
 from keras_selfattn.export.formats import Destination, Writer, table
-from keras_selfattn.export.target import ExportTarget
+from keras_selfattn.export.signature import Signature
 
 
 def check_destination(
@@ -57,7 +57,7 @@ def check_destination(
 
 @contextlib.contextmanager
 def stage(
-    target: ExportTarget, destination: Destination, writer: Writer | None = None
+    target: Signature, destination: Destination, writer: Writer | None = None
 ) -> Iterator[_files.Staged]:
     """Writes `target` beside its destination; moves it in after the block.
 
@@ -103,7 +103,7 @@ class Target:
         then checks the destination (`check_destination`), before any work."""
         raise NotImplementedError
 
-    def build(self, export_format: str) -> ExportTarget:
+    def build(self, export_format: str) -> Signature:
         """The graph written in the format (after every destination's check)."""
         raise NotImplementedError
 
@@ -124,7 +124,7 @@ class Target:
         return contextlib.nullcontext()
 
     def staging(
-        self, export_format: str, destination: Destination, built: ExportTarget
+        self, export_format: str, destination: Destination, built: Signature
     ) -> contextlib.AbstractContextManager[None]:
         """A context around the staging of `built` at `destination` (the
         command line prints its step and the format's messages there):

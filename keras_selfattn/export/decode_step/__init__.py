@@ -11,7 +11,7 @@ only, with one key/value cache per causal SelfAttention layer:
 
 The step's graph is `graph` (finding the cached layers,
 threading the caches through the model), its step-by-step check against
-Keras `check`. The step is an `ExportTarget` (`DecodeStep.target()`)
+Keras `check`. The step is a `Signature` (`DecodeStep.target()`)
 and rides the forward export's pipeline: `export_decode_step` writes it in
 any format the backend can export (`formats.table`; SavedModel signature
 "decode_step" for TF Serving, also aliased as "serving_default"; ONNX with
@@ -63,7 +63,7 @@ from keras_selfattn.export.parity.arguments import artifact_paths, check_toleran
 from keras_selfattn.export.parity.engine import collect_artifacts
 from keras_selfattn.export.parity.report import ParityReport
 from keras_selfattn.export.parity.rules import DEFAULT_ATOL, DEFAULT_RTOL
-from keras_selfattn.export.target import ExportTarget
+from keras_selfattn.export.signature import Signature
 from keras_selfattn.generation import decode_check
 
 # What importers of the exporters find here besides them: the step and its
@@ -177,7 +177,7 @@ class DecodeStepExport(pipeline.Target):
         options = pipeline.format_options(export_format, self.options)
         return pipeline.check_destination(export_format, path, **options)
 
-    def build(self, export_format: str) -> ExportTarget:
+    def build(self, export_format: str) -> Signature:
         if self._step is None:
             self._step = build_decode_step(self.model, self.max_length)
         return self._step.target()

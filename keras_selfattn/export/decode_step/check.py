@@ -21,7 +21,7 @@ from keras_selfattn.export.parity.arguments import artifact_paths, check_toleran
 from keras_selfattn.export.parity.engine import check_artifacts, collect_artifacts
 from keras_selfattn.export.parity.report import ParityReport, finish_report
 from keras_selfattn.export.parity.rules import DEFAULT_ATOL, DEFAULT_RTOL, parity_row
-from keras_selfattn.export.target import ExportTarget
+from keras_selfattn.export.signature import Signature
 
 # (batch, prompt length) of the sequences `verify_decode_step` decodes: one
 # position per step from the start, a prompt of 3, and the whole sequence in
@@ -56,7 +56,7 @@ def schedule(step: DecodeStep, sequence: np.ndarray, prompt_length: int):
     return runner.Run(tuple(steps), feedback)
 
 
-def _reference_call(target: ExportTarget):
+def _reference_call(target: Signature):
     """`target.call_named`, under `jax.jit` on JAX: eagerly, every step's
     keys would have a new length (`cache_update_index` + new positions), and
     JAX compiles each op anew for each shape (about a second a step, most of

@@ -73,7 +73,7 @@ class FormatRow:
             computes in that dtype (OpenVINO compiles a float32 IR in bf16):
             the artifact is exported in float32 and checked so.
         extra_signatures: Whether an artifact holds a target's extra
-            signatures (`ExportTarget.extra_signatures`: a generator's
+            signatures (`Signature.extra_signatures`: a generator's
             "prefill" and "decode"), which the generator's check then runs.
     """
 

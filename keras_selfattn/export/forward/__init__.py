@@ -29,7 +29,7 @@ from keras_selfattn.export.forward.check import (
 )
 from keras_selfattn.export.forward.graph import Endpoint, build_endpoint
 from keras_selfattn.export.parity import arguments, engine
-from keras_selfattn.export.target import ExportTarget
+from keras_selfattn.export.signature import Signature
 
 # The options every format's export takes, and their defaults.
 _COMMON = {
@@ -68,8 +68,8 @@ class Forward(pipeline.Target):
     # The endpoint in the export's precision and its target, built once;
     # a float32 one for a format whose runtime computes the half dtype.
     _endpoint: Endpoint | None = None
-    _target: ExportTarget | None = None
-    _float32: ExportTarget | None = None
+    _target: Signature | None = None
+    _float32: Signature | None = None
 
     def destination(
         self, export_format: str, path: str | os.PathLike
@@ -79,7 +79,7 @@ class Forward(pipeline.Target):
         self._shapes = None if fixed is None else [fixed]
         return destination
 
-    def build(self, export_format: str) -> ExportTarget:
+    def build(self, export_format: str) -> Signature:
         row = table.BY_NAME[export_format]
         if self._endpoint is None:
             self._endpoint = build_endpoint(

@@ -25,7 +25,7 @@ from keras_selfattn.export.parity.report import (
     finish_report,
 )
 from keras_selfattn.export.parity.rules import DEFAULT_ATOL, DEFAULT_RTOL, ParityRow
-from keras_selfattn.export.target import ExportTarget
+from keras_selfattn.export.signature import Signature
 
 # What importers of `verify` find here besides it: its defaults, its report.
 __all__ = [
@@ -102,7 +102,7 @@ def quantized_shapes(
 
 def forward_runs(
     endpoint: Endpoint,
-    target: ExportTarget,
+    target: Signature,
     shapes: Sequence[tuple[int, int]],
     seed: int,
 ) -> tuple[list[runner.Run], list[str], _References]:
@@ -247,7 +247,7 @@ def verify(
 
 def check_endpoint(
     endpoint: Endpoint,
-    target: ExportTarget,
+    target: Signature,
     artifacts: Mapping[str, runner.Artifact],
     shapes: Sequence[tuple[int, int]],
     default: bool,

@@ -79,7 +79,7 @@ from keras_selfattn.export.generator.graph import Generator, build_generator
 from keras_selfattn.export.parity.arguments import artifact_paths
 from keras_selfattn.export.parity.engine import collect_artifacts
 from keras_selfattn.export.parity.report import ParityReport
-from keras_selfattn.export.target import ExportTarget
+from keras_selfattn.export.signature import Signature
 from keras_selfattn.generation import decode_check
 
 # What importers of `export_generator` find here besides it: its check.
@@ -210,7 +210,7 @@ class GeneratorExport(pipeline.Target):
         options = pipeline.format_options(export_format, self.options)
         return check_destination(export_format, path, **options)
 
-    def build(self, export_format: str) -> ExportTarget:
+    def build(self, export_format: str) -> Signature:
         if self._generator is None:
             self._generator = build_generator(
                 self.model, self.max_length, self.jit_compile

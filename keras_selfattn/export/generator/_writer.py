@@ -27,7 +27,7 @@ import keras
 from keras_selfattn import _tensorflow_extra
 from keras_selfattn._model_layers import every_layer
 from keras_selfattn.export.formats import ExportError, Writer, one_line
-from keras_selfattn.export.target import ExportTarget
+from keras_selfattn.export.signature import Signature
 from keras_selfattn.generation import decode_check
 
 WRITER_BACKEND = "tensorflow"
@@ -99,7 +99,7 @@ def writer(
         f"{WRITER_BACKEND} process)"
     )
 
-    def write(target: ExportTarget, staged: str, options: Mapping[str, object]):
+    def write(target: Signature, staged: str, options: Mapping[str, object]):
         del target  # rebuilt from the .keras file by the TensorFlow process
         request = {
             "keras_file": path,

@@ -15,7 +15,7 @@ from keras_selfattn.export.formats import one_line, table
 from keras_selfattn.export.parity import arguments, rules, runner
 from keras_selfattn.export.parity.report import ParityError, ParityReport
 from keras_selfattn.export.parity.rules import ParityRow
-from keras_selfattn.export.target import ExportTarget
+from keras_selfattn.export.signature import Signature
 
 
 def collect_artifacts(
@@ -66,7 +66,7 @@ def artifact(
 
 
 def run_checked(
-    target: ExportTarget,
+    target: Signature,
     artifacts: Mapping[str, runner.Artifact],
     runs: Sequence[runner.Run],
     labels: Sequence[str],
@@ -115,7 +115,7 @@ def run_checked(
 
 
 def check_artifacts(
-    target: ExportTarget,
+    target: Signature,
     artifacts: Mapping[str, runner.Artifact],
     runs: Sequence[runner.Run],
     expected: Sequence[Sequence[Mapping[str, np.ndarray]]],

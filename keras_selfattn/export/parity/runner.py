@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from keras_selfattn.export.formats import table
-from keras_selfattn.export.target import ExportTarget
+from keras_selfattn.export.signature import Signature
 
 # A fresh runtime process: imports and a handful of calls.
 _WORKER_TIMEOUT_S = 600
@@ -98,7 +98,7 @@ def _last_line(path: str) -> str:
 
 
 def run_artifacts(
-    target: ExportTarget, artifacts: Mapping[str, Artifact], runs: Sequence[Run]
+    target: Signature, artifacts: Mapping[str, Artifact], runs: Sequence[Run]
 ) -> dict[str, Outcome]:
     """Runs every artifact on every run, each in a process of its own.
 
