@@ -28,7 +28,6 @@ from keras_selfattn.export import (
     generator,
     pipeline,
 )
-from keras_selfattn.export.formats import table
 from keras_selfattn.export.forward.check import (
     DEFAULT_ATOL,
     DEFAULT_RTOL,
@@ -38,6 +37,7 @@ from keras_selfattn.export.forward.check import (
 from keras_selfattn.export.signature import Signature
 from keras_selfattn.serving.layout import VersionExistsError
 from keras_selfattn_cli._process import CLIError, check_signals, one_line
+from keras_selfattn_runtimes import table
 
 
 def _default_tolerances(args: argparse.Namespace) -> None:

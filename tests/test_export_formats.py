@@ -24,7 +24,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from keras_selfattn.export.formats import table
+from keras_selfattn_runtimes import table
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONSOLE = os.path.join(os.path.dirname(sys.executable), "keras-selfattn")
@@ -74,7 +74,7 @@ import keras
 import keras_selfattn
 from keras_selfattn import export
 from keras_selfattn.export import ParityError, verify
-from keras_selfattn.export.formats import table
+from keras_selfattn_runtimes import table
 
 root, model_file, cells, refused, shapes, files, fixed_shape, wrong = json.loads(
     sys.argv[1]

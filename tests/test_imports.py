@@ -132,7 +132,7 @@ def test_the_command_line_reads_the_table_without_importing_the_package():
         for target in edges[source]
     }
     assert edges["keras_selfattn_cli._table"] == set()
-    assert "keras_selfattn.export.formats.table" not in edges["keras_selfattn_cli"]
+    assert "keras_selfattn_runtimes.table" not in edges["keras_selfattn_cli"]
     assert "keras_selfattn_cli._commands" in edges["keras_selfattn_cli"]
     assert {t for t in reached if t.startswith("keras_selfattn.")}  # commands do
 

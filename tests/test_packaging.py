@@ -33,7 +33,7 @@ from packaging.requirements import Requirement
 
 import keras_selfattn
 from keras_selfattn import _tensorflow_extra
-from keras_selfattn.export.formats import table
+from keras_selfattn_runtimes import table
 
 # Its slow cases in TensorFlow's slow suite (the shortest; see tests/conftest.py).
 pytestmark = pytest.mark.one_suite(

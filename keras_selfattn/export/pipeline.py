@@ -18,8 +18,9 @@ import os
 from collections.abc import Iterator, Mapping
 
 from keras_selfattn.export import _files, formats
-from keras_selfattn.export.formats import Destination, Writer, table
+from keras_selfattn.export.formats import Destination, Writer
 from keras_selfattn.export.signature import Signature
+from keras_selfattn_runtimes import table
 
 
 def check_destination(

@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterator, Mapping
 import keras
 
 from keras_selfattn.export import _files
-from keras_selfattn.export.formats.table import FormatRow
 from keras_selfattn.export.signature import Signature
+from keras_selfattn_runtimes.table import FormatRow
 
 # Writes a target's artifact at a staged path with the format's options:
 # `Format.write`, or another process's writer (`export.generator._writer`).

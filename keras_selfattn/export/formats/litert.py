@@ -34,9 +34,10 @@ import numpy as np
 
 from keras_selfattn import tracing
 from keras_selfattn.export import quantization
-from keras_selfattn.export.formats import litert_signatures, table
+from keras_selfattn.export.formats import litert_signatures
 from keras_selfattn.export.formats._base import ExportError, Format, converting
 from keras_selfattn.export.signature import Signature
+from keras_selfattn_runtimes import table
 
 logger = logging.getLogger(__name__)
 # ai_edge_quantizer's recipe for models whose every quantized layer is int8,

@@ -45,9 +45,9 @@ import numpy as np
 
 from keras_selfattn import tracing
 from keras_selfattn.export import quantization
-from keras_selfattn.export.formats import table
 from keras_selfattn.export.formats._base import Format, converting
 from keras_selfattn.export.signature import Signature
+from keras_selfattn_runtimes import table
 
 # Where a quantized export says what it computes (the model's rt_info).
 SCHEME_KEY = "keras_selfattn_quantization"

@@ -38,7 +38,6 @@ from keras_selfattn import _checks
 from keras_selfattn._model_layers import every_layer
 from keras_selfattn.export import _files, quantization
 from keras_selfattn.export.example_inputs import example_inputs
-from keras_selfattn.export.formats import table
 from keras_selfattn.export.formats._base import (
     Destination,
     Format,
@@ -47,6 +46,7 @@ from keras_selfattn.export.formats._base import (
 )
 from keras_selfattn.export.signature import SERVING_SIGNATURE, Signature
 from keras_selfattn.serving import layout
+from keras_selfattn_runtimes import table
 
 # Warmup requests: batch 1 and a few short lengths, the traces TF Serving
 # would otherwise build on the first real requests.

@@ -12,9 +12,9 @@ import warnings
 from collections.abc import Mapping
 
 from keras_selfattn.export import quantization
-from keras_selfattn.export.formats import table
 from keras_selfattn.export.formats._base import Format, converting
 from keras_selfattn.export.signature import Signature
+from keras_selfattn_runtimes import table
 
 
 def dynamic_shapes(target: Signature) -> list:

@@ -19,7 +19,6 @@ from collections.abc import Mapping
 import keras
 
 from keras_selfattn.export import formats, pipeline
-from keras_selfattn.export.formats import table
 from keras_selfattn.export.forward.check import (
     DEFAULT_ATOL,
     DEFAULT_RTOL,
@@ -30,6 +29,7 @@ from keras_selfattn.export.forward.check import (
 from keras_selfattn.export.forward.graph import Endpoint, build_endpoint
 from keras_selfattn.export.parity import arguments, engine
 from keras_selfattn.export.signature import Signature
+from keras_selfattn_runtimes import table
 
 # The options every format's export takes, and their defaults.
 _COMMON = {

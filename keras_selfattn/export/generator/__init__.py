@@ -67,7 +67,6 @@ import keras
 
 from keras_selfattn.export import formats, pipeline
 from keras_selfattn.export.decode_step.graph import refuse_quantized
-from keras_selfattn.export.formats import table
 from keras_selfattn.export.generator import _writer
 from keras_selfattn.export.generator.check import (
     FORMATS,
@@ -81,6 +80,7 @@ from keras_selfattn.export.parity.engine import collect_artifacts
 from keras_selfattn.export.parity.report import ParityReport
 from keras_selfattn.export.signature import Signature
 from keras_selfattn.generation import decode_check
+from keras_selfattn_runtimes import table
 
 # What importers of `export_generator` find here besides it: its check.
 __all__ = ["FORMATS", "PAIR_RUNTIME", "export_generator", "verify_generator"]

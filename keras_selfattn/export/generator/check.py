@@ -16,7 +16,6 @@ from keras_selfattn.export.decode_step.graph import (
     DecodeStep,
     build_decode_step,
 )
-from keras_selfattn.export.formats import table
 from keras_selfattn.export.generator.graph import (
     DECODE_SIGNATURE,
     PREFILL_SIGNATURE,
@@ -35,6 +34,7 @@ from keras_selfattn.export.parity.report import ParityReport, finish_report
 from keras_selfattn.export.parity.rules import ParityRow, parity_row
 from keras_selfattn.export.parity.runner import Artifact, Run
 from keras_selfattn.generation import generate
+from keras_selfattn_runtimes import table
 
 # Formats a generator can be written in (by TensorFlow, from every backend).
 FORMATS = tuple(row.name for row in table.ROWS if row.generator)

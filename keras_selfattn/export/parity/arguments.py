@@ -7,7 +7,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 
-from keras_selfattn.export.formats import table
+from keras_selfattn_runtimes import table
 
 # The argument of `verify` (and `verify_decode_step`) naming each format's artifact.
 PATH_ARGUMENT = {row.name: row.path_argument for row in table.ROWS}

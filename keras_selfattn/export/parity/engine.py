@@ -11,11 +11,12 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from keras_selfattn.export import formats
-from keras_selfattn.export.formats import one_line, table
+from keras_selfattn.export.formats import one_line
 from keras_selfattn.export.parity import arguments, rules, runner
 from keras_selfattn.export.parity.report import ParityError, ParityReport
 from keras_selfattn.export.parity.rules import ParityRow
 from keras_selfattn.export.signature import Signature
+from keras_selfattn_runtimes import table
 
 
 def collect_artifacts(

@@ -18,12 +18,18 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from keras_selfattn.export.formats import table
+import keras_selfattn_runtimes
 from keras_selfattn.export.signature import Signature
+from keras_selfattn_runtimes import table
 
 # A fresh runtime process: imports and a handful of calls.
 _WORKER_TIMEOUT_S = 600
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_runner_process.py")
+# The folder holding `keras_selfattn_runtimes`, which the runtime process
+# imports by name: first on its path.
+_RUNTIMES_ROOT = os.path.dirname(
+    os.path.dirname(os.path.abspath(keras_selfattn_runtimes.__file__))
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +125,12 @@ def run_artifacts(
                 np.savez(path, **{k: np.asarray(v) for k, v in arrays.items()})
                 files.append(path)
             step_files.append(files)
-        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+        search = (_RUNTIMES_ROOT, os.environ.get("PYTHONPATH", ""))
+        env = {
+            **os.environ,
+            "TF_CPP_MIN_LOG_LEVEL": "3",
+            "PYTHONPATH": os.pathsep.join(path for path in search if path),
+        }
         started = {}
         for number, (label, artifact) in enumerate(artifacts.items()):
             folder = os.path.join(work, f"artifact{number}")

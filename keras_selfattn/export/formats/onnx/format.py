@@ -18,9 +18,9 @@ import keras
 
 from keras_selfattn import _checks, tracing
 from keras_selfattn.export import quantization
-from keras_selfattn.export.formats import table
 from keras_selfattn.export.formats._base import Format, converting
 from keras_selfattn.export.signature import BATCH_AXIS, TIME_AXIS, Signature
+from keras_selfattn_runtimes import table
 
 if TYPE_CHECKING:  # onnx is an extra, imported when a file is written
     import onnx
