@@ -7,8 +7,9 @@ itself (`keras_selfattn` outside `serving` and `export`), `serving`,
 `export`, the command line (`keras_selfattn_cli`); inside `export`, the
 formats never import what checks and stages them (`verify`, `pipeline`,
 the public exporters). A private module (`_name`) is imported only from
-inside its own package. The command line's table module is read by path,
-without importing `keras_selfattn` (tested in test_cli_startup.py).
+inside its own package. The command line's table module is
+`keras_selfattn_runtimes.table`, imported by name without `keras_selfattn`
+(tested in test_cli_startup.py).
 """
 
 from __future__ import annotations

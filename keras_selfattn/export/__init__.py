@@ -23,8 +23,12 @@
   runtime, and returns a `ParityReport`, raising `ParityError` beyond
   tolerance.
 
-Each format is one module of `keras_selfattn.export.formats`, read from one
-table (`formats.table`). Every export is written beside its target,
+Each export target is one package: `forward` (the exporters above and
+`verify`), `decode_step` and `generator`, each with its graph (`graph`) and
+its check (`check`); the pipeline, files, precision, quantization and
+example inputs they share sit here. Each format is one module of
+`keras_selfattn.export.formats`, read from one table (`formats.table`, the
+module `keras_selfattn_runtimes.table`). Every export is written beside its target,
 verified, then moved into place. A quantized model (`model.quantize`)
 exports with Keras's integers on each runtime's integer kernels
 (`keras_selfattn.export.quantization`). Importing this package loads neither
