@@ -145,7 +145,7 @@ def _stepped(step_call: Callable, caches: dict, batch_prompts: np.ndarray, new: 
 def _saved_model_signature(directory: str, name: str) -> Callable[[dict], dict]:
     """The SavedModel's signature `name`, TensorFlow's XLA as it is (the
     generator compiled with XLA needs it)."""
-    from keras_selfattn.export import runtimes
+    import keras_selfattn_runtimes as runtimes
 
     return runtimes.load("saved_model", directory, name, tf_serving=False)
 
@@ -153,7 +153,7 @@ def _saved_model_signature(directory: str, name: str) -> Callable[[dict], dict]:
 def _onnx_session(path: str) -> Callable[[dict], dict]:
     """A CPU session without spinning between calls: it would take the cores
     from the next candidate timed."""
-    from keras_selfattn.export import runtimes
+    import keras_selfattn_runtimes as runtimes
 
     return runtimes.load("onnx", path, spinning=False)
 

@@ -101,12 +101,12 @@ def _missing(runtime: str) -> str | None:
 def one_input_call(
     module: str, path: str, **options: object
 ) -> tuple[Callable, object]:
-    """The artifact at `path` loaded by `keras_selfattn.export.runtimes`'
+    """The artifact at `path` loaded by `keras_selfattn_runtimes`'
     `module` with its `options` (the check's own loaders, on the
     `serving_default` signature): a call on its one input returning its
     first output, numpy -> numpy, and the loaded artifact (its
     `description`)."""
-    from keras_selfattn.export import runtimes
+    import keras_selfattn_runtimes as runtimes
 
     loaded = runtimes.load(module, path, **options)
     name, output = loaded.input_names[0], loaded.output_names[0]
@@ -118,7 +118,7 @@ def saved_model_call(
 ) -> Callable[[np.ndarray], np.ndarray]:
     """The SavedModel's `serving_default` on one input, as numpy -> numpy
     (TensorFlow's XLA left as it is, not disabled as TF Serving does)."""
-    from keras_selfattn.export import runtimes
+    import keras_selfattn_runtimes as runtimes
 
     loaded = runtimes.load("saved_model", directory, tf_serving=False)
     (output,) = loaded.output_names

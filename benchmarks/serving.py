@@ -9,7 +9,7 @@ alone behind `keras.Input((None, 256), name="x")`, are exported: SelfAttention
 with `keras_selfattn.export.export_saved_model` (as it is, and with
 `jit_compile=True`) and `export_onnx` (tf2onnx), MultiHeadAttention with
 Keras's own `model.export`. Each artifact runs in its runtime
-(`keras_selfattn.export.runtimes`: the SavedModels' `serving_default`
+(`keras_selfattn_runtimes`: the SavedModels' `serving_default`
 signature, an onnxruntime CPU session with its default options), timed
 interleaved at every (batch, time), in two settings of TF Serving:
 
@@ -195,7 +195,7 @@ def graph_nodes(path: str) -> dict:
 def _calls(paths: dict[str, str], names, tf_serving: bool) -> dict:
     """numpy -> numpy callables of the candidates `names` (`tf_serving`: XLA
     disabled in this process as TF Serving does)."""
-    from keras_selfattn.export import runtimes
+    import keras_selfattn_runtimes as runtimes
 
     calls = {}
     for name in names:

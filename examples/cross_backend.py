@@ -313,7 +313,7 @@ def run_exports(
     version_dir: str, onnx_path: Path, tokens: np.ndarray
 ) -> dict[str, np.ndarray]:
     """{runtime: predictions} of the SavedModel signature and onnxruntime."""
-    from keras_selfattn.export import runtimes
+    import keras_selfattn_runtimes as runtimes
 
     # TensorFlow as it is: no XLA switch flipped as TF Serving's would.
     signature = runtimes.load("saved_model", version_dir, tf_serving=False)

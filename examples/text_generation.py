@@ -330,7 +330,7 @@ def serve_generator(
 def answer_as_tf_serving(version_dir: str, inputs: dict) -> dict:
     """The "outputs" TF Serving's REST API would return: the SavedModel's
     `generate` signature run on the request's tensors, as JSON lists."""
-    from keras_selfattn.export import runtimes
+    import keras_selfattn_runtimes as runtimes
 
     # TensorFlow as it is: `generate` runs after it here, XLA included.
     signature = runtimes.load("saved_model", version_dir, "generate", tf_serving=False)

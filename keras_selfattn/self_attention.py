@@ -27,9 +27,6 @@ from keras_selfattn.attention import heads as heads_lib
 
 __all__ = ["SelfAttention"]
 
-# `__init__`'s locals that are not arguments `_config.arguments` checks.
-_NOT_ARGUMENTS = ("self", "kwargs", "activity_regularizer", "__class__")
-
 
 @keras.saving.register_keras_serializable(package="keras_selfattn")
 class SelfAttention(
@@ -161,8 +158,38 @@ class SelfAttention(
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)
         _checks.float_policy(self.dtype_policy)
         _checks.finite_config("activity_regularizer", self.activity_regularizer)
-        arguments = {k: v for k, v in locals().items() if k not in _NOT_ARGUMENTS}
-        for name, value in _config.arguments(**arguments).items():
+        arguments = _config.arguments(
+            num_heads=num_heads,
+            key_dim=key_dim,
+            value_dim=value_dim,
+            output_dim=output_dim,
+            use_bias=use_bias,
+            scale=scale,
+            causal=causal,
+            sliding_window=sliding_window,
+            chunk_size=chunk_size,
+            dropout=dropout,
+            seed=seed,
+            flash_attention=flash_attention,
+            num_key_value_heads=num_key_value_heads,
+            use_gate=use_gate,
+            rope_max_wavelength=rope_max_wavelength,
+            rope_scaling_factor=rope_scaling_factor,
+            position_bias=position_bias,
+            alibi_bias_max=alibi_bias_max,
+            relative_attention_num_buckets=relative_attention_num_buckets,
+            relative_attention_max_distance=relative_attention_max_distance,
+            use_sinks=use_sinks,
+            logit_soft_cap=logit_soft_cap,
+            quantized_projections=quantized_projections,
+            kernel_initializer=kernel_initializer,
+            bias_initializer=bias_initializer,
+            kernel_regularizer=kernel_regularizer,
+            bias_regularizer=bias_regularizer,
+            kernel_constraint=kernel_constraint,
+            bias_constraint=bias_constraint,
+        )
+        for name, value in arguments.items():
             setattr(self, name, value)
         self._kv_heads = self.num_key_value_heads or self.num_heads
         self.supports_jit = _config.supports_jit(self)

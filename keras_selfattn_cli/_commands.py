@@ -28,16 +28,16 @@ from keras_selfattn.export import (
     generator,
     pipeline,
 )
-from keras_selfattn.export.formats import table
-from keras_selfattn.export.target import ExportTarget
-from keras_selfattn.export.verify import (
+from keras_selfattn.export.forward.check import (
     DEFAULT_ATOL,
     DEFAULT_RTOL,
     ParityReport,
     verify,
 )
+from keras_selfattn.export.signature import Signature
 from keras_selfattn.serving.layout import VersionExistsError
 from keras_selfattn_cli._process import CLIError, check_signals, one_line
+from keras_selfattn_runtimes import table
 
 
 def _default_tolerances(args: argparse.Namespace) -> None:
@@ -151,7 +151,7 @@ class _Command(pipeline.Target):
     target: pipeline.Target
     destinations: Mapping[str, formats.Destination]
     check_label: str
-    describe: Callable[[ExportTarget], str | None] = lambda built: None
+    describe: Callable[[Signature], str | None] = lambda built: None
     verify: Callable[[Mapping[str, str]], ParityReport] | None = None
     report: ParityReport | None = None
     _described: bool = False
@@ -164,7 +164,7 @@ class _Command(pipeline.Target):
         self.target.refuse(export_format)
         return self.destinations[export_format]
 
-    def build(self, export_format: str) -> ExportTarget:
+    def build(self, export_format: str) -> Signature:
         built = self.target.build(export_format)
         line = None if self._described else self.describe(built)
         self._described = True
@@ -182,7 +182,7 @@ class _Command(pipeline.Target):
         self,
         export_format: str,
         destination: formats.Destination,
-        built: ExportTarget,
+        built: Signature,
     ) -> Iterator[None]:
         """The format's step, then the lines its write shows (e.g. which
         layers were fused), also after a failure."""
@@ -237,11 +237,12 @@ def _command(
                 f"{', '.join(built.output_names)} (max_length {args.max_length})"
             ),
         )
+    passes = forward.Forward(model, None, args.atol, args.rtol, "float32", {})
     return _Command(
-        forward.Forward(model, None, args.atol, args.rtol, "float32", {}),
+        passes,
         destinations,
         "Verifying against Keras",
-        verify=lambda staged: _verify_paths(model, staged, args),
+        verify=lambda staged: _verify_paths(model, staged, args, passes),
     )
 
 
@@ -272,9 +273,13 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def _verify_paths(
-    model: keras.Model, paths: Mapping[str, str], args: argparse.Namespace
+    model: keras.Model,
+    paths: Mapping[str, str],
+    args: argparse.Namespace,
+    exported: forward.Forward | None = None,
 ) -> ParityReport:
-    """`verify` of every path; a fixed-shape LiteRT file at its one shape."""
+    """`verify` of every path; a fixed-shape LiteRT file at its one shape.
+    An export's check runs on the endpoint its export built (`exported`)."""
     shape = args.litert_shape
     fixed_shape = {r.name for r in table.ROWS if "shape" in r.cli_options}
     fixed = {f: path for f, path in paths.items() if f in fixed_shape and shape}
@@ -282,7 +287,10 @@ def _verify_paths(
     precision = getattr(args, "openvino_precision", "f32")
     rows: list[Any] = []
     for group, shapes in ((dynamic, None), (fixed, [shape])):
-        if group:
+        if group and exported is not None:
+            runtime = {"openvino_precision": precision}
+            rows.extend(exported.check_at(group, shapes, runtime).rows)
+        elif group:
             report = verify(
                 model,
                 atol=args.atol,

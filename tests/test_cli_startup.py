@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from keras_selfattn.export.verify import DEFAULT_ATOL, DEFAULT_RTOL
+from keras_selfattn.export.forward.check import DEFAULT_ATOL, DEFAULT_RTOL
 from keras_selfattn_cli import _process, build_parser
 
 REPO = Path(__file__).resolve().parents[1]

@@ -24,7 +24,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from keras_selfattn.export.formats import table
+from keras_selfattn_runtimes import table
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONSOLE = os.path.join(os.path.dirname(sys.executable), "keras-selfattn")
@@ -90,7 +90,7 @@ import keras
 import keras_selfattn
 from keras_selfattn import export
 from keras_selfattn.export import ParityError, verify
-from keras_selfattn.export.formats import table
+from keras_selfattn_runtimes import table
 
 root, model_file, cells, refused, shapes, files, fixed_shape, wrong = json.loads(
     sys.argv[1]
@@ -293,8 +293,8 @@ def test_the_runtime_process_imports_neither_keras_nor_the_package(
     model_files, tmp_path
 ):
     """The worker on a real ONNX file: only onnxruntime and numpy."""
-    from keras_selfattn.export import _artifact_runner
-    from keras_selfattn.export.target import ExportTarget, NamedInput
+    from keras_selfattn.export.parity import runner as _artifact_runner
+    from keras_selfattn.export.signature import NamedInput, Signature
 
     onnx = pytest.importorskip("onnx")
     from onnx import TensorProto, helper
@@ -308,9 +308,7 @@ def test_the_runtime_process_imports_neither_keras_nor_the_package(
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     path = str(tmp_path / "double.onnx")
     onnx.save(model, path)
-    target = ExportTarget(
-        None, (NamedInput("x", (None, None), "float32"),), ("y",), None
-    )
+    target = Signature(None, (NamedInput("x", (None, None), "float32"),), ("y",), None)
     runs = [_artifact_runner.Run(({"x": np.arange(6, dtype="float32").reshape(2, 3)},))]
     (outcome,) = _artifact_runner.run_artifacts(
         target, {"onnx": _artifact_runner.Artifact("onnx", path)}, runs

@@ -18,8 +18,8 @@ import pytest
 
 from keras_selfattn import SelfAttention
 from keras_selfattn.export import ParityError, export_onnx
-from keras_selfattn.export.endpoint import build_endpoint
 from keras_selfattn.export.formats.onnx import format as onnx_module
+from keras_selfattn.export.forward.graph import build_endpoint
 from tests import model_zoo
 
 pytestmark = pytest.mark.tensorflow_only("ONNX export through tf2onnx")

@@ -24,8 +24,8 @@ from keras_selfattn.export import (
     export_openvino,
     export_saved_model,
 )
-from keras_selfattn.export.formats import table
 from keras_selfattn_cli import main
+from keras_selfattn_runtimes import table
 
 pytestmark = pytest.mark.tensorflow_only("tf2onnx is the converter made to fail")
 

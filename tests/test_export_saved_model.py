@@ -19,8 +19,8 @@ from tensorflow_serving.config import model_server_config_pb2
 
 from keras_selfattn import SelfAttention
 from keras_selfattn.export import ParityError, export_saved_model
-from keras_selfattn.export.endpoint import build_endpoint
 from keras_selfattn.export.formats import saved_model as saved_model_module
+from keras_selfattn.export.forward.graph import build_endpoint
 from tests import model_zoo
 from tests.files import tree_digest
 

@@ -52,7 +52,7 @@ def test_an_artifact_that_computes_something_else_is_refused(
     was for grouped-query attention): the check fails, nothing appears."""
     impostor = model_zoo.masked_classifier(seed=5)
     real_write = litert.FORMAT.write
-    from keras_selfattn.export.endpoint import build_endpoint
+    from keras_selfattn.export.forward.graph import build_endpoint
 
     def write_impostor(target, path, options):
         real_write(build_endpoint(impostor).target(), path, options)

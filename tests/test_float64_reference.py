@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from keras_selfattn import SelfAttention
-from keras_selfattn.export.endpoint import build_endpoint, keras_reference
+from keras_selfattn.export.forward.graph import build_endpoint, keras_reference
 from keras_selfattn.export.parity import exact, rules
 from keras_selfattn.export.parity.rules import ParityRow
 from tests.reference import for_layer

@@ -7,8 +7,9 @@ itself (`keras_selfattn` outside `serving` and `export`), `serving`,
 `export`, the command line (`keras_selfattn_cli`); inside `export`, the
 formats never import what checks and stages them (`verify`, `pipeline`,
 the public exporters). A private module (`_name`) is imported only from
-inside its own package. The command line's table module is read by path,
-without importing `keras_selfattn` (tested in test_cli_startup.py).
+inside its own package. The command line's table module is
+`keras_selfattn_runtimes.table`, imported by name without `keras_selfattn`
+(tested in test_cli_startup.py).
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ LAYERS = ("layer", "serving", "export", "cli")
 # Modules of `export` above its formats: a format importing one of them
 # would run from a lower layer back up.
 ABOVE_FORMATS = (
-    "keras_selfattn.export.verify",
+    "keras_selfattn.export.forward.check",
     "keras_selfattn.export.pipeline",
-    "keras_selfattn.export.exporters",
+    "keras_selfattn.export.forward",
     "keras_selfattn.export.decode_step",
-    "keras_selfattn.export._artifact_runner",
+    "keras_selfattn.export.parity.runner",
 )
 
 
@@ -132,7 +133,7 @@ def test_the_command_line_reads_the_table_without_importing_the_package():
         for target in edges[source]
     }
     assert edges["keras_selfattn_cli._table"] == set()
-    assert "keras_selfattn.export.formats.table" not in edges["keras_selfattn_cli"]
+    assert "keras_selfattn_runtimes.table" not in edges["keras_selfattn_cli"]
     assert "keras_selfattn_cli._commands" in edges["keras_selfattn_cli"]
     assert {t for t in reached if t.startswith("keras_selfattn.")}  # commands do
 
@@ -196,6 +197,6 @@ def test_a_private_import_across_packages_is_found():
     lets a package's own modules (its subpackages too) in."""
     owner = _private_owner("keras_selfattn.export.formats._base")
     assert owner == "keras_selfattn.export.formats"
-    assert not "keras_selfattn.export._generator_writer".startswith(f"{owner}.")
+    assert not "keras_selfattn.export.generator._writer".startswith(f"{owner}.")
     assert "keras_selfattn.export.formats.onnx.format".startswith(f"{owner}.")
-    assert _private_owner("keras_selfattn.export.verify") is None
+    assert _private_owner("keras_selfattn.export.forward.check") is None

@@ -49,7 +49,7 @@ import pytest
 from keras_selfattn import SelfAttention
 from keras_selfattn.attention import dispatch, rotary
 from keras_selfattn.export import export_litert, export_openvino, verify
-from keras_selfattn.export.endpoint import build_endpoint
+from keras_selfattn.export.forward.graph import build_endpoint
 from keras_selfattn.export.parity import exact, rules
 from tests.reference import for_layer
 

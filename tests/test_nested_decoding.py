@@ -17,7 +17,7 @@ import pytest
 import keras_selfattn
 from keras_selfattn import SelfAttention, generate
 from keras_selfattn.export import export_decode_step, export_generator
-from keras_selfattn.export.decode_step_graph import build_decode_step
+from keras_selfattn.export.decode_step.graph import build_decode_step
 from keras_selfattn.generation import decode_check
 from tests import decoder_zoo
 from tests import generation_reference as reference

@@ -33,7 +33,7 @@ from packaging.requirements import Requirement
 
 import keras_selfattn
 from keras_selfattn import _tensorflow_extra
-from keras_selfattn.export.formats import table
+from keras_selfattn_runtimes import table
 
 # Its slow cases in TensorFlow's slow suite (the shortest; see tests/conftest.py).
 pytestmark = pytest.mark.one_suite(
@@ -75,7 +75,7 @@ def test_the_version_has_one_home():
 
 
 def test_tensorflow_written_generators_name_the_extra(monkeypatch):
-    from keras_selfattn.export import _generator_writer
+    from keras_selfattn.export.generator import _writer as _generator_writer
 
     real = importlib.util.find_spec
     monkeypatch.setattr(

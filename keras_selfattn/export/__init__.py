@@ -23,8 +23,12 @@
   runtime, and returns a `ParityReport`, raising `ParityError` beyond
   tolerance.
 
-Each format is one module of `keras_selfattn.export.formats`, read from one
-table (`formats.table`). Every export is written beside its target,
+Each export target is one package: `forward` (the exporters above and
+`verify`), `decode_step` and `generator`, each with its graph (`graph`) and
+its check (`check`); the pipeline, files, precision, quantization and
+example inputs they share sit here. Each format is one module of
+`keras_selfattn.export.formats`, read from one table (`formats.table`, the
+module `keras_selfattn_runtimes.table`). Every export is written beside its target,
 verified, then moved into place. A quantized model (`model.quantize`)
 exports with Keras's integers on each runtime's integer kernels
 (`keras_selfattn.export.quantization`). Importing this package loads neither
@@ -42,7 +46,8 @@ from keras_selfattn.export.decode_step import (
     export_decode_step_saved_model,
     verify_decode_step,
 )
-from keras_selfattn.export.exporters import (
+from keras_selfattn.export.formats import ExportError
+from keras_selfattn.export.forward import (
     export,
     export_litert,
     export_onnx,
@@ -50,9 +55,13 @@ from keras_selfattn.export.exporters import (
     export_saved_model,
     export_torch,
 )
-from keras_selfattn.export.formats import ExportError
+from keras_selfattn.export.forward.check import (
+    ParityError,
+    ParityReport,
+    ParityRow,
+    verify,
+)
 from keras_selfattn.export.generator import export_generator, verify_generator
-from keras_selfattn.export.verify import ParityError, ParityReport, ParityRow, verify
 
 __all__ = [
     "ExportError",

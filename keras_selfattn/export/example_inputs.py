@@ -1,4 +1,4 @@
-"""Deterministic example inputs for an `ExportTarget` (checks and warmup)."""
+"""Deterministic example inputs for a `Signature` (checks and warmup)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import keras
 import numpy as np
 
 from keras_selfattn._model_layers import every_layer
-from keras_selfattn.export.target import ExportTarget
+from keras_selfattn.export.signature import Signature
 
 # Token range when no Embedding layer tells the vocabulary size.
 _FALLBACK_VOCAB = 10
@@ -22,7 +22,7 @@ def vocabulary_size(model: keras.Model) -> int:
     return min(sizes) if sizes else _FALLBACK_VOCAB
 
 
-def is_padded(target: ExportTarget, batch: int, time: int) -> bool:
+def is_padded(target: Signature, batch: int, time: int) -> bool:
     """Whether `example_inputs` pads rows for this shape (see there)."""
     discrete = any(
         spec.dtype == "bool" or "int" in spec.dtype for spec in target.inputs
@@ -31,7 +31,7 @@ def is_padded(target: ExportTarget, batch: int, time: int) -> bool:
 
 
 def example_inputs(
-    target: ExportTarget, batch: int, time: int, seed: int = 0
+    target: Signature, batch: int, time: int, seed: int = 0
 ) -> dict[str, np.ndarray]:
     """Random inputs keyed by input name; every dynamic dim after batch is `time`
     (or the target's own `examples`).

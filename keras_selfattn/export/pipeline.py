@@ -2,7 +2,7 @@
 
 `check_destination` runs before any work (the command line runs it before
 loading the model): the backend, the packages, the path and the format's
-options (`formats.Format.destination`). `stage` writes an `ExportTarget`
+options (`formats.Format.destination`). `stage` writes a `Signature`
 (the model's forward endpoint, its decoding step or its generator) into a
 hidden temporary beside the destination and moves it into place when its
 `with` block ends without error; verification goes in that block.
@@ -18,8 +18,9 @@ import os
 from collections.abc import Iterator, Mapping
 
 from keras_selfattn.export import _files, formats
-from keras_selfattn.export.formats import Destination, Writer, table
-from keras_selfattn.export.target import ExportTarget
+from keras_selfattn.export.formats import Destination, Writer
+from keras_selfattn.export.signature import Signature
+from keras_selfattn_runtimes import table
 
 
 def check_destination(
@@ -38,7 +39,7 @@ def check_destination(
         argument: How the caller names `path` in errors (default
             "base_dir" for a SavedModel, else "path").
         backend: The backend that writes the artifact, when another
-            process writes it (`export._generator_writer`); default this process's.
+            process writes it (`export.generator._writer`); default this process's.
         **options: The format's options (`name`, `version`, `warmup`,
             `models_config` for a SavedModel; `opset`, `fuse_attention` for
             ONNX; `shape` for LiteRT).
@@ -57,7 +58,7 @@ def check_destination(
 
 @contextlib.contextmanager
 def stage(
-    target: ExportTarget, destination: Destination, writer: Writer | None = None
+    target: Signature, destination: Destination, writer: Writer | None = None
 ) -> Iterator[_files.Staged]:
     """Writes `target` beside its destination; moves it in after the block.
 
@@ -65,7 +66,7 @@ def stage(
         target: What to export (`Endpoint.target()`, `DecodeStep.target()`).
         destination: From `check_destination`.
         writer: Writes the staged artifact instead of the format's own
-            `write` (`export._generator_writer`).
+            `write` (`export.generator._writer`).
 
     Yields:
         The `_files.Staged` export (verify `staged.path` in the block).
@@ -103,7 +104,7 @@ class Target:
         then checks the destination (`check_destination`), before any work."""
         raise NotImplementedError
 
-    def build(self, export_format: str) -> ExportTarget:
+    def build(self, export_format: str) -> Signature:
         """The graph written in the format (after every destination's check)."""
         raise NotImplementedError
 
@@ -124,7 +125,7 @@ class Target:
         return contextlib.nullcontext()
 
     def staging(
-        self, export_format: str, destination: Destination, built: ExportTarget
+        self, export_format: str, destination: Destination, built: Signature
     ) -> contextlib.AbstractContextManager[None]:
         """A context around the staging of `built` at `destination` (the
         command line prints its step and the format's messages there):

@@ -1,7 +1,8 @@
 """The export formats: one module each, behind one protocol.
 
-`table` has one row per format (names, suffixes, backends, extras, the
-command line's options); each format's module (`saved_model`, `onnx`,
+`table` (`keras_selfattn_runtimes.table`, which imports no Keras) has one
+row per format (names, suffixes, backends, extras, the command line's
+options); each format's module (`saved_model`, `onnx`,
 `litert`, `openvino`, `torch`) implements `_base.Format` for its row and is
 imported on first use (`get`), so that importing the export package loads
 no converter or runtime.
@@ -18,7 +19,8 @@ from keras_selfattn.export.formats._base import (
     Writer,
     one_line,
 )
-from keras_selfattn.export.formats.table import BY_NAME, NAMES, ROWS
+from keras_selfattn_runtimes import table
+from keras_selfattn_runtimes.table import BY_NAME, NAMES, ROWS
 
 __all__ = [
     "Destination",
@@ -29,6 +31,7 @@ __all__ = [
     "Writer",
     "get",
     "one_line",
+    "table",
 ]
 
 

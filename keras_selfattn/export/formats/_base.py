@@ -2,7 +2,7 @@
 
 A `Format` is one row of `table` plus how it writes: which options it
 takes (`check_options`), which form quantized layers are traced in
-(`quantized_form`), and `write`, which converts an `ExportTarget` into an
+(`quantized_form`), and `write`, which converts a `Signature` into an
 artifact in a staging folder. Staging, verification and moving into place
 are the pipeline's, the same for every format.
 
@@ -31,12 +31,12 @@ from collections.abc import Callable, Iterator, Mapping
 import keras
 
 from keras_selfattn.export import _files
-from keras_selfattn.export.formats.table import FormatRow
-from keras_selfattn.export.target import ExportTarget
+from keras_selfattn.export.signature import Signature
+from keras_selfattn_runtimes.table import FormatRow
 
 # Writes a target's artifact at a staged path with the format's options:
-# `Format.write`, or another process's writer (`export._generator_writer`).
-Writer = Callable[[ExportTarget, str, Mapping[str, object]], None]
+# `Format.write`, or another process's writer (`export.generator._writer`).
+Writer = Callable[[Signature, str, Mapping[str, object]], None]
 
 
 class ExportError(RuntimeError):
@@ -316,7 +316,7 @@ class Format:
     @contextlib.contextmanager
     def stage(
         self,
-        target: ExportTarget,
+        target: Signature,
         destination: Destination,
         writer: Writer | None = None,
     ) -> Iterator[_files.Staged]:
@@ -330,7 +330,7 @@ class Format:
             yield _files.Staged(staged, path)
 
     def write(
-        self, target: ExportTarget, path: str, options: Mapping[str, object]
+        self, target: Signature, path: str, options: Mapping[str, object]
     ) -> None:
         """Writes `target` as this format's artifact at `path`."""
         raise NotImplementedError

@@ -34,9 +34,10 @@ import numpy as np
 
 from keras_selfattn import tracing
 from keras_selfattn.export import quantization
-from keras_selfattn.export.formats import litert_signatures, table
+from keras_selfattn.export.formats import litert_signatures
 from keras_selfattn.export.formats._base import ExportError, Format, converting
-from keras_selfattn.export.target import ExportTarget
+from keras_selfattn.export.signature import Signature
+from keras_selfattn_runtimes import table
 
 logger = logging.getLogger(__name__)
 # ai_edge_quantizer's recipe for models whose every quantized layer is int8,
@@ -82,7 +83,7 @@ def check_shape(shape: object) -> tuple[int, int] | None:
     return (shape[0], shape[1])
 
 
-def fixed_signature(target: ExportTarget, shape: tuple[int, int]) -> list:
+def fixed_signature(target: Signature, shape: tuple[int, int]) -> list:
     """`target.input_signature()` with every dynamic dim set from `shape`."""
     batch, time = shape
     return [
@@ -159,7 +160,7 @@ class LiteRTFormat(Format):
         return f" (fixed shape {shape[0]}x{shape[1]})" if shape else ""
 
     def write(
-        self, target: ExportTarget, path: str, options: Mapping[str, object]
+        self, target: Signature, path: str, options: Mapping[str, object]
     ) -> None:
         shape = options["shape"]
         # Extra targets are built before the conversion: a model they refuse

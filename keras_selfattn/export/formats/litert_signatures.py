@@ -18,10 +18,10 @@ from collections.abc import Callable, Sequence
 
 import keras
 
-from keras_selfattn.export.target import ExportTarget
+from keras_selfattn.export.signature import Signature
 
 
-def _named(target: ExportTarget) -> Callable:
+def _named(target: Signature) -> Callable:
     """`target`'s function on one list of its inputs, returning its outputs
     keyed by name (the signature's output names)."""
 
@@ -31,7 +31,7 @@ def _named(target: ExportTarget) -> Callable:
     return serve
 
 
-def convert(entries: Sequence[tuple[ExportTarget, list]], path: str) -> None:
+def convert(entries: Sequence[tuple[Signature, list]], path: str) -> None:
     """Writes the targets into the .tflite file `path`, one signature each.
 
     Run it inside the LiteRT format's contexts (quantized layers traced,

@@ -45,9 +45,9 @@ import numpy as np
 
 from keras_selfattn import tracing
 from keras_selfattn.export import quantization
-from keras_selfattn.export.formats import table
 from keras_selfattn.export.formats._base import Format, converting
-from keras_selfattn.export.target import ExportTarget
+from keras_selfattn.export.signature import Signature
+from keras_selfattn_runtimes import table
 
 # Where a quantized export says what it computes (the model's rt_info).
 SCHEME_KEY = "keras_selfattn_quantization"
@@ -222,7 +222,7 @@ def compress(model, quantized) -> dict[str, str]:
     return schemes
 
 
-def _name_ports(model, target: ExportTarget, output_order) -> None:
+def _name_ports(model, target: Signature, output_order) -> None:
     for ports, names in (
         (model.inputs, target.input_names),
         (model.outputs, output_order),
@@ -263,7 +263,7 @@ class OpenVINOFormat(Format):
         return self.name if precision == EXACT_PRECISION else f"{self.name}_{precision}"
 
     def write(
-        self, target: ExportTarget, path: str, options: Mapping[str, object]
+        self, target: Signature, path: str, options: Mapping[str, object]
     ) -> None:
         import openvino
 

@@ -17,7 +17,7 @@ only XLA runs (jax2tf's XlaCallModule, so every SavedModel written on JAX;
 a `jit_compile=True` function; an Xla* op) fails every request without
 it. Such a SavedModel says so in `DESCRIPTION_PATH` (`tf_serving_flags`),
 the export logs it, and the runtime check runs every SavedModel under the
-setting TF Serving would give it (`_artifact_runner_process`). Option
+setting TF Serving would give it (`parity._runner_process`). Option
 `jit_compile` writes a model's forward pass so (on TensorFlow): its
 signature calls one `jit_compile=True` function, which XLA compiles once
 per input shape.
@@ -38,15 +38,15 @@ from keras_selfattn import _checks
 from keras_selfattn._model_layers import every_layer
 from keras_selfattn.export import _files, quantization
 from keras_selfattn.export.example_inputs import example_inputs
-from keras_selfattn.export.formats import table
 from keras_selfattn.export.formats._base import (
     Destination,
     Format,
     Writer,
     converting,
 )
-from keras_selfattn.export.target import SERVING_SIGNATURE, ExportTarget
+from keras_selfattn.export.signature import SERVING_SIGNATURE, Signature
 from keras_selfattn.serving import layout
+from keras_selfattn_runtimes import table
 
 # Warmup requests: batch 1 and a few short lengths, the traces TF Serving
 # would otherwise build on the first real requests.
@@ -60,7 +60,7 @@ def _polymorphic_shape(shape: tuple[int | str, ...]) -> str:
     return "(" + ", ".join(str(dim) for dim in shape) + ")"
 
 
-def write_saved_model(target: ExportTarget, directory: str) -> None:
+def write_saved_model(target: Signature, directory: str) -> None:
     """Writes `target` as a SavedModel with one signature, `target.signature_name`.
 
     Each weight is stored once: on TensorFlow the endpoint tracks the
@@ -88,7 +88,7 @@ def write_saved_model(target: ExportTarget, directory: str) -> None:
     archive.write_out(directory, verbose=False)
 
 
-def write_warmup(target: ExportTarget, directory: str, model_name: str) -> None:
+def write_warmup(target: Signature, directory: str, model_name: str) -> None:
     """Writes TF Serving's warmup requests (`WARMUP_TIMES`) into `directory`."""
     from keras_selfattn.serving.warmup import write_warmup_file
 
@@ -133,7 +133,7 @@ def needs_xla(directory: str) -> bool:
     return False
 
 
-def _write_description(target: ExportTarget, directory: str, xla: bool) -> None:
+def _write_description(target: Signature, directory: str, xla: bool) -> None:
     """Says in `DESCRIPTION_PATH` what TF Serving needs (`XLA_FLAG` where
     `xla`) and how a quantized export computes: Keras's own scheme unless
     a layer quantizes its activations (int8) or is float8."""
@@ -153,7 +153,7 @@ def _write_description(target: ExportTarget, directory: str, xla: bool) -> None:
         json.dump(description, file)
 
 
-def compiled(target: ExportTarget) -> ExportTarget:
+def compiled(target: Signature) -> Signature:
     """`target` with its function compiled by XLA (option `jit_compile`):
     one `tf.function(jit_compile=True)`, which the signature calls.
 
@@ -264,7 +264,7 @@ class SavedModelFormat(Format):
     @contextlib.contextmanager
     def stage(
         self,
-        target: ExportTarget,
+        target: Signature,
         destination: Destination,
         writer: Writer | None = None,
     ) -> Iterator[_files.Staged]:
@@ -282,7 +282,7 @@ class SavedModelFormat(Format):
             write_models_config(base_dir, layout.served_model_names(base_dir))
 
     def write(
-        self, target: ExportTarget, path: str, options: Mapping[str, object]
+        self, target: Signature, path: str, options: Mapping[str, object]
     ) -> None:
         if options.get("jit_compile"):
             target = compiled(target)

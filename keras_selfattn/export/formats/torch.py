@@ -12,12 +12,12 @@ import warnings
 from collections.abc import Mapping
 
 from keras_selfattn.export import quantization
-from keras_selfattn.export.formats import table
 from keras_selfattn.export.formats._base import Format, converting
-from keras_selfattn.export.target import ExportTarget
+from keras_selfattn.export.signature import Signature
+from keras_selfattn_runtimes import table
 
 
-def dynamic_shapes(target: ExportTarget) -> list:
+def dynamic_shapes(target: Signature) -> list:
     """`torch.export` dims: axis 0 "batch", other dynamic axes one "time"."""
     import torch
 
@@ -45,7 +45,7 @@ class TorchFormat(Format):
     advice = "export ONNX instead"
 
     def write(
-        self, target: ExportTarget, path: str, options: Mapping[str, object]
+        self, target: Signature, path: str, options: Mapping[str, object]
     ) -> None:
         with (
             converting(self.row.title, self.advice),

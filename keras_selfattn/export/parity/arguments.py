@@ -7,7 +7,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 
-from keras_selfattn.export.formats import table
+from keras_selfattn_runtimes import table
 
 # The argument of `verify` (and `verify_decode_step`) naming each format's artifact.
 PATH_ARGUMENT = {row.name: row.path_argument for row in table.ROWS}
@@ -41,9 +41,9 @@ def artifact_paths(
     """{format: path or None} of a check's artifacts, every format a key.
 
     Args:
-        keywords: The check's arguments (its `locals()`), of which those
-            named in `PATH_ARGUMENT` are read (`onnx_path`, ...); a format
-            needs no keyword of its own.
+        keywords: The check's path keywords, {argument: path or None}, by
+            the names in `PATH_ARGUMENT` (`onnx_path`, ...), passed
+            explicitly; a format needs no keyword of its own.
         paths: The check's `paths` argument, {format: artifact}: any format
             of `formats`, with or without a keyword of its own.
         formats: The formats the check runs (`paths` may name only these).

@@ -10,18 +10,19 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from keras_selfattn.export import _artifact_runner, formats
-from keras_selfattn.export.formats import one_line, table
-from keras_selfattn.export.parity import arguments, rules
+from keras_selfattn.export import formats
+from keras_selfattn.export.formats import one_line
+from keras_selfattn.export.parity import arguments, rules, runner
 from keras_selfattn.export.parity.report import ParityError, ParityReport
 from keras_selfattn.export.parity.rules import ParityRow
-from keras_selfattn.export.target import ExportTarget
+from keras_selfattn.export.signature import Signature
+from keras_selfattn_runtimes import table
 
 
 def collect_artifacts(
     paths: Mapping[str, str | os.PathLike | None],
     runtime_keywords: Mapping[str, object] | None = None,
-) -> dict[str, _artifact_runner.Artifact]:
+) -> dict[str, runner.Artifact]:
     """{runtime label: Artifact} of the paths given, each found on disk.
 
     Args:
@@ -53,7 +54,7 @@ def artifact(
     export_format: str,
     path: str | os.PathLike,
     options: Mapping[str, object] | None = None,
-) -> _artifact_runner.Artifact:
+) -> runner.Artifact:
     """The `Artifact` at `path` (run with its runtime module's `options`),
     once it is found on disk.
 
@@ -62,30 +63,30 @@ def artifact(
     """
     path = os.fspath(path)
     formats.get(export_format).check_artifact(path)
-    return _artifact_runner.Artifact(export_format, path, options or {})
+    return runner.Artifact(export_format, path, options or {})
 
 
 def run_checked(
-    target: ExportTarget,
-    artifacts: Mapping[str, _artifact_runner.Artifact],
-    runs: Sequence[_artifact_runner.Run],
+    target: Signature,
+    artifacts: Mapping[str, runner.Artifact],
+    runs: Sequence[runner.Run],
     labels: Sequence[str],
     action: str = "on {label} inputs",
     atol: float = 0.0,
     rtol: float = 0.0,
-) -> dict[str, _artifact_runner.Outcome]:
+) -> dict[str, runner.Outcome]:
     """Runs each artifact in a fresh process; returns what each computed.
 
     Args:
         target: The export target the artifacts were made from.
         artifacts: {runtime label: artifact}.
-        runs: The calls (`_artifact_runner.Run`).
+        runs: The calls (`runner.Run`).
         labels: Each run's label, for errors.
         action: How a failing run is described ("{label}" is filled in).
         atol, rtol: The tolerances the (empty) report of a failure states.
 
     Returns:
-        {runtime label: `_artifact_runner.Outcome`}, each with every run's outputs.
+        {runtime label: `runner.Outcome`}, each with every run's outputs.
 
     Raises:
         ValueError: if a runtime cannot load its artifact.
@@ -93,7 +94,7 @@ def run_checked(
         RuntimeError: if a runtime process imported keras_selfattn (or keras,
             outside TensorFlow's runtime).
     """
-    outcomes = _artifact_runner.run_artifacts(target, artifacts, runs)
+    outcomes = runner.run_artifacts(target, artifacts, runs)
     for runtime, outcome in outcomes.items():
         row_of_format = table.BY_NAME[artifacts[runtime].format]
         what = f"{row_of_format.artifact} {artifacts[runtime].path}"
@@ -115,9 +116,9 @@ def run_checked(
 
 
 def check_artifacts(
-    target: ExportTarget,
-    artifacts: Mapping[str, _artifact_runner.Artifact],
-    runs: Sequence[_artifact_runner.Run],
+    target: Signature,
+    artifacts: Mapping[str, runner.Artifact],
+    runs: Sequence[runner.Run],
     expected: Sequence[Sequence[Mapping[str, np.ndarray]]],
     labels: Sequence[str],
     atol: float,
@@ -133,7 +134,7 @@ def check_artifacts(
     Args:
         target: The export target the artifacts were made from.
         artifacts: {runtime label: artifact}.
-        runs: The calls (`_artifact_runner.Run`), one report row each per artifact.
+        runs: The calls (`runner.Run`), one report row each per artifact.
         expected: Keras's outputs per run, per step, keyed by output name.
         labels: Each run's label in the report.
         atol, rtol: The tolerances.

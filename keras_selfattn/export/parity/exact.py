@@ -27,8 +27,12 @@ import keras
 import numpy as np
 
 from keras_selfattn.export import precision
-from keras_selfattn.export.endpoint import Endpoint, build_endpoint, keras_reference
 from keras_selfattn.export.formats import one_line
+from keras_selfattn.export.forward.graph import (
+    Endpoint,
+    build_endpoint,
+    keras_reference,
+)
 
 
 @contextlib.contextmanager

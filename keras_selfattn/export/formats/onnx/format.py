@@ -18,9 +18,9 @@ import keras
 
 from keras_selfattn import _checks, tracing
 from keras_selfattn.export import quantization
-from keras_selfattn.export.formats import table
 from keras_selfattn.export.formats._base import Format, converting
-from keras_selfattn.export.target import BATCH_AXIS, TIME_AXIS, ExportTarget
+from keras_selfattn.export.signature import BATCH_AXIS, TIME_AXIS, Signature
+from keras_selfattn_runtimes import table
 
 if TYPE_CHECKING:  # onnx is an extra, imported when a file is written
     import onnx
@@ -61,7 +61,7 @@ def check_opset(opset: object, backend: str | None = None) -> int | None:
     return opset
 
 
-def convert_to_onnx(target: ExportTarget, opset: int) -> onnx.ModelProto:
+def convert_to_onnx(target: Signature, opset: int) -> onnx.ModelProto:
     """Converts the target's `tf.function` with tf2onnx (TensorFlow backend).
 
     Inputs keep the target's input names (through named TensorSpecs) and
@@ -86,7 +86,7 @@ def name_dynamic_axes(proto: onnx.ModelProto) -> onnx.ModelProto:
     """Names the dynamic axes of graph inputs and outputs "batch" and "time".
 
     Axis 0 is "batch" and every other dynamic axis is "time" (see
-    `target.TIME_AXIS`). Fixed axes keep their sizes.
+    `signature.TIME_AXIS`). Fixed axes keep their sizes.
     """
     for value_info in [*proto.graph.input, *proto.graph.output]:
         for index, dim in enumerate(value_info.type.tensor_type.shape.dim):
@@ -111,7 +111,7 @@ def name_outputs(proto: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProt
     return proto
 
 
-def keras_export(target: ExportTarget, path: str, opset: int | None) -> None:
+def keras_export(target: Signature, path: str, opset: int | None) -> None:
     """Keras's own `model.export(format="onnx")` of the target (JAX, torch)."""
     options = {} if opset is None else {"opset_version": opset}
     with warnings.catch_warnings():
@@ -193,7 +193,7 @@ class OnnxFormat(Format):
         return fused.collect_log()
 
     def write(
-        self, target: ExportTarget, path: str, options: Mapping[str, object]
+        self, target: Signature, path: str, options: Mapping[str, object]
     ) -> None:
         import onnx
 

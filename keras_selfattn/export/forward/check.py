@@ -11,16 +11,21 @@ from collections.abc import Mapping, Sequence
 
 import keras
 
-from keras_selfattn.export import _artifact_runner, precision, quantization
-from keras_selfattn.export.endpoint import Endpoint, build_endpoint, keras_reference
+from keras_selfattn.export import precision, quantization
 from keras_selfattn.export.example_inputs import example_inputs, is_padded
-from keras_selfattn.export.parity import arguments, engine, exact
+from keras_selfattn.export.forward.graph import (
+    Endpoint,
+    build_endpoint,
+    keras_reference,
+)
+from keras_selfattn.export.parity import arguments, engine, exact, runner
 from keras_selfattn.export.parity.report import (
     ParityError,
     ParityReport,
     finish_report,
 )
 from keras_selfattn.export.parity.rules import DEFAULT_ATOL, DEFAULT_RTOL, ParityRow
+from keras_selfattn.export.signature import Signature
 
 # What importers of `verify` find here besides it: its defaults, its report.
 __all__ = [
@@ -96,15 +101,18 @@ def quantized_shapes(
 
 
 def forward_runs(
-    endpoint: Endpoint, shapes: Sequence[tuple[int, int]], seed: int
-) -> tuple[list[_artifact_runner.Run], list[str], _References]:
+    endpoint: Endpoint,
+    target: Signature,
+    shapes: Sequence[tuple[int, int]],
+    seed: int,
+) -> tuple[list[runner.Run], list[str], _References]:
     """The one-step runs of `verify`, their labels, and the references.
 
-    A model with a fixed length keeps it (the label says the shape run).
-    Shapes that come out the same are run once, but a quantized model's
-    repeated shapes run with other inputs (labelled "#2", "#3", ...).
+    `target` is `endpoint.target()`, as the check has it. A model with a
+    fixed length keeps it (the label says the shape run). Shapes that come
+    out the same are run once, but a quantized model's repeated shapes run
+    with other inputs (labelled "#2", "#3", ...).
     """
-    target = endpoint.target()
     runs, expected, labels = [], [], []
     dequantized = [] if target.quantized else None
     model_outputs = [] if endpoint.original is not None else None
@@ -118,7 +126,7 @@ def forward_runs(
             continue
         copies = sum(1 for known in labels if known.split(" #")[0] == label)
         labels.append(label if not copies else f"{label} #{copies + 1}")
-        runs.append(_artifact_runner.Run((arrays,)))
+        runs.append(runner.Run((arrays,)))
         expected.append([keras_reference(endpoint, arrays)])
         if dequantized is not None:
             with target.traced(quantization.CONSTANTS):
@@ -208,7 +216,14 @@ def verify(
     >>> path = export_onnx(model, "model.onnx")  # doctest: +SKIP
     >>> print(verify(model, onnx_path=path))  # doctest: +SKIP
     """
-    paths = arguments.artifact_paths(locals(), paths)
+    keywords = {
+        "saved_model_dir": saved_model_dir,
+        "onnx_path": onnx_path,
+        "litert_path": litert_path,
+        "openvino_path": openvino_path,
+        "torch_path": torch_path,
+    }
+    paths = arguments.artifact_paths(keywords, paths)
     artifacts = engine.collect_artifacts(
         paths, {"openvino_precision": openvino_precision}
     )
@@ -217,15 +232,54 @@ def verify(
     atol = arguments.check_tolerance("atol", atol)
     rtol = arguments.check_tolerance("rtol", rtol)
     endpoint = build_endpoint(model, attention_outputs, precision)
-    if endpoint.target().quantized:
+    return check_endpoint(
+        endpoint,
+        endpoint.target(),
+        artifacts,
+        shapes,
+        default,
+        attention_outputs,
+        atol,
+        rtol,
+        seed,
+    )
+
+
+def check_endpoint(
+    endpoint: Endpoint,
+    target: Signature,
+    artifacts: Mapping[str, runner.Artifact],
+    shapes: Sequence[tuple[int, int]],
+    default: bool,
+    attention_outputs: str | Mapping[str, str] | None,
+    atol: float,
+    rtol: float,
+    seed: int = 0,
+) -> ParityReport:
+    """The check `verify` runs, on an endpoint already built: the exporters
+    pass theirs (`Forward`), `verify` builds one from its arguments.
+
+    Args:
+        endpoint: The endpoint checked (its `source` is Keras's reference).
+        target: `endpoint.target()`, as built for the export.
+        artifacts: {runtime label: artifact}, from
+            `engine.collect_artifacts`.
+        shapes: The checked (batch, time) pairs (`arguments.check_shapes`).
+        default: Whether `shapes` are `DEFAULT_SHAPES` (a quantized model
+            adds rows of `QUANTIZED_TIME` to them, else repeats them).
+        attention_outputs: As given to the export.
+        atol, rtol: Checked tolerances (`arguments.check_tolerance`).
+        seed: Seed of the random inputs.
+    """
+    if target.quantized:
         shapes = quantized_shapes(endpoint, shapes, default)
-    runs, labels, references = forward_runs(endpoint, shapes, seed)
+    runs, labels, references = forward_runs(endpoint, target, shapes, seed)
     float64 = None
     if references.dequantized is None and endpoint.half is None:
         steps = [run.steps[0] for run in runs]
         float64 = exact.Float64Reference(endpoint, attention_outputs, steps)
     rows = engine.check_artifacts(
-        endpoint.target(),
+        target,
         artifacts,
         runs,
         references.expected,

@@ -10,18 +10,18 @@ from collections.abc import Mapping, Sequence
 import keras
 import numpy as np
 
-from keras_selfattn.export import _artifact_runner
-from keras_selfattn.export.decode_step_graph import (
+from keras_selfattn.export.decode_step.graph import (
     INDEX_NAME,
     DecodeStep,
     build_decode_step,
     teacher_probe,
 )
+from keras_selfattn.export.parity import runner
 from keras_selfattn.export.parity.arguments import artifact_paths, check_tolerance
 from keras_selfattn.export.parity.engine import check_artifacts, collect_artifacts
 from keras_selfattn.export.parity.report import ParityReport, finish_report
 from keras_selfattn.export.parity.rules import DEFAULT_ATOL, DEFAULT_RTOL, parity_row
-from keras_selfattn.export.target import ExportTarget
+from keras_selfattn.export.signature import Signature
 
 # (batch, prompt length) of the sequences `verify_decode_step` decodes: one
 # position per step from the start, a prompt of 3, and the whole sequence in
@@ -31,12 +31,12 @@ DEFAULT_SCHEDULES: tuple[tuple[int, int], ...] = ((1, 1), (2, 3), (3, 1 << 30))
 
 def teacher_inputs(step: DecodeStep, batch: int, seed: int = 0) -> np.ndarray:
     """A whole random input sequence (batch, max_length, ...) without padding
-    (`decode_step_graph.teacher_probe`)."""
+    (`graph.teacher_probe`)."""
     return teacher_probe(step, step.max_length, batch, seed)
 
 
 def schedule(step: DecodeStep, sequence: np.ndarray, prompt_length: int):
-    """The `_artifact_runner.Run` decoding `sequence`: the prompt, then one per step.
+    """The `runner.Run` decoding `sequence`: the prompt, then one per step.
 
     The first step gets empty caches; later steps get the caches the step
     before returned (the run's feedback).
@@ -53,10 +53,10 @@ def schedule(step: DecodeStep, sequence: np.ndarray, prompt_length: int):
         steps.append(arrays)
         index += new
     feedback = dict(zip(step.updated_cache_names, step.cache_names, strict=True))
-    return _artifact_runner.Run(tuple(steps), feedback)
+    return runner.Run(tuple(steps), feedback)
 
 
-def _reference_call(target: ExportTarget):
+def _reference_call(target: Signature):
     """`target.call_named`, under `jax.jit` on JAX: eagerly, every step's
     keys would have a new length (`cache_update_index` + new positions), and
     JAX compiles each op anew for each shape (about a second a step, most of
@@ -77,9 +77,7 @@ def _reference_call(target: ExportTarget):
     return lambda arrays: stateless([v.value for v in variables], arrays)
 
 
-def keras_decode(
-    step: DecodeStep, run: _artifact_runner.Run
-) -> list[dict[str, np.ndarray]]:
+def keras_decode(step: DecodeStep, run: runner.Run) -> list[dict[str, np.ndarray]]:
     """Keras's cached calls over `run` (eager; compiled on JAX, see
     `_reference_call`): the exports' reference."""
     results, state, target = [], {}, step.target()
@@ -136,10 +134,41 @@ def verify_decode_step(
     step = build_decode_step(model, max_length)
     atol = check_tolerance("atol", atol)
     rtol = check_tolerance("rtol", rtol)
-    paths = artifact_paths(locals(), paths)
+    keywords = {
+        "saved_model_dir": saved_model_dir,
+        "onnx_path": onnx_path,
+        "litert_path": litert_path,
+        "openvino_path": openvino_path,
+        "torch_path": torch_path,
+    }
+    paths = artifact_paths(keywords, paths)
     artifacts = (
         {} if all(p is None for p in paths.values()) else collect_artifacts(paths)
     )
+    return check_step(model, step, artifacts, schedules, atol, rtol, seed)
+
+
+def check_step(
+    model: keras.Model,
+    step: DecodeStep,
+    artifacts: Mapping[str, runner.Artifact],
+    schedules: Sequence[tuple[int, int]] = DEFAULT_SCHEDULES,
+    atol: float = DEFAULT_ATOL,
+    rtol: float = DEFAULT_RTOL,
+    seed: int = 0,
+) -> ParityReport:
+    """The check `verify_decode_step` runs, on a step already built: the
+    exporter passes its own (`DecodeStepExport`), `verify_decode_step`
+    builds one from its arguments.
+
+    Args:
+        model: The model whose step `step` is (its full forward is the
+            "keras_cache" rows' reference).
+        step: The decoding step (`build_decode_step`).
+        artifacts: {runtime label: artifact} (`collect_artifacts`), or {}.
+        schedules, seed: As given to `verify_decode_step`.
+        atol, rtol: Checked tolerances (`check_tolerance`).
+    """
     runs, expected, labels, rows = [], [], [], []
     for number, (batch, prompt) in enumerate(schedules):
         prompt = min(prompt, step.max_length)

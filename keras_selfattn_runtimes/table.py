@@ -2,9 +2,9 @@
 
 The exporters, `verify`, the refusals and the command line's options all
 come from these rows. This module imports only the standard library: the
-command line reads it by its path, without importing keras_selfattn (whose
-`__init__` imports Keras and TensorFlow), so that `--help` stays instant
-(see keras_selfattn_cli/_table.py).
+command line imports it by name from `keras_selfattn_runtimes`, without
+importing keras_selfattn (whose `__init__` imports Keras and TensorFlow), so
+that `--help` stays instant (see keras_selfattn_cli/_table.py).
 
 Which backend writes which format is Keras 3.15's (measured: README's
 "Export from every backend"): SavedModel from TensorFlow and JAX (jax2tf),
@@ -37,7 +37,7 @@ class FormatRow:
         verify_metavar: The command line's `verify --NAME` metavar.
         help: The command line's help of `export --NAME`.
         runtime: The package that runs the artifact in its check.
-        runtime_module: The module of `keras_selfattn.export.runtimes` that
+        runtime_module: The module of `keras_selfattn_runtimes` that
             loads and calls the artifact in that runtime, without Keras
             (the check's runtime process, the benchmarks).
         packages: What exporting needs on every backend.
@@ -73,7 +73,7 @@ class FormatRow:
             computes in that dtype (OpenVINO compiles a float32 IR in bf16):
             the artifact is exported in float32 and checked so.
         extra_signatures: Whether an artifact holds a target's extra
-            signatures (`ExportTarget.extra_signatures`: a generator's
+            signatures (`Signature.extra_signatures`: a generator's
             "prefill" and "decode"), which the generator's check then runs.
     """
 

@@ -1,7 +1,7 @@
 """The TensorFlow process that writes a generator from a .keras file.
 
-Started by `_generator_writer.writer` as `python -m
-keras_selfattn.export._generator_writer_process REQUEST_JSON` under
+Started by `_writer.writer` as `python -m
+keras_selfattn.export.generator._writer_process REQUEST_JSON` under
 KERAS_BACKEND=tensorflow. The request names the .keras file, `max_length`,
 `jit_compile`, the format, the staged path, the format's checked
 options and the modules defining the model's layer classes; the worker
@@ -18,7 +18,7 @@ import sys
 import keras
 
 from keras_selfattn.export import formats
-from keras_selfattn.export.generator_graph import build_generator
+from keras_selfattn.export.generator.graph import build_generator
 from keras_selfattn.generation import decode_check
 
 

@@ -14,7 +14,7 @@ import keras
 import numpy as np
 
 from keras_selfattn.export import precision, quantization
-from keras_selfattn.export.target import ExportTarget, NamedInput
+from keras_selfattn.export.signature import NamedInput, Signature
 from keras_selfattn.self_attention import SelfAttention
 
 # Names Keras gives an unnamed `keras.Input` (Keras 3): input_layer, input_layer_3,
@@ -53,9 +53,9 @@ class Endpoint:
     original: keras.Model | None = None
     half: str | None = None
 
-    def target(self) -> ExportTarget:
-        """The `ExportTarget`: `model` on a list of inputs, flat outputs."""
-        return ExportTarget(
+    def target(self) -> Signature:
+        """The `Signature`: `model` on a list of inputs, flat outputs."""
+        return Signature(
             self.model,
             self.inputs,
             self.output_names,

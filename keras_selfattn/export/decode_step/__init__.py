@@ -9,9 +9,9 @@ only, with one key/value cache per causal SelfAttention layer:
     outputs: <model output>       (batch, new, ...)   the new positions' outputs
              updated_cache_<layer name>              the caches after the step
 
-The step's graph is `decode_step_graph` (finding the cached layers,
+The step's graph is `graph` (finding the cached layers,
 threading the caches through the model), its step-by-step check against
-Keras `decode_step_check`. The step is an `ExportTarget` (`DecodeStep.target()`)
+Keras `check`. The step is a `Signature` (`DecodeStep.target()`)
 and rides the forward export's pipeline: `export_decode_step` writes it in
 any format the backend can export (`formats.table`; SavedModel signature
 "decode_step" for TF Serving, also aliased as "serving_default"; ONNX with
@@ -45,23 +45,26 @@ from collections.abc import Mapping
 import keras
 
 from keras_selfattn.export import formats, pipeline
-from keras_selfattn.export.decode_step_check import (
+from keras_selfattn.export.decode_step.check import (
+    check_step,
     keras_decode,
     schedule,
     teacher_inputs,
     verify_decode_step,
 )
-from keras_selfattn.export.decode_step_graph import (
+from keras_selfattn.export.decode_step.graph import (
     INDEX_NAME,
     DecodeStep,
     build_decode_step,
     refuse_quantized,
 )
-from keras_selfattn.export.formats import table
+from keras_selfattn.export.parity.arguments import artifact_paths, check_tolerance
+from keras_selfattn.export.parity.engine import collect_artifacts
 from keras_selfattn.export.parity.report import ParityReport
 from keras_selfattn.export.parity.rules import DEFAULT_ATOL, DEFAULT_RTOL
-from keras_selfattn.export.target import ExportTarget
+from keras_selfattn.export.signature import Signature
 from keras_selfattn.generation import decode_check
+from keras_selfattn_runtimes import table
 
 # What importers of the exporters find here besides them: the step and its
 # check.
@@ -174,15 +177,18 @@ class DecodeStepExport(pipeline.Target):
         options = pipeline.format_options(export_format, self.options)
         return pipeline.check_destination(export_format, path, **options)
 
-    def build(self, export_format: str) -> ExportTarget:
+    def build(self, export_format: str) -> Signature:
         if self._step is None:
             self._step = build_decode_step(self.model, self.max_length)
         return self._step.target()
 
     def check(self, staged: Mapping[str, str]) -> ParityReport:
-        return verify_decode_step(
-            self.model, max_length=self.max_length, **self.checks, paths=staged
-        )
+        """`verify_decode_step`'s check of the staged artifacts, on the step
+        built for them (`build`)."""
+        atol = check_tolerance("atol", self.checks.get("atol", DEFAULT_ATOL))
+        rtol = check_tolerance("rtol", self.checks.get("rtol", DEFAULT_RTOL))
+        artifacts = collect_artifacts(artifact_paths({}, staged))
+        return check_step(self.model, self._step, artifacts, atol=atol, rtol=rtol)
 
 
 def export_decode_step_saved_model(

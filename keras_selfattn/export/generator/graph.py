@@ -13,8 +13,8 @@ from keras import ops
 
 from keras_selfattn import _checks
 from keras_selfattn.attention import nan_safe
-from keras_selfattn.export.decode_step_graph import build_decode_step
-from keras_selfattn.export.target import ExportTarget, NamedInput
+from keras_selfattn.export.decode_step.graph import build_decode_step
+from keras_selfattn.export.signature import NamedInput, Signature
 from keras_selfattn.generation import arguments, loop
 
 GENERATE_SIGNATURE = "generate"
@@ -196,10 +196,10 @@ class Generator:
 
         return tf.function(run, jit_compile=True)
 
-    def target(self) -> ExportTarget:
-        """The generator as an `ExportTarget`: signature "generate" (LiteRT:
+    def target(self) -> Signature:
+        """The generator as a `Signature`: signature "generate" (LiteRT:
         with "prefill" and "decode" beside it, `pair`)."""
-        return ExportTarget(
+        return Signature(
             self.read.model,
             self.inputs(),
             self.output_names,
@@ -210,7 +210,7 @@ class Generator:
             extra_signatures=self.pair,
         )
 
-    def pair(self) -> tuple[ExportTarget, ExportTarget]:
+    def pair(self) -> tuple[Signature, Signature]:
         """The model's decoding step as the LiteRT signatures "prefill" (any
         number of new positions: the prompts) and "decode" (one).
 

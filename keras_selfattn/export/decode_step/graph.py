@@ -13,12 +13,12 @@ import numpy as np
 
 from keras_selfattn import _checks
 from keras_selfattn.export import quantization
-from keras_selfattn.export.endpoint import model_inputs, model_output_names
 from keras_selfattn.export.example_inputs import vocabulary_size
-from keras_selfattn.export.formats import table
-from keras_selfattn.export.target import ExportTarget, NamedInput
+from keras_selfattn.export.forward.graph import model_inputs, model_output_names
+from keras_selfattn.export.signature import NamedInput, Signature
 from keras_selfattn.generation import cached_model, decode_check
 from keras_selfattn.self_attention import SelfAttention
+from keras_selfattn_runtimes import table
 
 _ACTION = "export a decoding step of"
 STEP_SIGNATURE = "decode_step"
@@ -82,8 +82,8 @@ class DecodeStep:
 
     def target(
         self, signature_name: str = STEP_SIGNATURE, new: int | None = None
-    ) -> ExportTarget:
-        """The step as an `ExportTarget`.
+    ) -> Signature:
+        """The step as a `Signature`.
 
         Args:
             signature_name: Its signature. Defaults to "decode_step".
@@ -107,7 +107,7 @@ class DecodeStep:
             output, caches_out = self.call(inputs, caches_in, index)
             return [output, *caches_out]
 
-        return ExportTarget(
+        return Signature(
             self.model,
             (step_input, *caches, NamedInput(INDEX_NAME, (), "int32")),
             self.output_names,

@@ -5,7 +5,7 @@ jax2tf cannot bound the prompt's symbolic length by the cache's ("symbolic
 dimension comparison '- time + max_length' >= '0' is inconclusive") and
 torch.export cannot trace the loop. On JAX and torch, `export_generator`
 saves the model as .keras (`keras_file`), and the pipeline stages the
-artifact with `writer`: `python -m keras_selfattn.export._generator_writer_process`
+artifact with `writer`: `python -m keras_selfattn.export.generator._writer_process`
 under KERAS_BACKEND=tensorflow loads that file (the saved weights, bit for bit),
 rebuilds the generator and writes the format's artifact at the staged path.
 The caller's pipeline then checks it against `keras_selfattn.generate` on
@@ -27,13 +27,13 @@ import keras
 from keras_selfattn import _tensorflow_extra
 from keras_selfattn._model_layers import every_layer
 from keras_selfattn.export.formats import ExportError, Writer, one_line
-from keras_selfattn.export.target import ExportTarget
+from keras_selfattn.export.signature import Signature
 from keras_selfattn.generation import decode_check
 
 WRITER_BACKEND = "tensorflow"
 # The TensorFlow process's entry point (a module of its own: it imports the
 # generator, which imports this module).
-WORKER = "keras_selfattn.export._generator_writer_process"
+WORKER = "keras_selfattn.export.generator._writer_process"
 # A generator's conversion takes seconds to a few minutes; a hung one fails.
 _TIMEOUT_S = 1800
 
@@ -99,7 +99,7 @@ def writer(
         f"{WRITER_BACKEND} process)"
     )
 
-    def write(target: ExportTarget, staged: str, options: Mapping[str, object]):
+    def write(target: Signature, staged: str, options: Mapping[str, object]):
         del target  # rebuilt from the .keras file by the TensorFlow process
         request = {
             "keras_file": path,

@@ -1,6 +1,6 @@
 """What an export writes: named inputs, named outputs, and the callable.
 
-An `ExportTarget` is the one description every exporter and check
+A `Signature` is the one description every exporter and check
 accepts: the forward `Endpoint` and the decoding step both provide one
 (`Endpoint.target()`, `DecodeStep.target()`), so staging, conversion and
 verification never depend on which of the two they export. A quantized
@@ -44,7 +44,7 @@ class NamedInput:
 
 
 @dataclasses.dataclass(frozen=True)
-class ExportTarget:
+class Signature:
     """A callable over named tensors, as an export exposes it.
 
     Attributes:
@@ -81,7 +81,7 @@ class ExportTarget:
     quantized: tuple[quantization.QuantizedDense, ...] = ()
     embeddings: tuple[keras.layers.Embedding, ...] = ()
     examples: Callable[[int, int, int], dict] | None = None
-    extra_signatures: Callable[[], tuple[ExportTarget, ...]] | None = None
+    extra_signatures: Callable[[], tuple[Signature, ...]] | None = None
 
     @contextlib.contextmanager
     def traced(self, form: str) -> Iterator[None]:
@@ -134,9 +134,9 @@ class ExportTarget:
 
 
 class _TargetModel(keras.Model):
-    """A Keras model calling an `ExportTarget`'s function on a list."""
+    """A Keras model calling a `Signature`'s function on a list."""
 
-    def __init__(self, target: ExportTarget):
+    def __init__(self, target: Signature):
         super().__init__(name=f"{target.model.name}_export")
         self.wrapped = target.model
         self._function = target.function

@@ -1,7 +1,7 @@
 """Artifacts run in fresh processes, one per runtime, all started at once.
 
 `run_artifacts` writes the inputs as `.npz` files, starts
-`_artifact_runner_process.py` once per artifact (each loads only its format's
+`_runner_process.py` once per artifact (each loads only its format's
 runtime, without keras or keras_selfattn) and reads back every step's
 outputs, keyed by the export target's output names.
 """
@@ -18,13 +18,17 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from keras_selfattn.export.formats import table
-from keras_selfattn.export.target import ExportTarget
+import keras_selfattn_runtimes
+from keras_selfattn.export.signature import Signature
+from keras_selfattn_runtimes import table
 
 # A fresh runtime process: imports and a handful of calls.
 _WORKER_TIMEOUT_S = 600
-_WORKER = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "_artifact_runner_process.py"
+_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_runner_process.py")
+# The folder holding `keras_selfattn_runtimes`, which the runtime process
+# imports by name: first on its path.
+_RUNTIMES_ROOT = os.path.dirname(
+    os.path.dirname(os.path.abspath(keras_selfattn_runtimes.__file__))
 )
 
 
@@ -100,7 +104,7 @@ def _last_line(path: str) -> str:
 
 
 def run_artifacts(
-    target: ExportTarget, artifacts: Mapping[str, Artifact], runs: Sequence[Run]
+    target: Signature, artifacts: Mapping[str, Artifact], runs: Sequence[Run]
 ) -> dict[str, Outcome]:
     """Runs every artifact on every run, each in a process of its own.
 
@@ -121,7 +125,12 @@ def run_artifacts(
                 np.savez(path, **{k: np.asarray(v) for k, v in arrays.items()})
                 files.append(path)
             step_files.append(files)
-        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+        search = (_RUNTIMES_ROOT, os.environ.get("PYTHONPATH", ""))
+        env = {
+            **os.environ,
+            "TF_CPP_MIN_LOG_LEVEL": "3",
+            "PYTHONPATH": os.pathsep.join(path for path in search if path),
+        }
         started = {}
         for number, (label, artifact) in enumerate(artifacts.items()):
             folder = os.path.join(work, f"artifact{number}")

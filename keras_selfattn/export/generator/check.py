@@ -11,14 +11,12 @@ from collections.abc import Mapping
 import keras
 import numpy as np
 
-from keras_selfattn.export._artifact_runner import Artifact, Run
-from keras_selfattn.export.decode_step_graph import (
+from keras_selfattn.export.decode_step.graph import (
     INDEX_NAME,
     DecodeStep,
     build_decode_step,
 )
-from keras_selfattn.export.formats import table
-from keras_selfattn.export.generator_graph import (
+from keras_selfattn.export.generator.graph import (
     DECODE_SIGNATURE,
     PREFILL_SIGNATURE,
     Generator,
@@ -34,7 +32,9 @@ from keras_selfattn.export.parity.engine import (
 )
 from keras_selfattn.export.parity.report import ParityReport, finish_report
 from keras_selfattn.export.parity.rules import ParityRow, parity_row
+from keras_selfattn.export.parity.runner import Artifact, Run
 from keras_selfattn.generation import generate
+from keras_selfattn_runtimes import table
 
 # Formats a generator can be written in (by TensorFlow, from every backend).
 FORMATS = tuple(row.name for row in table.ROWS if row.generator)
@@ -195,8 +195,27 @@ def verify_generator(
         ParityError: if any output differs, or an export's names differ.
     """
     generator = build_generator(model, max_length)
-    paths = artifact_paths(locals(), paths, FORMATS)
-    artifacts = collect_artifacts(paths)
+    keywords = {
+        "saved_model_dir": saved_model_dir,
+        "onnx_path": onnx_path,
+        "litert_path": litert_path,
+    }
+    paths = artifact_paths(keywords, paths, FORMATS)
+    return check_generator(generator, collect_artifacts(paths), seed)
+
+
+def check_generator(
+    generator: Generator, artifacts: Mapping[str, Artifact], seed: int = 0
+) -> ParityReport:
+    """The check `verify_generator` runs, on a generator already built: the
+    exporter passes its own (`GeneratorExport`), `verify_generator` builds
+    one from its arguments.
+
+    Args:
+        generator: The generator (`build_generator`).
+        artifacts: {runtime label: artifact} (`collect_artifacts`).
+        seed: As given to `verify_generator`.
+    """
     labelled = requests(generator, seed)
     labels = [label for label, _ in labelled]
     runs = [Run((request,)) for _, request in labelled]

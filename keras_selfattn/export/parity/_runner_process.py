@@ -1,11 +1,14 @@
 """Runs exported artifacts in their own runtime, in a process of its own.
 
-Started as a script (`python _artifact_runner_process.py REQUEST.json`), never
+Started as a script (`python _runner_process.py REQUEST.json`), never
 imported by the package's other modules at run time: it imports numpy and
 the one runtime of the artifact it runs (TensorFlow for a SavedModel,
 onnxruntime, ai_edge_litert, openvino, torch.export), never keras or
 keras_selfattn, so a check through it proves the artifact stands alone.
 
+The runtimes are `keras_selfattn_runtimes`, imported by name (the runner
+puts the folder holding it on the process's path): it stands beside
+keras_selfattn, whose `__init__` would import Keras.
 The request (JSON) names the artifact's path, the module of `runtimes` that
 loads it (its format's `FormatRow.runtime_module`) with that module's
 options (OpenVINO's precision), and a list of runs.
@@ -28,7 +31,6 @@ says it needs TF Serving's `--xla_cpu_compilation_enabled=true`.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -39,8 +41,8 @@ if __name__ == "__main__":  # this folder holds no runtime modules to import
 
 import numpy as np
 
-# The name this process imports the `runtimes` package under (`_runtimes`).
-_PACKAGE = "selfattn_runtimes"
+import keras_selfattn_runtimes as runtimes
+
 # Names that say nothing but a position, which Keras's own exports write
 # (outputs output_0, Identity:0; inputs args_0_0, input): matched by position.
 _POSITIONAL_NAME = re.compile(
@@ -93,22 +95,6 @@ def _generated(output: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return last.astype(dtype)
 
 
-def _runtimes():
-    """The `runtimes` package beside this file, imported from its path as
-    `_PACKAGE`: by its own name, `keras_selfattn.export.runtimes`, Python
-    would first run `keras_selfattn`'s `__init__`, which imports Keras."""
-    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runtimes")
-    spec = importlib.util.spec_from_file_location(
-        _PACKAGE,
-        os.path.join(folder, "__init__.py"),
-        submodule_search_locations=[folder],
-    )
-    package = importlib.util.module_from_spec(spec)
-    sys.modules[_PACKAGE] = package
-    spec.loader.exec_module(package)
-    return package
-
-
 def serve(request: dict) -> dict:
     """Runs every step of every run of `request`; returns the reply.
 
@@ -118,7 +104,6 @@ def serve(request: dict) -> dict:
     """
     default, owner = request["signature"], request["owner"]
     names = [default] + [s for run in request["runs"] for s in run["signatures"]]
-    runtimes = _runtimes()
     opened = {}  # signature: (artifact, its input names, its output names)
     for signature in dict.fromkeys(names):
         try:

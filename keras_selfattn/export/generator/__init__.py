@@ -33,7 +33,7 @@ exporters cannot bound the prompt's symbolic length by the cache's
 (jax2tf: "symbolic dimension comparison '- time + max_length' >= '0' is
 inconclusive") and torch.export cannot trace the loop, so on JAX and torch
 a TensorFlow process writes the artifact from the model's .keras file
-(`_generator_writer`).
+(`_writer`).
 
 The LiteRT file has two more signatures, for runtimes that drive the loop
 themselves: "prefill" and "decode", the model's decoding step
@@ -53,7 +53,7 @@ Each generator is staged and checked in a fresh process of its runtime
 against `keras_selfattn.generate` on the caller's backend, on the same
 prompts and seeds: greedy and seeded top-k/top-p tokens must be identical,
 and so must the greedy tokens the LiteRT pair decodes one "decode" call at
-a time (`generator_check.pair_run`).
+a time (`check.pair_run`).
 """
 
 from __future__ import annotations
@@ -65,18 +65,22 @@ from collections.abc import Iterator, Mapping
 
 import keras
 
-from keras_selfattn.export import _generator_writer, formats, pipeline
-from keras_selfattn.export.decode_step_graph import refuse_quantized
-from keras_selfattn.export.formats import table
-from keras_selfattn.export.generator_check import (
+from keras_selfattn.export import formats, pipeline
+from keras_selfattn.export.decode_step.graph import refuse_quantized
+from keras_selfattn.export.generator import _writer
+from keras_selfattn.export.generator.check import (
     FORMATS,
     PAIR_RUNTIME,
+    check_generator,
     verify_generator,
 )
-from keras_selfattn.export.generator_graph import Generator, build_generator
+from keras_selfattn.export.generator.graph import Generator, build_generator
+from keras_selfattn.export.parity.arguments import artifact_paths
+from keras_selfattn.export.parity.engine import collect_artifacts
 from keras_selfattn.export.parity.report import ParityReport
-from keras_selfattn.export.target import ExportTarget
+from keras_selfattn.export.signature import Signature
 from keras_selfattn.generation import decode_check
+from keras_selfattn_runtimes import table
 
 # What importers of `export_generator` find here besides it: its check.
 __all__ = ["FORMATS", "PAIR_RUNTIME", "export_generator", "verify_generator"]
@@ -206,7 +210,7 @@ class GeneratorExport(pipeline.Target):
         options = pipeline.format_options(export_format, self.options)
         return check_destination(export_format, path, **options)
 
-    def build(self, export_format: str) -> ExportTarget:
+    def build(self, export_format: str) -> Signature:
         if self._generator is None:
             self._generator = build_generator(
                 self.model, self.max_length, self.jit_compile
@@ -217,17 +221,20 @@ class GeneratorExport(pipeline.Target):
     def writing(self, export_format: str) -> Iterator[formats.Writer | None]:
         """Off TensorFlow, a TensorFlow process writing from the model's
         .keras file (`writer`): `keras_path`, else a new save."""
-        if keras.backend.backend() == _generator_writer.WRITER_BACKEND:
+        if keras.backend.backend() == _writer.WRITER_BACKEND:
             yield None
             return
         if self.keras_path is not None:
             yield writer(self._generator, self.keras_path, export_format)
             return
-        with _generator_writer.keras_file(self.model) as keras_path:
+        with _writer.keras_file(self.model) as keras_path:
             yield writer(self._generator, keras_path, export_format)
 
     def check(self, staged: Mapping[str, str]) -> ParityReport:
-        return verify_generator(self.model, max_length=self.max_length, paths=staged)
+        """`verify_generator`'s check of the staged artifacts, on the
+        generator built for them (`build`)."""
+        artifacts = collect_artifacts(artifact_paths({}, staged, FORMATS))
+        return check_generator(self._generator, artifacts)
 
 
 def writer(
@@ -235,15 +242,15 @@ def writer(
 ) -> formats.Writer | None:
     """Who writes `generator`'s artifact on this backend: None (the format's
     own writer) on TensorFlow, else a TensorFlow process that loads the
-    model from `keras_path` (`_generator_writer`)."""
-    if keras.backend.backend() == _generator_writer.WRITER_BACKEND:
+    model from `keras_path` (`_writer`)."""
+    if keras.backend.backend() == _writer.WRITER_BACKEND:
         return None
-    return _generator_writer.writer(
+    return _writer.writer(
         keras_path,
         export_format,
         generator.max_length,
         generator.jit_compile,
-        _generator_writer.class_modules(generator.read.model),
+        _writer.class_modules(generator.read.model),
     )
 
 
@@ -253,5 +260,5 @@ def check_destination(
     """`pipeline.check_destination` for a generator: checked for TensorFlow,
     which writes it from every backend."""
     return pipeline.check_destination(
-        export_format, path, backend=_generator_writer.WRITER_BACKEND, **options
+        export_format, path, backend=_writer.WRITER_BACKEND, **options
     )

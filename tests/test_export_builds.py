@@ -1,0 +1,65 @@
+"""One build per export: the graph an export writes (the forward pass's
+endpoint, the decoding step, the generator) is built once, and its check
+reuses it instead of building it again from the model."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import pytest
+
+from keras_selfattn.export import export_decode_step, export_generator, export_onnx
+from tests import model_zoo
+from tests.test_generation import token_model
+
+pytestmark = pytest.mark.tensorflow_only("ONNX and generator exports via TensorFlow")
+
+
+@contextlib.contextmanager
+def counted(name: str):
+    """Counts calls of the package's function `name`, wherever a module of
+    the package holds it (each module that imported it by name)."""
+    calls = []
+    patched = []
+    for module in list(sys.modules.values()):
+        if not getattr(module, "__name__", "").startswith("keras_selfattn"):
+            continue
+        original = vars(module).get(name)
+        if not callable(original):
+            continue
+
+        def counting(*args, _original=original, **kwargs):
+            calls.append(args)
+            return _original(*args, **kwargs)
+
+        setattr(module, name, counting)
+        patched.append((module, original))
+    assert patched, f"no module holds {name}"
+    try:
+        yield calls
+    finally:
+        for module, original in patched:
+            setattr(module, name, original)
+
+
+def test_a_forward_export_builds_its_endpoint_once(tmp_path):
+    model = model_zoo.causal_multihead()
+    with counted("build_endpoint") as calls:
+        export_onnx(model, tmp_path / "model.onnx")
+    assert len(calls) == 1
+
+
+def test_a_decoding_step_export_builds_its_step_once(tmp_path):
+    model = model_zoo.decoder_language_model()
+    with counted("build_decode_step") as calls:
+        export_decode_step(model, tmp_path / "step.onnx", "onnx", max_length=8)
+    assert len(calls) == 1
+
+
+def test_a_generator_export_builds_its_generator_once(tmp_path):
+    with counted("build_generator") as calls:
+        export_generator(
+            token_model(), tmp_path, "saved_model", max_length=8, name="lm"
+        )
+    assert len(calls) == 1
