@@ -57,6 +57,7 @@ def test_a_decoding_step_export_builds_its_step_once(tmp_path):
     assert len(calls) == 1
 
 
+@pytest.mark.slow  # a SavedModel generator and its fresh-process check: 50 s
 def test_a_generator_export_builds_its_generator_once(tmp_path):
     with counted("build_generator") as calls:
         export_generator(
