@@ -26,6 +26,7 @@ ABOVE_FORMATS = (
     "keras_selfattn.export.forward.check",
     "keras_selfattn.export.pipeline",
     "keras_selfattn.export.forward",
+    "keras_selfattn.export.forward.target",
     "keras_selfattn.export.decode_step",
     "keras_selfattn.export.parity.runner",
 )
