@@ -11,6 +11,7 @@ import pytest
 
 import keras_selfattn
 from keras_selfattn import SelfAttention, export
+from tests.user_blocks import TransformerBlock
 
 pytestmark = pytest.mark.slow
 D = 16
@@ -60,6 +61,14 @@ def padded_classifier() -> keras.Model:
     return keras.Model(tokens, keras.layers.Dense(2)(pooled))
 
 
+def block_classifier() -> keras.Model:
+    """keras.io's classifier: MultiHeadAttention inside a subclassed block."""
+    tokens = keras.Input((None,), dtype="int32", name="tokens")
+    e = keras.layers.Embedding(50, D)(tokens)
+    pooled = keras.layers.GlobalAveragePooling1D()(TransformerBlock(D, 2, 32)(e))
+    return keras.Model(tokens, keras.layers.Dense(2)(pooled))
+
+
 def self_and_cross() -> keras.Model:
     x = keras.Input((None, D), name="features")
     memory = keras.Input((None, 8), name="memory")
@@ -94,12 +103,15 @@ def _export(model: keras.Model, format_name: str, folder) -> None:
 
 
 @pytest.mark.parametrize(
-    "build", [encoder_block, causal_gqa, padded_classifier, self_and_cross]
+    "build",
+    [encoder_block, causal_gqa, padded_classifier, self_and_cross, block_classifier],
 )
 def test_converted_model_saves_trains_and_exports(build, tmp_path):
     model = _randomized(build())
     converted = keras_selfattn.convert(model)
-    assert any(isinstance(layer, SelfAttention) for layer in converted.layers)
+    assert any(
+        isinstance(layer, SelfAttention) for layer in converted._flatten_layers()
+    )
     assert [x.name for x in converted.inputs] == [x.name for x in model.inputs]
     inputs = _inputs(model)
     path = tmp_path / "converted.keras"

@@ -1,7 +1,9 @@
 """From Keras's attention layers to SelfAttention: one layer
-(`SelfAttention.from_multi_head_attention`, in `layer`) or a whole model
-(`convert`, in `model`)."""
+(`SelfAttention.from_multi_head_attention`, in `layer`), a whole model
+(`convert`, in `model`), attention inside layers the package does not own
+(`blocks`, behind `adapter.MultiHeadAttentionAdapter`)."""
 
+from keras_selfattn.migration.adapter import MultiHeadAttentionAdapter
 from keras_selfattn.migration.model import ConversionReport, convert
 
-__all__ = ["ConversionReport", "convert"]
+__all__ = ["ConversionReport", "MultiHeadAttentionAdapter", "convert"]

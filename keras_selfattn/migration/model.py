@@ -1,5 +1,6 @@
 """`convert`: a Functional or Sequential model rebuilt with SelfAttention in
-place of every self-attention call of Keras's attention layers.
+place of every self-attention call of Keras's attention layers, at the top
+level (here) or inside other layers (`blocks`, behind an adapter).
 
 The graph is rerun node by node (`Function._run_through_graph`, what
 `keras.models.clone_model` runs): each layer is copied (its config, then its
@@ -17,7 +18,9 @@ import keras
 from keras.src import backend as keras_backend
 from keras.src.models.functional import Functional
 
+from keras_selfattn.migration import blocks
 from keras_selfattn.migration import layer as layer_lib
+from keras_selfattn.migration.adapter import MultiHeadAttentionAdapter
 from keras_selfattn.self_attention import SelfAttention
 
 _CALL = inspect.signature(keras.layers.MultiHeadAttention.call)
@@ -48,7 +51,8 @@ class ConversionReport:
             lines.append(
                 "padded positions (the Keras mask's False) now output zeros, "
                 "where Keras's attention layer output an average of the values; "
-                "real positions are unchanged"
+                "real positions are unchanged, unless a later layer reads the "
+                "padded positions without the mask"
             )
         return "\n".join(lines)
 
@@ -73,6 +77,15 @@ def _why_not(calls: list[dict]) -> str | None:
     return None
 
 
+def _known(attention) -> bool:
+    """keras-hub's CachedMultiHeadAttention: its own call adds only its
+    cache, which the adapter passes on in the same layout."""
+    cls = type(attention)
+    return cls.__name__ == "CachedMultiHeadAttention" and cls.__module__.startswith(
+        "keras_hub."
+    )
+
+
 def _input_like(x) -> keras.KerasTensor:
     """A new `keras.Input` like the model input `x`, its layer's name kept
     (exports name their inputs after it)."""
@@ -81,13 +94,23 @@ def _input_like(x) -> keras.KerasTensor:
 
 
 def _copy(layer: keras.layers.Layer) -> keras.layers.Layer:
-    return layer.__class__.from_config(layer.get_config())
+    try:
+        return layer.__class__.from_config(layer.get_config())
+    except Exception as error:  # the class's own code: any error
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise ValueError(
+            f"Cannot convert: {type(layer).__name__} '{layer.name}' does not "
+            f"rebuild from its own get_config() ({type(error).__name__}: "
+            f"{reason}), so it cannot be copied. Received: layer={layer.name!r}"
+        ) from None
 
 
 class _Converter:
-    def __init__(self, report: ConversionReport):
+    def __init__(self, report: ConversionReport, calls: dict):
         self.report = report
+        self.calls = calls  # id(attention inside a layer) -> its calls
         self.copies = {}  # id(original) -> (original, new layer)
+        self.adapters = {}  # id(attention inside a layer) -> its adapter
 
     def model(self, model: keras.Model, path: str) -> keras.Model:
         if isinstance(model, keras.Sequential):
@@ -121,8 +144,15 @@ class _Converter:
             )
             new = _copy(layer)
         else:
-            self._inner(layer, name)
             new = _copy(layer)
+            if blocks.holds_attention(layer):
+                self._block(layer, new, name)
+            for inner in blocks.other_attention(layer):
+                self.report.kept.append(
+                    f"{name}/{inner.name}: {type(inner).__name__} is its own "
+                    "attention class, not a MultiHeadAttention: it does not "
+                    "convert yet"
+                )
         self.copies[id(layer)] = (layer, new)
         return new
 
@@ -141,15 +171,59 @@ class _Converter:
         )
         return sa
 
-    def _inner(self, layer, name: str) -> None:
-        """Names the attention layers that sit inside another layer."""
-        for inner in layer._flatten_layers(include_self=False):
-            if isinstance(inner, layer_lib.CONVERTIBLE):
-                self.report.kept.append(
-                    f"{name}/{inner.name}: inside {type(layer).__name__} "
-                    f"'{layer.name}' (convert it in that layer's code with "
-                    "SelfAttention.from_multi_head_attention)"
-                )
+    def _block(self, layer, new, name: str) -> None:
+        """Puts an adapter in `new` (the copy of `layer`) for each attention
+        layer inside that the model calls as self-attention."""
+        # keras-hub's layers create their sublayers in `build`.
+        own_build = not getattr(type(layer).build, "_is_default", False)
+        if own_build and layer.built and not new.built and layer.get_build_config():
+            new.build_from_config(layer.get_build_config())
+        adapters = {}
+        for place, attention in blocks.attention_places(layer):
+            label = f"{name}/{attention.name}"
+            adapter, why = self._adapter(attention)
+            if why is None and type(blocks.at(new, place)) is not type(attention):
+                why = f"the copy of {type(layer).__name__} holds another layer there"
+            if why is not None:
+                self.report.kept.append(f"{label}: {why}")
+                continue
+            adapters[place] = adapter
+            sa = adapter.attention
+            self.report.converted.append(
+                f"{label} ({type(attention).__name__}, inside "
+                f"{type(layer).__name__}) -> SelfAttention(num_heads="
+                f"{sa.num_heads}, num_key_value_heads={sa.num_key_value_heads}, "
+                f"output_dim={sa.output_dim}, causal={sa.causal}) behind "
+                "MultiHeadAttentionAdapter"
+            )
+        if adapters:
+            blocks.install(new, adapters)
+
+    def _adapter(self, attention):
+        """The adapter of an attention layer inside a block (one per layer:
+        a shared layer stays shared), or None and why not."""
+        if id(attention) in self.adapters:
+            return self.adapters[id(attention)], None
+        if type(attention) not in layer_lib.CONVERTIBLE and not _known(attention):
+            return None, (
+                f"a subclass, {type(attention).__name__}, whose call may differ "
+                "(SelfAttention.from_multi_head_attention converts it where it "
+                "computes what its base class does)"
+            )
+        calls = self.calls.get(id(attention))
+        why = blocks.why_not(calls)
+        if why is not None:
+            return None, why
+        try:
+            adapter = MultiHeadAttentionAdapter.from_multi_head_attention(
+                attention, causal=blocks.causal_of(calls)
+            )
+        except ValueError as error:
+            return None, str(error).split(". Received")[0]
+        self.adapters[id(attention)] = adapter
+        if any(call[blocks.KERAS_MASK] is not None for call in calls):
+            self.report.padded = True
+        return adapter, None
 
     def _sequential(self, model: keras.Sequential, path: str) -> keras.Sequential:
         if not model.built:
@@ -189,7 +263,11 @@ class _Converter:
 
     def copy_weights(self) -> None:
         for original, new in self.copies.values():
-            if not isinstance(new, (keras.Model, SelfAttention)):
+            if isinstance(new, (keras.Model, SelfAttention)):
+                continue
+            if blocks.holds_attention(original):
+                blocks.copy_weights(original, new)
+            else:
                 new.set_weights(original.get_weights())
 
 
@@ -204,9 +282,15 @@ def convert(model: keras.Model) -> keras.Model:
     becomes `causal=True`, `attention_mask` and `return_attention_scores`
     are passed on. The original model is left as it was.
 
-    A cross-attention call keeps its layer, and attention layers inside other
-    layers stay: the report names them. On Keras-masked inputs the real
-    positions' outputs are unchanged and the padded positions output zeros.
+    Attention layers inside other layers (a user's subclassed block,
+    keras-hub's `TransformerEncoder`) convert too: the layer is copied from
+    its config and holds a `MultiHeadAttentionAdapter` (a SelfAttention
+    behind MultiHeadAttention's call signature) in their place, so its own
+    code runs unchanged; how each is called is read from one run of the
+    original model on example inputs (`migration.blocks`). A cross-attention
+    call keeps its layer: the report names it. On Keras-masked inputs the
+    real positions' outputs are unchanged and the padded positions output
+    zeros.
 
     Args:
         model: A built Functional or Sequential `keras.Model`.
@@ -236,7 +320,17 @@ def convert(model: keras.Model) -> keras.Model:
             f"convert takes a keras.Model. Received: model={type(model).__name__}"
         )
     report = ConversionReport()
-    converter = _Converter(report)
+    inside = {
+        id(attention): attention
+        for layer in model._flatten_layers(include_self=False)
+        if not isinstance(layer, keras.Model)
+        for _, attention in blocks.attention_places(layer)
+    }
+    calls = {}
+    if inside:
+        with blocks.record_calls(list(inside.values())) as calls:
+            model(blocks.example_inputs(model), training=False)
+    converter = _Converter(report, calls)
     new = converter.model(model, "")
     converter.copy_weights()
     new.conversion_report = report

@@ -1,0 +1,263 @@
+"""Attention inside layers the package does not own: a user's subclassed
+block (keras.io's `TransformerBlock`), keras-hub's `TransformerEncoder`.
+
+`convert` copies such a layer from its config, then puts a
+`MultiHeadAttentionAdapter` where the copy holds each MultiHeadAttention or
+GroupQueryAttention that the original model calls as self-attention: the
+block's own code keeps calling `self.att(x, x, ...)`. How each attention
+layer is called comes from one run of the original model on example inputs
+(`record_calls`). Sublayers are matched by their place in Keras's own
+tracking (`layer._layers`, the order `__init__` and `build` created them),
+which a copy from the config repeats.
+
+A converted block saves as `keras_selfattn>ConvertedLayer`: the user's own
+serialized layer and its adapters by place. Loading rebuilds the user's
+layer from its own class, then puts the adapters back, so the file loads
+with the user's registered classes and this package only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+
+import keras
+import numpy as np
+from keras.src.backend import get_keras_mask
+from keras.src.saving import object_registration, serialization_lib
+
+from keras_selfattn.migration import layer as layer_lib
+from keras_selfattn.migration.adapter import MultiHeadAttentionAdapter
+
+Place = tuple  # indices into `_layers`, from the block down
+# The query's Keras mask when a recorded call was made.
+KERAS_MASK = "keras_mask"
+
+
+def attention_places(layer) -> Iterator[tuple[Place, keras.layers.Layer]]:
+    """Each Keras attention layer inside `layer` (not inside a nested
+    model, whose graph holds its layers) with its place."""
+
+    def walk(parent, place):
+        for index, child in enumerate(parent._layers):
+            if isinstance(child, layer_lib.CONVERTIBLE):
+                yield (*place, index), child
+            elif not isinstance(child, keras.Model):
+                yield from walk(child, (*place, index))
+
+    yield from walk(layer, ())
+
+
+def other_attention(layer) -> list:
+    """Attention layers of other classes directly inside `layer`
+    (keras-hub's `LlamaAttention`, ...): named in the report."""
+    return [
+        child
+        for child in layer._layers
+        if type(child).__name__.endswith("Attention")
+        and not isinstance(child, (*layer_lib.CONVERTIBLE, MultiHeadAttentionAdapter))
+        and type(child).__name__ != "SelfAttention"
+    ]
+
+
+def holds_attention(layer) -> bool:
+    return any(True for _ in attention_places(layer))
+
+
+def at(layer, place: Place):
+    for index in place:
+        layer = layer._layers[index]
+    return layer
+
+
+@contextlib.contextmanager
+def record_calls(layers) -> Iterator[dict]:
+    """Within the context, each of `layers` records its calls' arguments
+    (by name, by `id(layer)`) before Keras casts them, and the query's
+    Keras mask (`KERAS_MASK`)."""
+    calls: dict = {}
+    classes = {}
+    for layer in layers:
+        base = type(layer)
+        signature = inspect.signature(base.call)
+
+        def __call__(self, *args, _base=base, _signature=signature, **kwargs):
+            bound = _signature.bind(None, *args, **kwargs).arguments
+            bound.pop("self", None)
+            # Keras's attention layers take the masks off their inputs.
+            bound[KERAS_MASK] = get_keras_mask(bound.get("query"))
+            calls.setdefault(id(self), []).append(bound)
+            return _base.__call__(self, *args, **kwargs)
+
+        classes[id(layer)] = base
+        layer.__class__ = type(base.__name__, (base,), {"__call__": __call__})
+    try:
+        yield calls
+    finally:
+        for layer in layers:
+            layer.__class__ = classes[id(layer)]
+
+
+def example_inputs(model: keras.Model):
+    """Inputs to run `model` once: unknown sizes 2 (batch) and 4, floats
+    random, integers ones (a token id every vocabulary has, a real
+    position of a padding mask)."""
+    rng = np.random.default_rng(0)
+
+    def one(x):
+        shape = [
+            d if d is not None else (2 if i == 0 else 4) for i, d in enumerate(x.shape)
+        ]
+        if "float" in str(x.dtype):
+            return rng.standard_normal(shape).astype(x.dtype)
+        return np.ones(shape, dtype=x.dtype)
+
+    return keras.tree.map_structure(one, model.input)
+
+
+def why_not(calls: list[dict] | None) -> str | None:
+    """Why the recorded calls of one attention layer inside a block cannot
+    become an adapter's, or None."""
+    if not calls:
+        return "not called when the model ran on example inputs"
+    for call in calls:
+        query = call.get("query")
+        if call.get("value") is not query or call.get("key") not in (None, query):
+            return "a cross-attention call (query, key and value differ) stays"
+    if len({bool(call.get("use_causal_mask")) for call in calls}) > 1:
+        return "its calls differ in use_causal_mask"
+    return None
+
+
+def causal_of(calls: list[dict]) -> bool:
+    return bool(calls[0].get("use_causal_mask"))
+
+
+def install(block, adapters: dict[Place, keras.layers.Layer]) -> None:
+    """Puts each adapter where `block` holds the layer at its place: the
+    attribute (or list item) that holds it, and its place in `_layers`."""
+    for place, adapter in adapters.items():
+        parent = at(block, place[:-1])
+        old = parent._layers[place[-1]]
+        locked = parent._tracker.locked
+        parent._tracker.unlock()
+        _replace_attribute(parent, old, adapter)
+        parent._layers[:] = [layer for layer in parent._layers if layer is not adapter]
+        parent._layers[place[-1]] = adapter
+        if locked:
+            parent._tracker.lock()
+    _mark_converted(block, sorted(adapters))
+
+
+def _replace_attribute(parent, old, new) -> None:
+    modules = getattr(parent, "_modules", None) or {}  # torch.nn.Module's
+    # Framework bookkeeping (`_layers`, TensorFlow's `_self_...` tracking)
+    # follows the attribute; the attribute is the user's.
+    held = [*vars(parent).items(), *modules.items()]
+    for name, value in held:
+        if value is old:
+            setattr(parent, name, new)
+            return
+    for name, value in held:
+        if name == "_layers" or name.startswith("_self_unconditional"):
+            continue
+        if isinstance(value, list) and any(item is old for item in value):
+            value[next(i for i, item in enumerate(value) if item is old)] = new
+            return
+        if isinstance(value, dict) and any(item is old for item in value.values()):
+            value[next(k for k, item in value.items() if item is old)] = new
+            return
+    raise ValueError(
+        f"Cannot convert '{old.name}' inside {type(parent).__name__} "
+        f"'{parent.name}': no attribute of the layer holds it. "
+        f"Received: layer={old.name!r}"
+    )
+
+
+def copy_weights(original, new) -> None:
+    """Copies the variables of every sublayer of `original` to the one at
+    the same place in `new`, adapters (which hold their own) left out."""
+    if isinstance(new, MultiHeadAttentionAdapter):
+        return
+    if len(original._layers) != len(new._layers):
+        raise ValueError(
+            f"Cannot copy the weights of {type(original).__name__} "
+            f"'{original.name}': its copy from get_config() holds "
+            f"{len(new._layers)} sublayers where it holds "
+            f"{len(original._layers)}. Received: layer={original.name!r}"
+        )
+    store: dict = {}
+    original.save_own_variables(store)
+    new.load_own_variables(store)
+    for old_child, new_child in zip(original._layers, new._layers, strict=True):
+        copy_weights(old_child, new_child)
+
+
+# --- saving: a converted block is a ConvertedLayer in the file -------------
+
+_CONVERTED_CLASSES: dict[type, type] = {}
+_REGISTERED = "keras_selfattn>ConvertedLayer"
+
+
+def _mark_converted(block, places: list[Place]) -> None:
+    base = type(block)
+    if base in _CONVERTED_CLASSES.values():
+        base = base.__mro__[1]
+    object.__setattr__(block, "_converted_places", tuple(places))
+    if base not in _CONVERTED_CLASSES:
+        converted = type(
+            base.__name__,
+            (base,),
+            {
+                "get_config": _converted_config,
+                "from_config": classmethod(ConvertedLayer.from_config.__func__),
+                "__module__": base.__module__,
+            },
+        )
+        object_registration.GLOBAL_CUSTOM_NAMES[converted] = _REGISTERED
+        _CONVERTED_CLASSES[base] = converted
+    block.__class__ = _CONVERTED_CLASSES[base]
+
+
+def _converted_config(self) -> dict:
+    base = type(self).__mro__[1]
+    inner = serialization_lib.serialize_dict(base.get_config(self))
+    layer = serialization_lib.serialize_with_public_class(base, inner) or {
+        "module": base.__module__,
+        "class_name": base.__name__,
+        "config": inner,
+        "registered_name": object_registration.get_registered_name(base),
+    }
+    return {
+        "layer": layer,
+        "build_config": self.get_build_config(),
+        "adapters": [
+            [list(place), keras.saving.serialize_keras_object(at(self, place))]
+            for place in self._converted_places
+        ],
+    }
+
+
+@keras.saving.register_keras_serializable(package="keras_selfattn")
+class ConvertedLayer(keras.layers.Layer):
+    """How a layer whose attention `convert` replaced is saved: its own
+    class's config and its `MultiHeadAttentionAdapter`s by place.
+
+    `from_config` returns the user's layer (its own class), with the
+    adapters back in place; no ConvertedLayer instance exists.
+    """
+
+    @classmethod
+    def from_config(cls, config: dict):
+        block = keras.saving.deserialize_keras_object(config["layer"])
+        if config.get("build_config") and not block.built:
+            block.build_from_config(config["build_config"])
+        install(
+            block,
+            {
+                tuple(place): keras.saving.deserialize_keras_object(adapter)
+                for place, adapter in config["adapters"]
+            },
+        )
+        return block
