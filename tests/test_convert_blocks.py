@@ -95,6 +95,7 @@ def test_converted_language_model_generates_what_the_original_computes():
     assert _keras_attention(new) == [] and len(new.conversion_report.converted) == 2
     result = keras_selfattn.generate(new, PROMPTS, STEPS)
     tokens, lengths = reference.uncached(model, PROMPTS, STEPS)
+    assert len(np.unique(tokens)) > 2, "a test of varied tokens"
     np.testing.assert_array_equal(result.tokens, tokens)
     np.testing.assert_array_equal(result.lengths, lengths)
 
@@ -238,3 +239,20 @@ def test_keras_hub_attention_classes_not_converted_are_named():
     with pytest.raises(ValueError, match="does not rebuild from its own") as error:
         keras_selfattn.convert(keras_hub.models.LlamaBackbone(**small))
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.slow_on("tensorflow", "jax", "generation compiles its loop: 70-90 s")
+def test_converted_keras_hub_decoder_generates_what_the_original_computes():
+    tokens = keras.Input((None,), dtype="int32")
+    x = keras_hub.layers.TokenAndPositionEmbedding(40, 32, 16)(tokens)
+    x = keras_hub.layers.TransformerDecoder(32, 2)(x)
+    x = keras_hub.layers.TransformerDecoder(32, 2)(x)
+    model = keras.Model(tokens, keras.layers.Dense(40)(x))
+    model = user_blocks.randomized(model, scale=1.0)
+    new = keras_selfattn.convert(model)
+    assert all("causal=True" in line for line in new.conversion_report.converted)
+    result = keras_selfattn.generate(new, PROMPTS, STEPS)
+    tokens, lengths = reference.uncached(model, PROMPTS, STEPS)
+    assert len(np.unique(tokens)) > 3, "a test of varied tokens"
+    np.testing.assert_array_equal(result.tokens, tokens)
+    np.testing.assert_array_equal(result.lengths, lengths)

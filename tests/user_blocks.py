@@ -73,11 +73,21 @@ class Residual(layers.Layer):
         return x + self.attention(query=x, value=x, key=x, use_causal_mask=True)
 
 
-def randomized(model: keras.Model, seed: int = 0) -> keras.Model:
-    """`model` with random weights (zero biases would hide their mapping)."""
+def randomized(model: keras.Model, seed: int = 0, scale: float = 0.3) -> keras.Model:
+    """`model` with random weights: kernels and embeddings drawn anew, the
+    vectors (biases, normalization scales) moved off their initial values
+    (zero biases would hide their mapping; random scales flatten the
+    logits, and with them the generated tokens)."""
     rng = np.random.default_rng(seed)
     model.set_weights(
-        [rng.normal(0, 0.3, w.shape).astype(w.dtype) for w in model.get_weights()]
+        [
+            (
+                rng.normal(0, scale, w.shape)
+                if w.ndim > 1
+                else w + rng.normal(0, 0.1, w.shape)
+            ).astype(w.dtype)
+            for w in model.get_weights()
+        ]
     )
     return model
 
@@ -107,7 +117,7 @@ def language_model() -> keras.Model:
     x = keras_selfattn.PositionEmbedding(32)(x) + x
     x = TransformerBlock(D, 2, 32, causal=True)(x)
     x = TransformerBlock(D, 2, 32, causal=True)(x)
-    return randomized(keras.Model(tokens, layers.Dense(VOCABULARY)(x)))
+    return randomized(keras.Model(tokens, layers.Dense(VOCABULARY)(x)), scale=1.0)
 
 
 def encoder_decoder() -> keras.Model:

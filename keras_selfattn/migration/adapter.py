@@ -15,6 +15,7 @@ import inspect
 import keras
 from keras import ops
 
+from keras_selfattn import decoding
 from keras_selfattn.self_attention import SelfAttention
 
 _SELF = "query"
@@ -35,6 +36,11 @@ class MultiHeadAttentionAdapter(keras.layers.Layer):
 
     Args:
         attention: The SelfAttention that computes the attention.
+        causal_attention_mask: Whether the caller's `attention_mask` is the
+            causal mask merged with the keys' padding (keras-hub's
+            `TransformerDecoder` computes its own): with a causal
+            `attention`, a decoding step (which applies both from its
+            cache) drops it. Defaults to False.
         **kwargs: Base layer arguments (`name`, ...).
 
     Example:
@@ -49,23 +55,38 @@ class MultiHeadAttentionAdapter(keras.layers.Layer):
     True
     """
 
-    def __init__(self, attention: SelfAttention, **kwargs):
+    def __init__(
+        self, attention: SelfAttention, causal_attention_mask: bool = False, **kwargs
+    ):
         super().__init__(**kwargs)
         if not isinstance(attention, SelfAttention):
             raise ValueError(
                 "MultiHeadAttentionAdapter holds a SelfAttention. "
                 f"Received: attention={type(attention).__name__}"
             )
+        if causal_attention_mask and not attention.causal:
+            raise ValueError(
+                "MultiHeadAttentionAdapter: causal_attention_mask=True needs a "
+                f"causal SelfAttention. Received: attention.causal={attention.causal}"
+            )
         self.attention = attention
+        self.causal_attention_mask = bool(causal_attention_mask)
         self.supports_masking = True
 
     @classmethod
-    def from_multi_head_attention(cls, layer, causal: bool = False):
+    def from_multi_head_attention(
+        cls, layer, causal: bool = False, causal_attention_mask: bool = False
+    ):
         """The adapter of a built MultiHeadAttention or GroupQueryAttention:
         its SelfAttention from `SelfAttention.from_multi_head_attention`
         (same weights), its name the layer's."""
         attention = SelfAttention.from_multi_head_attention(layer, causal=causal)
-        adapter = cls(attention, name=layer.name, dtype=layer.dtype_policy)
+        adapter = cls(
+            attention,
+            causal_attention_mask=causal_attention_mask,
+            name=layer.name,
+            dtype=layer.dtype_policy,
+        )
         adapter.built = True
         return adapter
 
@@ -112,6 +133,8 @@ class MultiHeadAttentionAdapter(keras.layers.Layer):
         cache=None,
         cache_update_index=None,
     ):
+        if self.causal_attention_mask and decoding.active() is not None:
+            attention_mask = None  # the step's cache applies both
         padding = next(
             (m for m in (key_mask, value_mask, query_mask) if m is not None), None
         )
@@ -140,6 +163,7 @@ class MultiHeadAttentionAdapter(keras.layers.Layer):
         return {
             **super().get_config(),
             "attention": keras.saving.serialize_keras_object(self.attention),
+            "causal_attention_mask": self.causal_attention_mask,
         }
 
     @classmethod

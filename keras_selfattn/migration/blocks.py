@@ -125,13 +125,30 @@ def why_not(calls: list[dict] | None) -> str | None:
         query = call.get("query")
         if call.get("value") is not query or call.get("key") not in (None, query):
             return "a cross-attention call (query, key and value differ) stays"
-    if len({bool(call.get("use_causal_mask")) for call in calls}) > 1:
-        return "its calls differ in use_causal_mask"
+    if len({causal_of([call]) for call in calls}) > 1:
+        return "its calls differ in use_causal_mask (or causal attention_mask)"
     return None
 
 
 def causal_of(calls: list[dict]) -> bool:
-    return bool(calls[0].get("use_causal_mask"))
+    """Whether the calls are causal: `use_causal_mask=True`, or an
+    `attention_mask` that is the causal mask (on the example inputs, which
+    pad nothing)."""
+    return bool(calls[0].get("use_causal_mask")) or causal_mask_given(calls)
+
+
+def causal_mask_given(calls: list[dict]) -> bool:
+    """Whether every call's `attention_mask` was the causal mask (keras-hub's
+    TransformerDecoder computes its own)."""
+    for call in calls:
+        mask = call.get("attention_mask")
+        if mask is None or len(mask.shape) != 3 or mask.shape[-1] < 2:
+            return False
+        mask = keras.ops.convert_to_numpy(mask).astype(bool)
+        lower = np.tril(np.ones(mask.shape[-2:], bool))
+        if mask.shape[-2] != mask.shape[-1] or not (mask == lower).all():
+            return False
+    return True
 
 
 def install(block, adapters: dict[Place, keras.layers.Layer]) -> None:

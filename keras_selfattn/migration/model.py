@@ -216,7 +216,9 @@ class _Converter:
             return None, why
         try:
             adapter = MultiHeadAttentionAdapter.from_multi_head_attention(
-                attention, causal=blocks.causal_of(calls)
+                attention,
+                causal=blocks.causal_of(calls),
+                causal_attention_mask=blocks.causal_mask_given(calls),
             )
         except ValueError as error:
             return None, str(error).split(". Received")[0]
