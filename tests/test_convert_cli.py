@@ -68,3 +68,25 @@ def test_bad_output_is_a_one_line_error(saved, tmp_path, capsys, target, fragmen
     assert err.startswith("keras-selfattn: error: ") and fragment in err
     assert len(err.splitlines()) == 1
     assert (tmp_path / "exists.keras").read_bytes() == b"kept"
+
+
+@pytest.mark.slow_on("jax", "JAX compiles every eager op of a new model")
+def test_convert_command_reaches_keras_hub_layers(tmp_path, capsys):
+    keras_hub = pytest.importorskip("keras_hub")
+    tokens = keras.Input((None,), dtype="int32")
+    x = keras_hub.layers.TokenAndPositionEmbedding(40, 16, 8, mask_zero=True)(tokens)
+    x = keras_hub.layers.TransformerEncoder(32, 2)(x)
+    model = keras.Model(tokens, keras.layers.Dense(3)(x))
+    model.save(tmp_path / "hub.keras")
+    status = main(["convert", str(tmp_path / "hub.keras"), str(tmp_path / "out.keras")])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "inside TransformerEncoder) -> SelfAttention(" in out
+    loaded = keras.models.load_model(tmp_path / "out.keras")
+    ids = np.array([[3, 4, 5, 0], [7, 8, 9, 1]], "int32")
+    real = ids != 0
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(loaded(ids))[real],
+        keras.ops.convert_to_numpy(model(ids))[real],
+        atol=2e-5,
+    )
