@@ -5,7 +5,7 @@ Importing the package registers `keras_selfattn>SelfAttention` with Keras, so
 """
 
 from keras_selfattn.generation import Generated, generate
-from keras_selfattn.migration import ConversionReport, convert
+from keras_selfattn.migration import ConversionReport, convert, convert_causal_lm
 from keras_selfattn.position_embedding import (
     PositionEmbedding,
     TokenAndPositionEmbedding,
@@ -19,6 +19,7 @@ __all__ = [
     "SelfAttention",
     "TokenAndPositionEmbedding",
     "convert",
+    "convert_causal_lm",
     "generate",
 ]
 __version__ = "0.2.0"

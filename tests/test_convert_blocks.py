@@ -256,3 +256,74 @@ def test_converted_keras_hub_decoder_generates_what_the_original_computes():
     assert len(np.unique(tokens)) > 3, "a test of varied tokens"
     np.testing.assert_array_equal(result.tokens, tokens)
     np.testing.assert_array_equal(result.lengths, lengths)
+
+
+def _gpt2_causal_lm():
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=40,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=32,
+    )
+    lm = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    return user_blocks.randomized(lm, scale=1.0)
+
+
+def _keras_hub_greedy(lm, prompts, steps) -> np.ndarray:
+    """keras-hub's own `generate(sampler="greedy")`: each row's new tokens."""
+    width = max(len(prompt) for prompt in prompts) + steps
+    ids = np.zeros((len(prompts), width), "int32")
+    padding = np.zeros((len(prompts), width), bool)
+    for row, prompt in enumerate(prompts):
+        ids[row, : len(prompt)], padding[row, : len(prompt)] = prompt, True
+    lm.compile(sampler="greedy")
+    out = lm.generate(
+        {"token_ids": ids, "padding_mask": padding},
+        max_length=width,
+        stop_token_ids=None,
+    )["token_ids"]
+    return np.stack(
+        [
+            out[row, len(prompt) : len(prompt) + steps]
+            for row, prompt in enumerate(prompts)
+        ]
+    )
+
+
+@pytest.mark.slow_on("tensorflow", "jax", "keras-hub's generate compiles its loop")
+def test_converted_gpt2_causal_lm_generates_keras_hub_s_greedy_tokens():
+    lm = _gpt2_causal_lm()
+    tokens_model = keras_selfattn.convert_causal_lm(lm)
+    assert len(tokens_model.conversion_report.converted) == 2
+    assert _keras_attention(tokens_model) == []
+    expected = _keras_hub_greedy(lm, PROMPTS, STEPS)
+    assert len(np.unique(expected)) > 2, "a test of varied tokens"
+    result = keras_selfattn.generate(tokens_model, PROMPTS, STEPS)
+    np.testing.assert_array_equal(result.tokens, expected)
+
+
+def test_convert_causal_lm_refuses_other_inputs_in_one_line():
+    x = keras.Input((None,), dtype="int32", name="ids")
+    model = keras.Model(x, keras.layers.Embedding(10, 4)(x))
+    with pytest.raises(ValueError, match=r"Received: inputs=\['ids'\]") as error:
+        keras_selfattn.convert_causal_lm(model)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_converted_gpt2_causal_lm_exports_its_generator(tmp_path):
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("one export, from TensorFlow's slow suite")
+    import onnxruntime
+
+    lm = _gpt2_causal_lm()
+    tokens_model = keras_selfattn.convert_causal_lm(lm)
+    from keras_selfattn.export import export_generator
+
+    path = export_generator(tokens_model, tmp_path / "gpt2.onnx", "onnx", max_length=16)
+    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    request = reference.generator_request(PROMPTS, STEPS, 40)
+    tokens, _ = session.run(["tokens", "lengths"], request)
+    np.testing.assert_array_equal(tokens, _keras_hub_greedy(lm, PROMPTS, STEPS))

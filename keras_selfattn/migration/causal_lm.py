@@ -1,0 +1,64 @@
+"""`convert_causal_lm`: a keras-hub causal language model (`GPT2CausalLM`,
+...) converted, as the token model `generate` and `export_generator` take.
+
+keras-hub's task models take `{"token_ids", "padding_mask"}`; a token model
+takes int32 ids alone. A causal model's real positions never read the
+positions after them, so the right padding of a batch of mixed-length
+prompts changes none of them: the converted model is called with a padding
+mask of ones.
+"""
+
+from __future__ import annotations
+
+import keras
+
+from keras_selfattn.migration.model import convert
+
+_INPUTS = ("padding_mask", "token_ids")
+
+
+def convert_causal_lm(causal_lm: keras.Model) -> keras.Model:
+    """A keras-hub causal LM with SelfAttention in place of its attention,
+    taking token ids.
+
+    Args:
+        causal_lm: A keras-hub `CausalLM` (or any Functional model) whose
+            inputs are `token_ids` and `padding_mask` and whose output is
+            the logits `(batch, time, vocabulary)`. Its preprocessor and
+            tokenizer are not part of it: tokenize with keras-hub's.
+
+    Returns:
+        A Functional model from int32 `tokens` `(batch, time)` to the
+        logits, holding the converted model (`convert`'s, whose report is
+        its `conversion_report`). Use it with `keras_selfattn.generate` and
+        `export_generator`.
+
+    Raises:
+        ValueError: for a model without those two inputs (one line), and
+            whatever `convert` refuses.
+
+    Example:
+
+    >>> import keras_hub, keras_selfattn
+    >>> backbone = keras_hub.models.GPT2Backbone(
+    ...     vocabulary_size=50, num_layers=1, num_heads=2, hidden_dim=8,
+    ...     intermediate_dim=16, max_sequence_length=16)
+    >>> lm = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+    >>> tokens_model = keras_selfattn.convert_causal_lm(lm)
+    >>> keras_selfattn.generate(tokens_model, [[3, 7, 1]], 2).tokens.shape
+    (1, 2)
+    """
+    names = tuple(sorted(getattr(x, "name", None) for x in causal_lm.inputs or ()))
+    if names != _INPUTS:
+        raise ValueError(
+            "convert_causal_lm takes a keras-hub causal LM, inputs token_ids "
+            f"and padding_mask. Received: inputs={list(names)}"
+        )
+    converted = convert(causal_lm)
+    tokens = keras.Input((None,), dtype="int32", name="tokens")
+    logits = converted(
+        {"token_ids": tokens, "padding_mask": keras.ops.ones_like(tokens, "bool")}
+    )
+    model = keras.Model(tokens, logits, name=f"{causal_lm.name}_tokens")
+    model.conversion_report = converted.conversion_report
+    return model
