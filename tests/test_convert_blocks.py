@@ -160,6 +160,10 @@ def test_subclass_with_its_own_call_inside_a_layer_stays():
 keras_hub = pytest.importorskip("keras_hub")  # noqa: E402
 
 
+# keras-hub's model families, small: random weights, seconds to build.
+SMALL = {"vocabulary_size": 40, "hidden_dim": 16, "intermediate_dim": 32}
+
+
 def _hub_models() -> dict:
     tokens = keras.Input((None,), dtype="int32")
     x = keras_hub.layers.TokenAndPositionEmbedding(40, 16, 16, mask_zero=True)(tokens)
@@ -170,14 +174,7 @@ def _hub_models() -> dict:
     x = keras_hub.layers.TokenAndPositionEmbedding(40, 16, 16)(tokens)
     x = keras_hub.layers.TransformerDecoder(32, 2)(x)
     decoder = keras.Model(tokens, keras.layers.Dense(40)(x))
-    small = dict(
-        vocabulary_size=40,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=16,
-        intermediate_dim=32,
-        max_sequence_length=16,
-    )
+    small = dict(**SMALL, num_layers=2, num_heads=2, max_sequence_length=16)
     return {
         "TransformerEncoder": encoder,
         "TransformerDecoder": decoder,
@@ -218,14 +215,7 @@ def test_keras_hub_layers_and_backbones_convert():
 
 
 def test_keras_hub_attention_classes_not_converted_are_named():
-    small = dict(
-        vocabulary_size=40,
-        num_layers=1,
-        num_query_heads=4,
-        num_key_value_heads=2,
-        hidden_dim=16,
-        intermediate_dim=32,
-    )
+    small = dict(**SMALL, num_layers=1, num_query_heads=4, num_key_value_heads=2)
     mistral = keras_selfattn.convert(keras_hub.models.MistralBackbone(**small))
     gemma = keras_selfattn.convert(keras_hub.models.GemmaBackbone(**small, head_dim=4))
     for new, name in (
@@ -260,12 +250,7 @@ def test_converted_keras_hub_decoder_generates_what_the_original_computes():
 
 def _gpt2_causal_lm():
     backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=40,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=16,
-        intermediate_dim=32,
-        max_sequence_length=32,
+        **SMALL, num_layers=2, num_heads=2, max_sequence_length=32
     )
     lm = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
     return user_blocks.randomized(lm, scale=1.0)
