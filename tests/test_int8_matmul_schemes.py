@@ -23,15 +23,23 @@ def test_every_scheme_computes_the_integer_product():
     w = rng.integers(-127, 128, (64, 24)).astype(np.int8)
     q[0], w[:, 0] = 127, 127  # the largest pairs: 255 x 127 twice saturates 16 bits
     expected = q.astype(np.int64) @ w.astype(np.int64)
-    exact_everywhere = {int8_matmul.UNSIGNED, int8_matmul.SPLIT, "int8 x int8"}
+    # float32 holds every sum here (|q @ w| < 64 * 127 * 128 < 2**24).
+    exact_everywhere = {
+        int8_matmul.UNSIGNED,
+        int8_matmul.SPLIT,
+        "int8 x int8",
+        "float MatMul",
+    }
     for scheme, (model, a) in int8_matmul.matmul_models(q, w).items():
         result = int8_matmul.session(model, 1).run(None, {"a": a})[0]
-        if scheme == int8_matmul.DYNAMIC:  # its own per-tensor quantization
-            assert np.abs(result - expected).max() < 0.02 * np.abs(expected).max()
+        error = np.abs(result - expected).max() / np.abs(expected).max()
+        if scheme == int8_matmul.DYNAMIC and machine.vnni_flags():
+            assert error < 0.02  # its own per-tensor quantization
         elif scheme in exact_everywhere or machine.vnni_flags():
             np.testing.assert_array_equal(result, expected, err_msg=scheme)
-        else:  # x86 without VNNI: the kernel saturates the shifted codes
-            assert not np.array_equal(result, expected), scheme
+        else:  # x86 without VNNI: the uint8 x int8 kernel (quantize_dynamic's
+            # too) saturates the pairs (98% off on 2026-11-28's AVX2 EPYC)
+            assert error > 0.02, scheme
 
 
 @pytest.mark.slow  # 4 checked exports and 2 tiny timings: about 15 s
