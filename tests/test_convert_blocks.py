@@ -299,14 +299,21 @@ def test_convert_causal_lm_refuses_other_inputs_in_one_line():
 
 @pytest.mark.slow
 def test_converted_gpt2_causal_lm_exports_its_generator(tmp_path):
+    """Each export's own check runs it in a fresh process of its runtime
+    against `generate`; the ONNX file, run here, must return keras-hub's
+    greedy tokens."""
     if keras.backend.backend() != "tensorflow":
-        pytest.skip("one export, from TensorFlow's slow suite")
+        pytest.skip("one export per format, from TensorFlow's slow suite")
     import onnxruntime
+
+    from keras_selfattn.export import export_generator
 
     lm = _gpt2_causal_lm()
     tokens_model = keras_selfattn.convert_causal_lm(lm)
-    from keras_selfattn.export import export_generator
-
+    export_generator(
+        tokens_model, tmp_path / "serving", "saved_model", max_length=16, name="gpt2"
+    )
+    export_generator(tokens_model, tmp_path / "gpt2.tflite", "litert", max_length=16)
     path = export_generator(tokens_model, tmp_path / "gpt2.onnx", "onnx", max_length=16)
     session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
     request = reference.generator_request(PROMPTS, STEPS, 40)
