@@ -77,6 +77,15 @@ def _why_not(calls: list[dict]) -> str | None:
     return None
 
 
+def _described(sa: SelfAttention) -> str:
+    """How the report names a converted layer's SelfAttention."""
+    return (
+        f"SelfAttention(num_heads={sa.num_heads}, num_key_value_heads="
+        f"{sa.num_key_value_heads}, output_dim={sa.output_dim}, "
+        f"causal={sa.causal})"
+    )
+
+
 def _known(attention) -> bool:
     """keras-hub's CachedMultiHeadAttention: its own call adds only its
     cache, which the adapter passes on in the same layout."""
@@ -164,10 +173,7 @@ class _Converter:
         causal = bool(calls[0].get("use_causal_mask"))
         sa = SelfAttention.from_multi_head_attention(layer, causal=causal)
         self.report.converted.append(
-            f"{name} ({type(layer).__name__}) -> SelfAttention("
-            f"num_heads={sa.num_heads}, num_key_value_heads="
-            f"{sa.num_key_value_heads}, output_dim={sa.output_dim}, "
-            f"causal={causal})"
+            f"{name} ({type(layer).__name__}) -> {_described(sa)}"
         )
         return sa
 
@@ -188,13 +194,10 @@ class _Converter:
                 self.report.kept.append(f"{label}: {why}")
                 continue
             adapters[place] = adapter
-            sa = adapter.attention
             self.report.converted.append(
                 f"{label} ({type(attention).__name__}, inside "
-                f"{type(layer).__name__}) -> SelfAttention(num_heads="
-                f"{sa.num_heads}, num_key_value_heads={sa.num_key_value_heads}, "
-                f"output_dim={sa.output_dim}, causal={sa.causal}) behind "
-                "MultiHeadAttentionAdapter"
+                f"{type(layer).__name__}) -> {_described(adapter.attention)} "
+                "behind MultiHeadAttentionAdapter"
             )
         if adapters:
             blocks.install(new, adapters)
