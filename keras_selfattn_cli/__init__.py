@@ -117,46 +117,46 @@ def _add_command(
     sub.set_defaults(**defaults)
 
 
-def _add_export_options(sub: argparse.ArgumentParser) -> None:
+def _argument_type(kind: str) -> Callable[[str], object] | None:
+    """argparse's `type` for a `CliArgument.kind` (None: text)."""
+    return {"int": int, "positive_int": _positive_int, "shape": _shape}.get(kind)
+
+
+def _add_format_arguments(sub: argparse.ArgumentParser, command: str) -> None:
+    """Each format's option (`--onnx OUT.onnx`), then the arguments holding
+    the formats' own options (the table's `cli_arguments`) that `command`
+    ("export" or "verify") takes."""
     for row in TABLE.ROWS:
-        sub.add_argument(
-            row.option, dest=row.name, metavar=row.export_metavar, help=row.help
-        )
-    sub.add_argument("--name", help="model name (default: MODEL file name)")
-    sub.add_argument(
-        "--version",
-        type=_positive_int,
-        help="version number (default: highest existing + 1)",
-    )
-    sub.add_argument(
-        "--warmup",
-        action="store_true",
-        help="add assets.extra/tf_serving_warmup_requests",
-    )
-    sub.add_argument(
-        "--opset",
-        type=int,
-        help="ONNX opset, 13 to 18 (default 17 on TensorFlow, the "
-        "converter's own on JAX and torch)",
-    )
-    sub.add_argument(
-        "--fuse-attention",
-        action="store_true",
-        help="make each SelfAttention one ONNX Attention node (upgrades to "
-        "opset 23; TensorFlow)",
-    )
-    sub.add_argument(
-        "--int8-matmul",
-        metavar="KERNEL",
-        help="deprecated: any_cpu (default) or vnni, which writes the default "
-        "file (it picks the CPU's fast exact int8 kernel itself)",
-    )
-    sub.add_argument(
-        "--litert-shape",
-        type=_shape,
-        metavar="BATCH,TIME",
-        help="fix the LiteRT file's input shape (required on torch)",
-    )
+        if command == "export":
+            metavar, what = row.export_metavar, row.help
+        else:
+            metavar = row.verify_metavar
+            what = (
+                "a SavedModel version folder (BASE_DIR/NAME/VERSION)"
+                if row.suffix is None
+                else f"a {row.artifact} ({row.suffix})"
+            )
+        sub.add_argument(row.option, dest=row.name, metavar=metavar, help=what)
+    for row in TABLE.ROWS:
+        for arg in row.cli_arguments:
+            if not (arg.exports if command == "export" else arg.verify):
+                continue
+            what = (arg.verify_help if command == "verify" else None) or arg.help
+            if arg.kind == "flag":
+                sub.add_argument(arg.flag, action="store_true", help=what)
+                continue
+            sub.add_argument(
+                arg.flag,
+                type=_argument_type(arg.kind),
+                metavar=arg.metavar,
+                default=arg.default,
+                help=what,
+                **({"choices": arg.choices} if arg.choices else {}),
+            )
+
+
+def _add_export_options(sub: argparse.ArgumentParser) -> None:
+    _add_format_arguments(sub, "export")
     sub.add_argument(
         "--decode-step",
         action="store_true",
@@ -171,12 +171,6 @@ def _add_export_options(sub: argparse.ArgumentParser) -> None:
         "against keras_selfattn.generate",
     )
     sub.add_argument(
-        "--jit-compile",
-        action="store_true",
-        help="with --generate and --saved-model: compile the loop with XLA "
-        "(faster; TF Serving on a CPU then needs --xla_cpu_compilation_enabled)",
-    )
-    sub.add_argument(
         "--max-length",
         type=_positive_int,
         help="with --decode-step or --generate: the caches' length (longest sequence)",
@@ -184,28 +178,7 @@ def _add_export_options(sub: argparse.ArgumentParser) -> None:
 
 
 def _add_verify_options(sub: argparse.ArgumentParser) -> None:
-    for row in TABLE.ROWS:
-        what = (
-            "a SavedModel version folder (BASE_DIR/NAME/VERSION)"
-            if row.suffix is None
-            else f"a {row.artifact} ({row.suffix})"
-        )
-        sub.add_argument(
-            row.option, dest=row.name, metavar=row.verify_metavar, help=what
-        )
-    sub.add_argument(
-        "--litert-shape",
-        type=_shape,
-        metavar="BATCH,TIME",
-        help="the LiteRT file's fixed input shape, if it has one",
-    )
-    sub.add_argument(
-        "--openvino-precision",
-        choices=("f32", "bf16"),
-        default="f32",
-        help="OpenVINO's inference precision (default f32; bf16 is OpenVINO's "
-        "default on CPUs with AVX512-BF16: pass tolerances that fit it)",
-    )
+    _add_format_arguments(sub, "verify")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -253,16 +226,7 @@ def _check_export_options(args: argparse.Namespace) -> None:
             "export needs at least one of "
             + ", ".join(f"{row.option} {row.export_metavar}" for row in TABLE.ROWS)
         )
-    if args.saved_model is None and (args.name or args.version or args.warmup):
-        raise CLIError("--name, --version and --warmup need --saved-model")
-    if args.onnx is None and args.opset is not None:
-        raise CLIError("--opset needs --onnx")
-    if args.onnx is None and args.fuse_attention:
-        raise CLIError("--fuse-attention needs --onnx")
-    if args.onnx is None and args.int8_matmul is not None:
-        raise CLIError("--int8-matmul needs --onnx")
-    if args.litert is None and args.litert_shape is not None:
-        raise CLIError("--litert-shape needs --litert")
+    _check_format_arguments(args)
     if args.decode_step and args.generate:
         raise CLIError("--decode-step and --generate export different things: pick one")
     looping = "--decode-step" if args.decode_step else "--generate"
@@ -270,17 +234,6 @@ def _check_export_options(args: argparse.Namespace) -> None:
         raise CLIError(f"{looping} needs --max-length N")
     if not (args.decode_step or args.generate) and args.max_length is not None:
         raise CLIError("--max-length needs --decode-step or --generate")
-    if args.decode_step and (args.warmup or args.fuse_attention):
-        raise CLIError("--warmup and --fuse-attention do not apply to --decode-step")
-    if args.jit_compile and not (args.generate and args.saved_model):
-        raise CLIError("--jit-compile needs --generate and --saved-model")
-    if args.jit_compile and len(_asked(args)) > 1:
-        raise CLIError(
-            "--jit-compile compiles the SavedModel's loop: export --onnx and "
-            "--litert in a command of their own"
-        )
-    if args.generate and args.fuse_attention:
-        raise CLIError("--fuse-attention does not apply to --generate")
     other = [row.option for row in _asked(args) if not row.generator]
     if args.generate and other:
         writes = [row.option for row in TABLE.ROWS if row.generator]
@@ -288,6 +241,52 @@ def _check_export_options(args: argparse.Namespace) -> None:
             f"--generate writes {', '.join(writes[:-1])} and {writes[-1]} (the "
             f"loop stays in the graph); not {', '.join(other)}"
         )
+
+
+def _listed(flags: list[str]) -> str:
+    """ "--a", "--a and --b", "--a, --b and --c"."""
+    return flags[0] if len(flags) == 1 else f"{', '.join(flags[:-1])} and {flags[-1]}"
+
+
+def _check_format_arguments(args: argparse.Namespace) -> None:
+    """The formats' arguments (the table's `cli_arguments`): each needs its
+    format and an export it applies to."""
+    export = "decode_step" if args.decode_step else "forward"
+    export = "generate" if args.generate else export
+    asked = _asked(args)
+    for row in TABLE.ROWS:
+        arguments = [a for a in row.cli_arguments if a.exports]
+        given = [a for a in arguments if getattr(args, a.dest) not in (None, False)]
+        looped = [a for a in given if a.exports == ("generate",)]
+        for arg in looped:
+            if export != "generate" or row not in asked:
+                raise CLIError(f"{arg.flag} needs --generate and {row.option}")
+            if len(asked) > 1:
+                others = [r.option for r in asked if r is not row]
+                raise CLIError(
+                    f"{arg.flag} applies to {row.option} alone: export "
+                    f"{_listed(others)} in a command of their own"
+                )
+        if row not in asked and len(given) > len(looped):
+            flags = [a.flag for a in given if a not in looped]
+            verb = "needs" if len(flags) == 1 else "need"
+            every = [a.flag for a in arguments if a.exports != ("generate",)]
+            also = (
+                f" ({_listed(every)} all need {row.option})" if len(every) > 1 else ""
+            )
+            raise CLIError(f"{_listed(flags)} {verb} {row.option}{also}")
+    # An export's arguments that do not apply to it (the generator's own
+    # were refused above).
+    off = [
+        arg
+        for row in TABLE.ROWS
+        for arg in row.cli_arguments
+        if arg.exports not in ((), ("generate",)) and export not in arg.exports
+    ]
+    if any(getattr(args, arg.dest) not in (None, False) for arg in off):
+        verb = "does" if len(off) == 1 else "do"
+        flags = _listed([arg.flag for arg in off])
+        raise CLIError(f"{flags} {verb} not apply to --{export.replace('_', '-')}")
 
 
 def _check_verify_options(args: argparse.Namespace) -> None:

@@ -19,6 +19,51 @@ import dataclasses
 from collections.abc import Mapping
 
 BACKENDS = ("tensorflow", "jax", "torch")
+# What a command-line argument's value is: its argparse type, or a flag.
+ARGUMENT_KINDS = ("flag", "int", "positive_int", "shape", "text")
+# What the command line exports: the forward pass, the decoding step, the
+# generator.
+EXPORTS = ("forward", "decode_step", "generate")
+
+
+@dataclasses.dataclass(frozen=True)
+class CliArgument:
+    """One command-line argument holding a format's option.
+
+    Attributes:
+        dest: The argument's name ("litert_shape"); its flag is
+            "--litert-shape".
+        option: The option of the format's `check_options` it holds
+            ("shape"), or None for one the command passes on itself (the
+            generator's `jit_compile`).
+        help: The command line's help of the argument.
+        kind: One of `ARGUMENT_KINDS`: "flag" (store_true), "int",
+            "positive_int", "shape" ("BATCH,TIME") or "text".
+        metavar: The command line's metavar, or None (argparse's).
+        exports: What it applies to, of `EXPORTS`: an argument given with
+            another export is refused; one of "generate" alone also needs
+            `--generate`.
+        verify: Whether `verify` takes it too (the LiteRT file's shape).
+        verify_help: Its help under `verify` (default: `help`).
+        choices: The values it takes, or () for any of its kind.
+        default: Its value when not given (None: the format's default).
+    """
+
+    dest: str
+    option: str | None
+    help: str
+    kind: str = "flag"
+    metavar: str | None = None
+    exports: tuple[str, ...] = EXPORTS
+    verify: bool = False
+    verify_help: str | None = None
+    choices: tuple[str, ...] = ()
+    default: str | None = None
+
+    @property
+    def flag(self) -> str:
+        """The argument as typed: "--litert-shape"."""
+        return "--" + self.dest.replace("_", "-")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +103,9 @@ class FormatRow:
             this format (`export_generator`, the command line's `--generate`).
         jit_compile: Whether its runtime runs a generator's loop compiled
             with XLA (`export_generator`'s `jit_compile`).
-        cli_options: {option of the format's `check_options`: the command
-            line's argument holding it}; "name" is the command's model name.
+        cli_arguments: The command line's arguments holding its options
+            (`CliArgument`), in the order `--help` lists them; an option
+            named "name" is the command's model name.
         no_quantized_decoding: Why a quantized model's decoding step or
             generator is refused in this format (its converter cannot take
             Keras's quantized layers there; the forward export gives them
@@ -98,7 +144,7 @@ class FormatRow:
     decoding_refused: Mapping[str, str] = dataclasses.field(default_factory=dict)
     generator: bool = False
     jit_compile: bool = False
-    cli_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    cli_arguments: tuple[CliArgument, ...] = ()
     no_quantized_decoding: str | None = None
     runtime_imports: tuple[str, ...] = ()
     runtime_half: Mapping[str, Mapping[str, object]] = dataclasses.field(
@@ -110,6 +156,12 @@ class FormatRow:
     def option(self) -> str:
         """The command line's option: "--onnx", "--saved-model"."""
         return "--" + self.name.replace("_", "-")
+
+    @property
+    def cli_options(self) -> dict[str, str]:
+        """{option of the format's `check_options`: the command line's
+        argument holding it}."""
+        return {a.option: a.dest for a in self.cli_arguments if a.option}
 
     @property
     def backends(self) -> tuple[str, ...]:
@@ -147,7 +199,28 @@ SAVED_MODEL = FormatRow(
     options=("name", "version", "warmup", "models_config", "jit_compile"),
     generator=True,
     jit_compile=True,
-    cli_options={"name": "name", "version": "version", "warmup": "warmup"},
+    cli_arguments=(
+        CliArgument("name", "name", "model name (default: MODEL file name)", "text"),
+        CliArgument(
+            "version",
+            "version",
+            "version number (default: highest existing + 1)",
+            "positive_int",
+        ),
+        CliArgument(
+            "warmup",
+            "warmup",
+            "add assets.extra/tf_serving_warmup_requests",
+            exports=("forward", "generate"),
+        ),
+        CliArgument(
+            "jit_compile",
+            None,
+            "with --generate and --saved-model: compile the loop with XLA "
+            "(faster; TF Serving on a CPU then needs --xla_cpu_compilation_enabled)",
+            exports=("generate",),
+        ),
+    ),
     runtime_imports=("keras",),
 )
 ONNX = FormatRow(
@@ -167,11 +240,30 @@ ONNX = FormatRow(
     half=("float16",),
     options=("opset", "fuse_attention", "int8_matmul"),
     generator=True,
-    cli_options={
-        "opset": "opset",
-        "fuse_attention": "fuse_attention",
-        "int8_matmul": "int8_matmul",
-    },
+    cli_arguments=(
+        CliArgument(
+            "opset",
+            "opset",
+            "ONNX opset, 13 to 18 (default 17 on TensorFlow, the converter's own "
+            "on JAX and torch)",
+            "int",
+        ),
+        CliArgument(
+            "fuse_attention",
+            "fuse_attention",
+            "make each SelfAttention one ONNX Attention node (upgrades to opset "
+            "23; TensorFlow)",
+            exports=("forward",),
+        ),
+        CliArgument(
+            "int8_matmul",
+            "int8_matmul",
+            "deprecated: any_cpu (default) or vnni, which writes the default file "
+            "(it picks the CPU's fast exact int8 kernel itself)",
+            "text",
+            "KERNEL",
+        ),
+    ),
 )
 LITERT = FormatRow(
     name="litert",
@@ -196,7 +288,17 @@ LITERT = FormatRow(
         "under KERAS_BACKEND=tensorflow and export there."
     },
     generator=True,
-    cli_options={"shape": "litert_shape"},
+    cli_arguments=(
+        CliArgument(
+            "litert_shape",
+            "shape",
+            "fix the LiteRT file's input shape (required on torch)",
+            "shape",
+            "BATCH,TIME",
+            verify=True,
+            verify_help="the LiteRT file's fixed input shape, if it has one",
+        ),
+    ),
     no_quantized_decoding="LiteRT's converter has no int8 batch matmul",
     extra_signatures=True,
 )
@@ -221,6 +323,19 @@ OPENVINO = FormatRow(
     # with AVX512-BF16): the IR is float32, checked at bf16.
     half=("bfloat16",),
     runtime_half={"bfloat16": {"openvino_precision": "bf16"}},
+    cli_arguments=(
+        CliArgument(
+            "openvino_precision",
+            None,
+            "OpenVINO's inference precision (default f32; bf16 is OpenVINO's "
+            "default on CPUs with AVX512-BF16: pass tolerances that fit it)",
+            "text",
+            exports=(),
+            verify=True,
+            choices=("f32", "bf16"),
+            default="f32",
+        ),
+    ),
     no_quantized_decoding="OpenVINO's conversion computes other numbers",
 )
 TORCH = FormatRow(
