@@ -73,6 +73,7 @@ def quick_results(tmp_path_factory):
 
 
 @tensorflow_only
+@pytest.mark.slow  # a benchmark run: 13 s
 def test_every_section_has_complete_rows(quick_results):
     loaded, _ = quick_results
     assert set(loaded["sections"]) == set(report.SECTIONS)

@@ -110,6 +110,7 @@ def test_export_prints_steps_and_parity_table(tmp_path, work, capsys):
     assert all(line.split()[-1] == "yes" for line in table[2:6])
 
 
+@pytest.mark.slow  # verifies both exports again in their runtimes: 20 s
 def test_verify_command(work, capsys):
     root, _, _ = work
     status, out, err = run(
@@ -131,6 +132,7 @@ def test_verify_command(work, capsys):
     assert all(row[-1] == "yes" for row in rows)
 
 
+@pytest.mark.slow  # a second SavedModel export and check: 18 s
 def test_name_and_version_options(tmp_path, work, capsys):
     root, _, _ = work
     status, out, _ = run(

@@ -1,8 +1,9 @@
 """Every example runs in its fast mode, in a fresh interpreter, and is checked.
 
 Each example runs as `sys.executable examples/NAME.py [--fast] --out TMP`
-from a temporary working directory; the runs start together, three at a
-time, on first use (most of their time is TensorFlow's start-up). The checks
+from a temporary working directory; the runs of the examples that train or
+export (the slow suite's) start together, three at a time, on first use
+(most of their time is TensorFlow's start-up). The checks
 read what the example wrote and printed: files exist and load (the .keras
 model in Keras, the ONNX file in onnxruntime, the PNGs as images with varying
 pixels), and printed numbers are compared with independent values. For the
@@ -28,8 +29,14 @@ import pytest
 # TensorFlow whatever the suite's backend; the checks here read files and
 # printed numbers, which any backend can.
 pytestmark = pytest.mark.one_suite(
-    "the examples run in their own KERAS_BACKEND=tensorflow interpreters"
+    "the examples run in their own KERAS_BACKEND=tensorflow interpreters",
+    slow_suite="tensorflow",
 )
+# The examples that train or export: each takes one to two minutes of a
+# shared core, in the slow suite (CI's TensorFlow one; `make demo` runs the
+# quickstart). The seeds walkthrough, which checks the notebooks' printed
+# numbers, stays in `make test`.
+TRAINS = pytest.mark.slow
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TIMEOUT = 600
@@ -71,10 +78,9 @@ def check_png(path: Path) -> None:
     assert image[..., :3].std() > 0.05
 
 
-# Examples and their arguments.
+# The examples that train or export, and their arguments.
 RUNS = {
     "quickstart": ("quickstart", ("--fast",)),
-    "seeds_walkthrough": ("seeds_walkthrough", ()),
     "masked_sequences": ("masked_sequences", ("--fast",)),
     "attention_heatmap": ("attention_heatmap", ()),
     "causal_transformer": ("causal_transformer", ("--fast",)),
@@ -120,6 +126,7 @@ def test_out_must_be_a_folder(tmp_path, capsys, monkeypatch):
 
 
 # --------------------------------------------------------------- quickstart
+@TRAINS
 def test_quickstart_prints_both_accuracies(quickstart):
     _, first = quickstart
     attention = number(r"with SelfAttention\s*: ([0-9.]+)", first)
@@ -130,6 +137,7 @@ def test_quickstart_prints_both_accuracies(quickstart):
     assert "450 test images" in first
 
 
+@TRAINS
 def test_quickstart_parity_table_all_within_tolerance(quickstart):
     _, first = quickstart
     rows = re.findall(
@@ -142,6 +150,7 @@ def test_quickstart_parity_table_all_within_tolerance(quickstart):
     )
 
 
+@TRAINS
 def test_quickstart_serving_configs_point_at_the_model(quickstart):
     out, _ = quickstart
     from google.protobuf import text_format
@@ -159,6 +168,7 @@ def test_quickstart_serving_configs_point_at_the_model(quickstart):
         assert (model.name, model.base_path) == ("digits", base_path)
 
 
+@TRAINS
 def test_quickstart_files_load_and_agree(quickstart):
     """The .keras model, the ONNX file and the request files are consistent."""
     import keras
@@ -182,6 +192,7 @@ def test_quickstart_files_load_and_agree(quickstart):
     assert [int(p) for p in predicted] == expected.argmax(-1).tolist()
 
 
+@TRAINS
 def test_quickstart_writes_heatmap_and_next_commands(quickstart):
     out, first = quickstart
     check_png(out / "attention_digits.png")
@@ -297,8 +308,9 @@ def derived_from_notebooks() -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def walkthrough(runs):
-    out, stdout = runs["seeds_walkthrough"].result()
+def walkthrough(tmp_path_factory):
+    out = tmp_path_factory.mktemp("walkthrough") / "artifacts"
+    stdout = run_example("seeds_walkthrough", out)
     return out, stdout, parse_matrices(stdout)
 
 
@@ -339,6 +351,7 @@ def test_walkthrough_names_the_layer_arguments_and_writes_json(walkthrough):
 
 
 # ------------------------------------------------------- other examples
+@TRAINS
 def test_attention_heatmap(runs):
     out, stdout = runs["attention_heatmap"].result()
     check_png(out / "attention_heatmap.png")
@@ -356,6 +369,7 @@ def test_attention_heatmap(runs):
     np.testing.assert_allclose(printed[1], np.ravel(WEIGHTS), atol=1e-6)
 
 
+@TRAINS
 def test_masked_sequences(runs):
     out, stdout = runs["masked_sequences"].result()
     check_png(out / "masked_sequences.png")
@@ -374,6 +388,7 @@ def test_masked_sequences(runs):
     assert max(float(d) for d in diffs) < 1e-5
 
 
+@TRAINS
 def test_causal_transformer(runs):
     out, stdout = runs["causal_transformer"].result()
     check_png(out / "causal_transformer.png")
@@ -389,6 +404,7 @@ def test_causal_transformer(runs):
 
 # Last in the file: it adds a version to the folder the tests above read.
 @pytest.mark.slow
+@pytest.mark.one_suite("a third quickstart interpreter", slow_suite="torch")
 def test_quickstart_second_run_exports_a_new_version(quickstart):
     out, first = quickstart
     second = run_example("quickstart", out, "--fast")
@@ -405,6 +421,7 @@ def test_quickstart_second_run_exports_a_new_version(quickstart):
 
 
 @pytest.mark.slow
+@pytest.mark.one_suite("trains and exports three generators", slow_suite="torch")
 def test_mini_gpt(tmp_path):
     """keras.io's miniature GPT with SelfAttention in subclassed blocks and
     learned absolute positions: `generate` equals the uncached loop, the

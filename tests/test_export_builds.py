@@ -50,6 +50,7 @@ def test_a_forward_export_builds_its_endpoint_once(tmp_path):
     assert len(calls) == 1
 
 
+@pytest.mark.slow  # a three-format decoding-step export: 18 s
 def test_a_decoding_step_export_builds_its_step_once(tmp_path):
     model = model_zoo.decoder_language_model()
     with counted("build_decode_step") as calls:

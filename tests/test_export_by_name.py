@@ -30,6 +30,7 @@ def test_a_format_given_by_its_keyword_and_by_paths_is_refused(model):
     assert "paths={'onnx': 'b.onnx'}" in message, message
 
 
+@pytest.mark.slow_on("jax", "two decoding checks compiled op by op: 31 s")
 def test_paths_is_read_by_every_check(model, tmp_path):
     """The artifact given by `paths` is the one looked for on disk."""
     missing = str(tmp_path / "missing.onnx")

@@ -97,6 +97,8 @@ def cli_export(tmp_path_factory) -> dict:
     )
 
 
+# A three-format CLI export and a fresh interpreter: 55 s on 2 shared AVX2 cores.
+@pytest.mark.slow
 def test_exports_decode_like_keras_in_a_fresh_process(cli_export, tmp_path):
     assert cli_export["status"] == 0, cli_export["err"]
     model, folder = cli_export["model"], cli_export["folder"]
@@ -147,6 +149,7 @@ def test_exports_decode_like_keras_in_a_fresh_process(cli_export, tmp_path):
         assert steps == MAX_LENGTH - {"a": 3, "b": 1, "c": 4}[key[-1]] + 1
 
 
+@pytest.mark.slow  # the same CLI export
 def test_cli_exports_three_formats_and_refuses_in_one_line(
     cli_export, tmp_path, capsys
 ):

@@ -272,6 +272,7 @@ def test_failure_mid_export_leaves_nothing(tmp_path, small_model, monkeypatch, e
     assert sorted(os.listdir(tmp_path)) == ["m", "models.config"]
 
 
+@pytest.mark.slow  # two exports of a SavedModel: 12 s
 def test_failed_check_leaves_nothing(tmp_path, monkeypatch):
     # A SavedModel that loads but computes another function (weights of
     # another seed) must be refused before it is moved into place.

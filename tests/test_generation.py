@@ -56,6 +56,7 @@ def model():
 
 
 # ------------------------------------------------------------ the stream
+@pytest.mark.slow_on("jax", "a sampler compiled per shape: 12 s")
 def test_uniform_stream_equals_the_integer_reference():
     seeds, rows, steps = (
         (0, 1, -5, 2**31 - 1, -(2**31)),
@@ -73,6 +74,7 @@ def test_uniform_stream_equals_the_integer_reference():
             np.testing.assert_array_equal(got, np.array(expected, np.float32))
 
 
+@pytest.mark.slow_on("jax", "a sampler compiled per shape: 7 s")
 def test_uniform_stream_is_uniform_and_steps_independent():
     """Chi-square over 16 bins and the correlation of neighbouring steps,
     on 4096 draws (bounds far outside what chance gives)."""

@@ -497,6 +497,7 @@ def _assert_interrupted_cleanly(result, tmp_path, status_wanted, word) -> None:
     assert onnx_file.exists() == ("wrote " + str(onnx_file) in out)
 
 
+@pytest.mark.slow  # interrupted exports in their own interpreters: 10 s
 def test_sigint_during_saved_model_export(work, earlier, tmp_path):
     result = _interrupt(
         work, earlier, tmp_path, "Exporting SavedModel", 0.1, signal.SIGINT

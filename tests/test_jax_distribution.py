@@ -34,7 +34,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.one_suite("spawns its own JAX processes")
+pytestmark = pytest.mark.one_suite(
+    "spawns its own JAX processes", slow_suite="tensorflow"
+)
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "distribution.md"
 XLA_FLAGS = "--xla_force_host_platform_device_count=2"
@@ -255,12 +257,14 @@ def test_data_parallel_step_gives_the_one_device_loss(workers):
     assert result["max_weight_diff"] <= WEIGHT_TOLERANCE
 
 
+@pytest.mark.slow  # a worker interpreter with two JAX devices: 24 s
 def test_documented_model_parallel_block_prints_what_it_promises(workers):
     result = workers["model_parallel"].result()
     assert result["promised"], "the documented block promises no output"
     assert result["printed"][-len(result["promised"]) :] == result["promised"]
 
 
+@pytest.mark.slow  # the same worker
 def test_documented_layout_map_splits_the_heads_over_two_devices(workers):
     result = workers["model_parallel"].result()
     sharding = result["sharding"]
@@ -279,6 +283,7 @@ def test_documented_layout_map_splits_the_heads_over_two_devices(workers):
         assert layout["replicated"] and layout["devices"] == [0, 1], path
 
 
+@pytest.mark.slow  # the same worker
 def test_documented_model_parallel_step_gives_the_one_device_loss(workers):
     result = workers["model_parallel"].result()
     assert result["same_initial"]

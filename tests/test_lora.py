@@ -101,6 +101,7 @@ def test_other_projections_and_errors():
 
 
 @pytest.mark.tensorflow_only("SavedModel export")
+@pytest.mark.slow  # four checked exports: 9 s
 def test_lora_model_exports_and_verifies(trained, tmp_path):
     from keras_selfattn.export import export_saved_model
 

@@ -146,6 +146,7 @@ def _refused(call, *names):
     return message
 
 
+@pytest.mark.slow_on("jax", "every decoding API on a model compiled op by op: 11 s")
 def test_arange_positions_are_refused_by_every_api(tmp_path):
     model = decoder_zoo.decoder("arange")
     names = ("(ArangePositions) mixes positions",)

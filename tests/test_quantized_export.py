@@ -197,6 +197,7 @@ def _stored_int8(paths: dict[str, str]) -> dict[str, list[np.ndarray]]:
     return found
 
 
+@pytest.mark.slow  # the int8 model's four checked exports: 18 s
 def test_int8_files_are_at_most_three_tenths_of_the_float_weights(int8):
     _, float_bytes, paths = int8
     shares = {name: _size(path) / float_bytes for name, path in paths.items()}
@@ -215,6 +216,7 @@ def _blocks(matrix: np.ndarray) -> list[bytes]:
     return found
 
 
+@pytest.mark.slow  # the same exports
 def test_each_file_stores_kerass_integers_once(int8):
     """The int8 matrices in every file are exactly Keras's `_kernel`s (LiteRT
     and OpenVINO store them transposed), each once, and nothing else."""
@@ -246,6 +248,7 @@ def _uint8_x_uint8(proto):
     raise AssertionError("no probe in the file")
 
 
+@pytest.mark.slow  # the same exports
 def test_onnx_int8_layers_choose_an_exact_kernel(int8):
     """Each int8 layer multiplies Keras's integers + 128 (uint8, zero point
     128) by its stored int8 integers W where the probe finds the machine's
@@ -344,6 +347,7 @@ def _arrays(proto, numpy_helper) -> list[bytes]:
     ]
 
 
+@pytest.mark.slow  # the same exports
 def test_the_deprecated_vnni_option_warns_and_writes_the_default_file(int8, tmp_path):
     """`int8_matmul="vnni"` is deprecated: one FutureWarning naming it (Python
     shows it by default), and the file is the default one (the same graph,
@@ -379,6 +383,7 @@ def test_the_deprecated_vnni_option_warns_and_writes_the_default_file(int8, tmp_
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow  # the same exports
 def test_an_unknown_int8_matmul_is_refused_before_any_work(int8, tmp_path):
     model, _, _ = int8
     refusal = r"`int8_matmul`.*Received: int8_matmul='avx2'"
@@ -387,6 +392,7 @@ def test_an_unknown_int8_matmul_is_refused_before_any_work(int8, tmp_path):
     assert not (tmp_path / "m.onnx").exists()
 
 
+@pytest.mark.slow  # the same exports
 def test_every_runtime_within_the_rule_on_unchecked_shapes(int8):
     """All four files on shapes the exporters did not check: each is within
     1.25x Keras's own quantization error of the dequantized-float model, the

@@ -246,6 +246,7 @@ def test_saved_model_cli_show_all(served):
         for name in MODELS
     ],
 )
+@pytest.mark.slow  # saved_model_cli in its own interpreters: 9 s
 def test_saved_model_cli_run_matches_keras(served, tmp_path, name):
     _, exports = served
     export = exports[name]

@@ -159,7 +159,9 @@ def test_one_umask_rule_for_export_and_serving_files(tmp_path):
 
 
 # --------------------------------------------------------- requests without gRPC
-@pytest.mark.one_suite("a fresh interpreter without gRPC")
+# A fresh interpreter importing TensorFlow: 22 s under make test's load.
+@pytest.mark.one_suite("a fresh interpreter without gRPC", slow_suite="tensorflow")
+@pytest.mark.slow
 def test_warmup_and_predict_requests_need_no_grpc(tmp_path):
     """With gRPC unimportable, requests and warmup files still work."""
     script = textwrap.dedent(

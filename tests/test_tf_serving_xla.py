@@ -99,6 +99,7 @@ def _flags(version_dir) -> list[str]:
 COMMON = {"max_length": MAX_LENGTH, "name": "lm", "check": False}
 
 
+@pytest.mark.slow  # a step and a generator exported and served: 15 s
 def test_default_step_and_generator_serve_without_xla(tmp_path):
     """Unchecked exports: this test runs them."""
     model = token_model()
