@@ -121,6 +121,10 @@ class FormatRow:
         extra_signatures: Whether an artifact holds a target's extra
             signatures (`Signature.extra_signatures`: a generator's
             "prefill" and "decode"), which the generator's check then runs.
+        runtime_keywords: The check's runtime keywords its format reads
+            (`Format.runtime_options`: `verify`'s `openvino_precision`); a
+            check loads the format's module for its artifact or for one of
+            these keywords, never otherwise.
     """
 
     name: str
@@ -151,6 +155,7 @@ class FormatRow:
         default_factory=dict
     )
     extra_signatures: bool = False
+    runtime_keywords: tuple[str, ...] = ()
 
     @property
     def option(self) -> str:
@@ -323,6 +328,7 @@ OPENVINO = FormatRow(
     # with AVX512-BF16): the IR is float32, checked at bf16.
     half=("bfloat16",),
     runtime_half={"bfloat16": {"openvino_precision": "bf16"}},
+    runtime_keywords=("openvino_precision",),
     cli_arguments=(
         CliArgument(
             "openvino_precision",

@@ -60,6 +60,10 @@ def _numbers(row: dict):
             yield key, value
 
 
+# The quick benchmark run these read: 31 s of make test on 2 shared AVX2 cores.
+QUICK_RUN = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def quick_results(tmp_path_factory):
     results = cpu.run(quick=True)
@@ -73,7 +77,7 @@ def quick_results(tmp_path_factory):
 
 
 @tensorflow_only
-@pytest.mark.slow  # a benchmark run: 13 s
+@QUICK_RUN
 def test_every_section_has_complete_rows(quick_results):
     loaded, _ = quick_results
     assert set(loaded["sections"]) == set(report.SECTIONS)
@@ -88,6 +92,7 @@ def test_every_section_has_complete_rows(quick_results):
 
 
 @tensorflow_only
+@QUICK_RUN
 def test_numbers_are_positive_and_finite(quick_results):
     loaded, _ = quick_results
     for name, rows in loaded["sections"].items():
@@ -101,6 +106,7 @@ def test_numbers_are_positive_and_finite(quick_results):
 
 
 @tensorflow_only
+@QUICK_RUN
 def test_compared_layers_compute_the_same_function(quick_results):
     loaded, _ = quick_results
     for row in loaded["sections"]["forward"]:
@@ -110,6 +116,7 @@ def test_compared_layers_compute_the_same_function(quick_results):
 
 
 @tensorflow_only
+@QUICK_RUN
 def test_markdown_has_machine_every_section_and_row(quick_results):
     loaded, markdown = quick_results
     machine = loaded["machine"]

@@ -523,6 +523,7 @@ def test_saved_model_signature_matches_keras(tmp_path):
 
 
 @pytest.mark.tensorflow_only("ONNX export through tf2onnx")
+@pytest.mark.slow  # two checked exports: 9 s
 def test_onnx_export_matches_keras(tmp_path):
     """tf2onnx turns the block loop into an ONNX Loop; onnxruntime agrees."""
     import onnxruntime

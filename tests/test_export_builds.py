@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -43,11 +44,61 @@ def counted(name: str):
             setattr(module, name, original)
 
 
+REPO = Path(__file__).resolve().parents[1]
+# The export's own code: its package, the serving files it writes with, the
+# formats' table. CONTRIBUTING.md gives the figure (Keras's own: 3 modules).
+EXPORT_CODE = (
+    "keras_selfattn/export/",
+    "keras_selfattn/serving/",
+    "keras_selfattn_runtimes/",
+)
+MOST_EXPORT_MODULES = 23
+
+
+@contextlib.contextmanager
+def modules_run():
+    """The files of this checkout whose Python code runs in the block (a
+    function called or a module imported)."""
+    files = set()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            files.add(frame.f_code.co_filename)
+
+    sys.setprofile(profile)
+    try:
+        yield files
+    finally:
+        sys.setprofile(None)
+
+
 def test_a_forward_export_builds_its_endpoint_once(tmp_path):
     model = model_zoo.causal_multihead()
-    with counted("build_endpoint") as calls:
+    with counted("build_endpoint") as calls, modules_run() as files:
         export_onnx(model, tmp_path / "model.onnx")
     assert len(calls) == 1
+    run = {
+        Path(f).resolve().relative_to(REPO).as_posix()
+        for f in files
+        if Path(f).resolve().is_relative_to(REPO)
+    }
+    export_code = sorted(f for f in run if f.startswith(EXPORT_CODE))
+    # Neither another format's module nor ONNX's passes a float model
+    # without fusion does not need.
+    others = (
+        "saved_model",
+        "litert",
+        "openvino",
+        "torch",
+        "onnx/fused",
+        "onnx/integer",
+    )
+    assert not [
+        f
+        for f in export_code
+        if f.startswith(tuple(f"keras_selfattn/export/formats/{o}" for o in others))
+    ], export_code
+    assert len(export_code) <= MOST_EXPORT_MODULES, export_code
 
 
 @pytest.mark.slow  # a three-format decoding-step export: 18 s

@@ -64,6 +64,7 @@ def test_an_artifact_that_computes_something_else_is_refused(
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow  # an OpenVINO export checked twice: 8 s
 def test_openvino_writes_both_files_and_reports_bf16_apart(classifier, tmp_path):
     path = export_openvino(classifier, tmp_path / "m.xml")
     assert sorted(os.listdir(tmp_path)) == ["m.bin", "m.xml"]

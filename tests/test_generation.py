@@ -148,6 +148,7 @@ def test_sampler_picks_only_kept_tokens_at_their_frequencies():
 
 
 # ------------------------------------------------------------ generation
+@pytest.mark.slow_on("jax", "generate compiled per prompt length: 39 s")
 def test_greedy_equals_the_uncached_forward(model):
     result = generate(model, PROMPTS, STEPS)
     tokens, lengths = reference.uncached(model, PROMPTS, STEPS)

@@ -476,15 +476,20 @@ def exported(tmp_path_factory):
 
 
 EXPORT_ONLY = pytest.mark.tensorflow_only("decode-step export is a tf.function")
+# One exported step run on every case in a fresh process: 12 s of make test
+# on 2 shared AVX2 cores; the slow suite's (CI's TensorFlow one).
+EXPORTED = pytest.mark.slow
 
 
 @EXPORT_ONLY
+@EXPORTED
 @pytest.mark.parametrize("runtime", ["saved_model", "onnx"])
 def test_exported_step_decodes_clean_input(exported, runtime):
     assert exported[f"{runtime} clean"]["err"] < 1e-5, exported
 
 
 @EXPORT_ONLY
+@EXPORTED
 @pytest.mark.parametrize(
     "case", [*OUT_OF_RANGE, "too many new", "x batch 1, cache 2", "x batch 2, cache 1"]
 )
@@ -495,12 +500,14 @@ def test_saved_model_step_raises_invalid_argument(exported, case):
 
 
 @EXPORT_ONLY
+@EXPORTED
 @pytest.mark.parametrize("case", [*OUT_OF_RANGE, "x batch 1, cache 2"])
 def test_onnx_step_returns_nan_and_keeps_the_cache(exported, case):
     assert exported[f"onnx {case}"] == {"all_nan": True, "unchanged": True}
 
 
 @EXPORT_ONLY
+@EXPORTED
 @pytest.mark.parametrize(
     "case",
     ["too many new", "x batch 2, cache 1", "cache max_length 9", "cache 3 heads"],
@@ -515,6 +522,7 @@ def test_onnx_step_refuses_what_cannot_fit(exported, case):
 
 
 @EXPORT_ONLY
+@EXPORTED
 @pytest.mark.parametrize("case", ["cache max_length 9", "cache 3 heads"])
 def test_saved_model_step_enforces_cache_dimensions(exported, case):
     error = exported[f"saved_model {case}"].get("error", "")
@@ -523,6 +531,7 @@ def test_saved_model_step_enforces_cache_dimensions(exported, case):
 
 
 @EXPORT_ONLY
+@EXPORTED
 @pytest.mark.parametrize("runtime", ["saved_model", "onnx"])
 @pytest.mark.parametrize(
     "case",

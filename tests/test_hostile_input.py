@@ -524,6 +524,7 @@ def test_sigint_at_other_moments(work, earlier, tmp_path, step, delay):
     _assert_interrupted_cleanly(result, tmp_path, 130, "interrupted")
 
 
+@pytest.mark.slow  # an interrupted export in its own interpreter: 9 s
 def test_sigterm_during_export_cleans_up(work, earlier, tmp_path):
     result = _interrupt(
         work, earlier, tmp_path, "Exporting SavedModel", 0.1, signal.SIGTERM

@@ -450,6 +450,7 @@ def other_scheme(int8, tmp_path_factory):
     return model, ours, claiming
 
 
+@pytest.mark.slow  # another scheme's export and check: 20 s
 def test_a_coarser_scheme_beyond_the_margin_is_refused(other_scheme):
     """quantize_dynamic's per-tensor activations land further from the
     dequantized model than 1.25x Keras's per-token ones at long shapes."""
@@ -461,6 +462,7 @@ def test_a_coarser_scheme_beyond_the_margin_is_refused(other_scheme):
     assert "quantize_dynamic" in row.scheme
 
 
+@pytest.mark.slow  # the same
 def test_a_file_claiming_kerass_scheme_must_match_the_quantized_model(other_scheme):
     model, _, claiming = other_scheme
     with pytest.raises(ParityError) as caught:

@@ -308,6 +308,7 @@ def test_runtime_that_fails_where_keras_runs(tmp_path):
         verify(model, onnx_path=path)
 
 
+@pytest.mark.slow  # broken files of every format: 9 s
 def test_unloadable_artifacts(classifier_exports, tmp_path):
     model, version_dir, _ = classifier_exports
     (tmp_path / "garbage.onnx").write_bytes(b"not a protobuf")

@@ -103,8 +103,7 @@ class Forward(pipeline.Target):
         (None: `verify`'s defaults) with `verify`'s runtime keywords
         `runtime` (`openvino_precision`), on the endpoint `build` built."""
         paths = arguments.artifact_paths({}, staged)
-        keywords = {"openvino_precision": "f32", **(runtime or {})}
-        artifacts = engine.collect_artifacts(paths, keywords)
+        artifacts = engine.collect_artifacts(paths, dict(runtime or {}))
         default = shapes is None
         shapes = arguments.check_shapes(DEFAULT_SHAPES if default else shapes)
         return check_endpoint(

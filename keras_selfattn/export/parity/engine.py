@@ -38,9 +38,13 @@ def collect_artifacts(
     """
     arguments.check_paths(paths)
     keywords = runtime_keywords or {}
-    # Every format checks the keywords, whether its artifact is given or not.
+    # Each format that reads a keyword given checks it, whether its artifact
+    # is given or not; the formats of the artifacts read theirs.
     options = {
-        row.name: formats.get(row.name).runtime_options(keywords) for row in table.ROWS
+        row.name: formats.get(row.name).runtime_options(keywords)
+        for row in table.ROWS
+        if paths.get(row.name) is not None
+        or any(keyword in keywords for keyword in row.runtime_keywords)
     }
     artifacts = {}
     for export_format, path in paths.items():

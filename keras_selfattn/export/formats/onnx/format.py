@@ -197,8 +197,6 @@ class OnnxFormat(Format):
     ) -> None:
         import onnx
 
-        from keras_selfattn.export.formats.onnx import fused, integer
-
         opset = options["opset"]
         with (
             converting(self.row.title, self.advice),
@@ -213,9 +211,15 @@ class OnnxFormat(Format):
                 keras_export(target, path, opset)
                 proto = name_outputs(onnx.load(path), target.output_names)
         proto = name_dynamic_axes(proto)
+        # The passes a float model without fusion does not run, imported
+        # when they run.
         if options["fuse_attention"]:
+            from keras_selfattn.export.formats.onnx import fused
+
             proto, _ = fused.fuse_attention(proto, target.model)
         if target.quantized:
+            from keras_selfattn.export.formats.onnx import integer
+
             proto, _ = integer.rewrite(proto, target.quantized)
         onnx.checker.check_model(proto, full_check=True)
         onnx.save(proto, path)
