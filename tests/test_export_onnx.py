@@ -143,6 +143,7 @@ def test_attention_weights_output(tmp_path):
     assert padded_keys.size and (padded_keys == 0).all()
 
 
+@pytest.mark.slow  # a .keras round trip, exported and checked: 7 s
 def test_model_loaded_from_keras_file(tmp_path):
     model = model_zoo.transformer_encoder(seed=3)
     model.save(tmp_path / "m.keras")

@@ -196,6 +196,7 @@ def test_padded_queries_output_zeros(exported):
     np.testing.assert_allclose(actual, expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow  # two fused exports, checked: 6 s
 def test_shared_and_nested_layers_fuse_every_call(tmp_path):
     """A layer called twice, one inside a nested model, similar names."""
     inputs = keras.Input((None, model_zoo.FEATURES), name="x")
