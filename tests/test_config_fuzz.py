@@ -148,8 +148,10 @@ _SETTINGS = {
 }
 
 
-# 300 configurations in `make test`, 40 on JAX (its eager calls compile
-# every new shape); in the slow suite 1000, 200 on JAX.
+# 300 configurations in `make test` on PyTorch, 40 on JAX (its eager calls
+# compile every new shape), TensorFlow's in its slow suite; in the slow
+# suite 1000, 200 on JAX.
+@pytest.mark.slow_on("tensorflow", "300 configurations: 9 s; the other suites run it")
 @settings(max_examples=40 if BACKEND == "jax" else 300, **_SETTINGS)
 @given(configs())
 def test_from_config_contract(config):

@@ -163,7 +163,7 @@ def test_greedy_equals_the_uncached_forward(model):
     assert len({tuple(row) for row in tokens}) > 1  # rows differ: a real check
 
 
-@GENERATES_ON_JAX
+@pytest.mark.slow_on("jax", "tensorflow", "a second compile of generate: 10 s on TF")
 def test_one_prompt_equals_the_uncached_forward(model):
     """A batch of one: broadcasting against a batch of 1 cannot restore a
     static batch that a step lost, which a loop variable must keep."""
@@ -212,7 +212,7 @@ def test_padded_array_with_lengths_equals_the_list(model):
     )
 
 
-@pytest.mark.slow_on("jax", "a second model compiled")
+@pytest.mark.slow_on("jax", "tensorflow", "a second model compiled: 8 s on TF")
 def test_non_finite_states_at_padded_positions_change_no_token(model):
     """Shorter prompts are padded with token 0 on the left. A model whose
     embedding of token 0 is NaN puts NaN in every layer's cache slots there;

@@ -47,6 +47,7 @@ def test_large_scores_do_not_overflow(policy):
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.slow_on("tensorflow", "two fits: 10 s; the other suites fit")
 def test_fit_under_mixed_precision(policy):
     keras.mixed_precision.set_global_policy(policy)
     keras.utils.set_random_seed(0)

@@ -44,18 +44,43 @@ class Model:
 
 
 def read_model(model) -> Model:
-    """Checks that `model` can generate; reads what generation needs.
+    """Checks that `model` can generate; reads what generation needs
+    (`read_structure`, then `check_decodes`).
+
+    Args:
+        model: The user's model.
+
+    Raises:
+        As `read_structure` and `check_decodes`.
+    """
+    read = read_structure(model)
+    check_decodes(read)
+    return read
+
+
+def check_decodes(read: Model) -> None:
+    """Refuses a model whose cached decode differs from its full forward
+    pass (`decode_check`, unless waived; it runs the model, so after the
+    cheaper checks of the request).
+
+    Raises:
+        ValueError: one line naming the layer that mixes positions.
+    """
+    decode_check.check(read.model, read.layers, probe(read), ACTION)
+
+
+def read_structure(model) -> Model:
+    """Checks that `model`'s structure can generate; reads what generation
+    needs, without running it.
 
     Args:
         model: The user's model (a subclassed one is read through its
-            `cached_model.functional_view`). Its cached decode is checked
-            against the full forward pass (`decode_check`, unless waived).
+            `cached_model.functional_view`).
 
     Raises:
         TypeError: if `model` is not a keras.Model.
-        ValueError: for a structure that cannot decode, inputs and outputs
-            that do not fit a token or a value model, or a model whose
-            cached decode differs from its full forward pass.
+        ValueError: for a structure that cannot decode, or inputs and
+            outputs that do not fit a token or a value model.
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model. Received: model={model!r}")
@@ -92,7 +117,7 @@ def read_model(model) -> Model:
             "(batch, time, features) alike, so an output cannot be its next input",
             ACTION,
         )
-    read = Model(
+    return Model(
         model,
         layers,
         tokens,
@@ -100,8 +125,6 @@ def read_model(model) -> Model:
         None if tokens else int(source.shape[-1]),
         int(output.shape[-1]) if tokens else None,
     )
-    decode_check.check(model, layers, probe(read), ACTION)
-    return read
 
 
 def probe(read: Model) -> np.ndarray:

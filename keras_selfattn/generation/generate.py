@@ -114,8 +114,7 @@ def generate(
     print(result.tokens.shape, result.lengths)  # (2, 5) [5 5]
     ```
     """
-    with decode_check.waived(not check):
-        read = arguments.read_model(model)
+    read = arguments.read_structure(model)
     request = arguments.request(
         read,
         prompts,
@@ -128,5 +127,8 @@ def generate(
         seed=seed,
         end_token=end_token,
     )
+    # The request is checked before the model runs (the decode check).
+    with decode_check.waived(not check):
+        arguments.check_decodes(read)
     values, lengths = compiled.run(read, request)
     return Generated(values, lengths)
