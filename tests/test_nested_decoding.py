@@ -169,6 +169,9 @@ def test_the_check_is_what_catches_a_position_mixing_model():
     h = decoder_zoo.TransformerBlock(16, 2, 32)(h)
     h = keras.layers.Conv1D(16, 3, padding="same", name="mixes")(h)
     model = keras.Model(tokens, keras.layers.Dense(decoder_zoo.VOCABULARY)(h))
+    # A bad argument is named before the model runs (the check would refuse).
+    with pytest.raises(ValueError, match="`max_new_tokens`"):
+        generate(model, PROMPTS, 0)
     _refused(lambda: generate(model, PROMPTS, STEPS), "'mixes' (Conv1D)")
     unchecked = generate(model, PROMPTS, STEPS, check=False).tokens
     tokens, _ = reference.uncached(model, PROMPTS, STEPS)
