@@ -47,7 +47,9 @@ def test_chunked_every_mask_combination_compiled(causal, window, padding, attent
     np.testing.assert_allclose(to_numpy(layer(X, **masks)), expected, atol=2e-5)
 
 
-@pytest.mark.slow_on("jax", "training steps compiled one by one")
+@pytest.mark.slow_on(
+    "jax", "tensorflow", "training steps compiled one by one; 7 s on TF"
+)
 def test_chunked_dropout_trains_repeatedly():
     """Was: JAX, chunk_size + dropout drew the seed inside the mapped block;
     the second call and fit raised UnexpectedTracerError."""

@@ -307,6 +307,7 @@ def test_gradients_in_a_graph_of_unknown_batch_and_time(kwargs):
     _check_gradients(gradients(chunked), gradients(plain), chunked.trainable_variables)
 
 
+@pytest.mark.slow_on("tensorflow", "a fit: 6 s; the other suites fit")
 def test_model_fit_trains_every_weight():
     keras.utils.set_random_seed(0)
     features = 4

@@ -48,21 +48,12 @@ def _decode(layer, x, step, run=None, **masks):
     return np.concatenate(outputs, axis=1), to_numpy(cache)
 
 
-# On JAX (eager calls compile every op anew) `make test` decodes the
-# configuration that holds the most features; the others in its slow suite.
-JAX_FAST_CONFIGS = ("mqa_rope_gate",)
-
-
+# On JAX (eager calls compile every op anew: 12 s for the first
+# configuration in `make test`) the slow suite decodes them;
+# test_cached_decoding_under_jit_with_a_tensor_index decodes in `make test`.
+@pytest.mark.slow_on("jax", "eager decoding")
 @pytest.mark.parametrize("path", list(PATHS))
-@pytest.mark.parametrize(
-    "config",
-    [
-        name
-        if name in JAX_FAST_CONFIGS
-        else pytest.param(name, marks=pytest.mark.slow_on("jax", "eager decoding"))
-        for name in CONFIGS
-    ],
-)
+@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize(
     "step",
     [

@@ -54,7 +54,13 @@ SLOW_ON_JAX = pytest.mark.slow_on("jax", "Keras's layer harness compiles each ch
     "name",
     [
         pytest.param(name, marks=SLOW_ON_JAX)
-        if name in ("defaults", "causal_window_scale")
+        if name
+        in (
+            "defaults",
+            "causal_window_scale",
+            "heads_bias_output",
+            "dropout_regularized",
+        )
         else name
         for name in sorted(CONFIGS)
     ],
