@@ -81,6 +81,7 @@ def test_openvino_writes_both_files_and_reports_bf16_apart(classifier, tmp_path)
         verify(classifier, openvino_path=path, openvino_precision="fp8")
 
 
+@pytest.mark.slow  # Keras's own exports in two formats, verified: 7 s
 def test_artifacts_keras_wrote_itself_verify(classifier, keras_written):
     report = verify(
         classifier,
