@@ -62,7 +62,7 @@ class Signature:
             (`quantization.quantized_embeddings`).
         examples: Builds valid example inputs `(batch, time, seed) -> {name:
             array}` for targets whose inputs are not a model's (a
-            generator's controls); None: `_inputs.example_inputs`' random
+            generator's controls); None: `example_inputs.example_inputs`' random
             ones.
         extra_signatures: Builds more targets over the same model that a
             LiteRT file holds beside this one, each under its own
