@@ -238,8 +238,8 @@ def _check_export_options(args: argparse.Namespace) -> None:
     if args.generate and other:
         writes = [row.option for row in TABLE.ROWS if row.generator]
         raise CLIError(
-            f"--generate writes {', '.join(writes[:-1])} and {writes[-1]} (the "
-            f"loop stays in the graph); not {', '.join(other)}"
+            f"--generate writes {_listed(writes)} (the loop stays in the graph); "
+            f"not {', '.join(other)}"
         )
 
 
