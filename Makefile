@@ -91,7 +91,8 @@ bench: install
 	$(PY) -m benchmarks.cpu && $(PY) -m benchmarks.runtimes && $(PY) -m benchmarks.serving \
 		&& $(PY) -m benchmarks.quantized \
 		&& $(PY) -m benchmarks.generation && $(PY) -m benchmarks.nested \
-		&& $(PY) -m benchmarks.score_mods \
+		&& $(foreach b,$(BACKENDS),KERAS_BACKEND=$(b) $(PY) -m benchmarks.keras_hub &&) \
+		$(PY) -m benchmarks.score_mods \
 		&& $(PY) -m benchmarks.overhead
 
 # Keras and the packages it needs that the GPU machine's image lacks, for

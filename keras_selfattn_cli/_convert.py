@@ -5,7 +5,9 @@ SelfAttention (`keras_selfattn.convert`), saved, with the conversion's summary.
 `add` registers the command without importing Keras; `run` imports it (and
 the layer, not TensorFlow on the other backends). The converted model is
 written beside OUT.keras, then moved in: an existing OUT.keras is never
-replaced, and nothing is left on failure.
+replaced, and nothing is left on failure. A model saved from keras-hub's
+classes (its config names `keras_hub`) loads with keras-hub imported, which
+registers them.
 """
 
 from __future__ import annotations
@@ -48,9 +50,26 @@ def _check_paths(model: str, output: str) -> None:
         raise CLIError(f"{output} exists: convert never replaces a file")
 
 
+def _import_keras_hub_if_named(model: str) -> None:
+    """keras-hub registers its classes when imported: a file naming them
+    needs it, and only then is it imported."""
+    with zipfile.ZipFile(model) as archive:
+        names = archive.namelist()
+        config = archive.read("config.json") if "config.json" in names else b""
+    if b'"keras_hub' not in config:
+        return
+    try:
+        import keras_hub  # noqa: F401  (registers keras-hub's classes)
+    except ImportError as error:
+        raise CLIError(
+            f"{model} holds keras-hub's classes: install keras-hub ({one_line(error)})"
+        ) from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Loads, converts, saves; prints the summary. Returns 0."""
     _check_paths(args.model, args.output)
+    _import_keras_hub_if_named(args.model)
     import keras
 
     import keras_selfattn

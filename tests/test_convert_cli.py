@@ -90,3 +90,41 @@ def test_convert_command_reaches_keras_hub_layers(tmp_path, capsys):
         keras.ops.convert_to_numpy(model(ids))[real],
         atol=2e-5,
     )
+
+
+@pytest.mark.slow
+@pytest.mark.one_suite(
+    "runs the console script in its own interpreter", slow_suite="tensorflow"
+)
+def test_convert_command_loads_and_converts_a_keras_hub_llama(tmp_path):
+    """A keras-hub file loads in a fresh interpreter: the command imports
+    keras-hub for it (its classes register on import)."""
+    keras_hub = pytest.importorskip("keras_hub")
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=40,
+        hidden_dim=16,
+        intermediate_dim=32,
+        num_layers=1,
+        num_query_heads=4,
+        num_key_value_heads=2,
+    )
+    backbone.save(tmp_path / "llama.keras")
+    out = tmp_path / "converted.keras"
+    result = subprocess.run(
+        [CONSOLE, "convert", str(tmp_path / "llama.keras"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PATH": "/usr/bin:/bin", "KERAS_BACKEND": "torch", "PYTHONPATH": REPO},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "inside LlamaTransformerDecoder) -> SelfAttention(" in result.stdout
+    loaded = keras.models.load_model(out)
+    ids = np.array([[3, 4, 5, 0], [7, 8, 9, 1]], "int32")
+    inputs = {"token_ids": ids, "padding_mask": ids != 0}
+    real = ids != 0
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(loaded(inputs))[real],
+        keras.ops.convert_to_numpy(backbone(inputs))[real],
+        atol=2e-5,
+    )

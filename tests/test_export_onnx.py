@@ -167,6 +167,22 @@ def test_exact_gelu_exports(tmp_path):
     np.testing.assert_allclose(actual, model.predict(inputs, verbose=0), atol=1e-5)
 
 
+def test_constant_computed_when_the_model_was_built_is_in_the_file(tmp_path):
+    """keras-hub's GemmaBackbone scales its embeddings by a tensor computed
+    when built (`ops.sqrt(hidden_dim)`): the traced function captures it and
+    tf2onnx listed it as a graph input."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((None, 8), name="x")
+    h = x * keras.ops.cast(keras.ops.sqrt(16), "float32")
+    model = keras.Model(x, SelfAttention(num_heads=2, output_dim=8)(h))
+    path = export_onnx(model, tmp_path / "scaled.onnx")
+    session = _session(path)
+    assert [i.name for i in session.get_inputs()] == ["x"]
+    inputs = np.random.default_rng(0).normal(size=(2, 5, 8)).astype("float32")
+    (actual,) = session.run(None, {"x": inputs})
+    np.testing.assert_allclose(actual, model.predict(inputs, verbose=0), atol=1e-5)
+
+
 # ------------------------------------------------------------------- safety
 @pytest.fixture
 def small_model():

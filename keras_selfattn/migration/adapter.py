@@ -21,8 +21,45 @@ from keras_selfattn.self_attention import SelfAttention
 _SELF = "query"
 
 
+class AttentionAdapter(keras.layers.Layer):
+    """What every adapter shares: the SelfAttention it holds (its
+    `attention` attribute, which owns the weights) and its saving.
+
+    Args:
+        attention: The SelfAttention that computes the attention.
+        **kwargs: Base layer arguments (`name`, ...).
+    """
+
+    def __init__(self, attention: SelfAttention, **kwargs):
+        super().__init__(**kwargs)
+        if not isinstance(attention, SelfAttention):
+            raise ValueError(
+                f"{type(self).__name__} holds a SelfAttention. "
+                f"Received: attention={type(attention).__name__}"
+            )
+        self.attention = attention
+        self.supports_masking = True
+
+    def build(self, input_shape):
+        # One argument: Keras passes the first input's shape (the query's).
+        if not self.attention.built:
+            self.attention.build(input_shape)
+
+    def get_config(self) -> dict:
+        return {
+            **super().get_config(),
+            "attention": keras.saving.serialize_keras_object(self.attention),
+        }
+
+    @classmethod
+    def from_config(cls, config: dict):
+        config = dict(config)
+        config["attention"] = keras.saving.deserialize_keras_object(config["attention"])
+        return cls(**config)
+
+
 @keras.saving.register_keras_serializable(package="keras_selfattn")
-class MultiHeadAttentionAdapter(keras.layers.Layer):
+class MultiHeadAttentionAdapter(AttentionAdapter):
     """A SelfAttention behind MultiHeadAttention's call signature.
 
     `adapter(query, value, key=None, ...)` computes what the SelfAttention
@@ -58,20 +95,13 @@ class MultiHeadAttentionAdapter(keras.layers.Layer):
     def __init__(
         self, attention: SelfAttention, causal_attention_mask: bool = False, **kwargs
     ):
-        super().__init__(**kwargs)
-        if not isinstance(attention, SelfAttention):
-            raise ValueError(
-                "MultiHeadAttentionAdapter holds a SelfAttention. "
-                f"Received: attention={type(attention).__name__}"
-            )
+        super().__init__(attention, **kwargs)
         if causal_attention_mask and not attention.causal:
             raise ValueError(
                 "MultiHeadAttentionAdapter: causal_attention_mask=True needs a "
                 f"causal SelfAttention. Received: attention.causal={attention.causal}"
             )
-        self.attention = attention
         self.causal_attention_mask = bool(causal_attention_mask)
-        self.supports_masking = True
 
     @classmethod
     def from_multi_head_attention(
@@ -89,10 +119,6 @@ class MultiHeadAttentionAdapter(keras.layers.Layer):
         )
         adapter.built = True
         return adapter
-
-    def build(self, query_shape, value_shape=None, key_shape=None):
-        if not self.attention.built:
-            self.attention.build(query_shape)
 
     def __call__(self, *args, **kwargs):
         # Before Keras casts the inputs (two casts are two tensors) and
@@ -162,15 +188,8 @@ class MultiHeadAttentionAdapter(keras.layers.Layer):
     def get_config(self) -> dict:
         return {
             **super().get_config(),
-            "attention": keras.saving.serialize_keras_object(self.attention),
             "causal_attention_mask": self.causal_attention_mask,
         }
-
-    @classmethod
-    def from_config(cls, config: dict) -> MultiHeadAttentionAdapter:
-        config = dict(config)
-        config["attention"] = keras.saving.deserialize_keras_object(config["attention"])
-        return cls(**config)
 
 
 _SIGNATURE = inspect.signature(MultiHeadAttentionAdapter.call)

@@ -27,8 +27,9 @@ import numpy as np
 from keras.src.backend import get_keras_mask
 from keras.src.saving import object_registration, serialization_lib
 
+from keras_selfattn.migration import configs, hub_attention
 from keras_selfattn.migration import layer as layer_lib
-from keras_selfattn.migration.adapter import MultiHeadAttentionAdapter
+from keras_selfattn.migration.adapter import AttentionAdapter
 
 Place = tuple  # indices into `_layers`, from the block down
 # The query's Keras mask when a recorded call was made.
@@ -36,12 +37,13 @@ KERAS_MASK = "keras_mask"
 
 
 def attention_places(layer) -> Iterator[tuple[Place, keras.layers.Layer]]:
-    """Each Keras attention layer inside `layer` (not inside a nested
-    model, whose graph holds its layers) with its place."""
+    """Each Keras attention layer (or keras-hub attention layer of
+    `hub_attention.CLASSES`) inside `layer` (not inside a nested model,
+    whose graph holds its layers) with its place."""
 
     def walk(parent, place):
         for index, child in enumerate(parent._layers):
-            if isinstance(child, layer_lib.CONVERTIBLE):
+            if isinstance(child, layer_lib.CONVERTIBLE) or hub_attention.row(child):
                 yield (*place, index), child
             elif not isinstance(child, keras.Model):
                 yield from walk(child, (*place, index))
@@ -50,13 +52,14 @@ def attention_places(layer) -> Iterator[tuple[Place, keras.layers.Layer]]:
 
 
 def other_attention(layer) -> list:
-    """Attention layers of other classes directly inside `layer`
-    (keras-hub's `LlamaAttention`, ...): named in the report."""
+    """Attention layers of other classes directly inside `layer` (keras-hub's
+    `Gemma3Attention`, ...): named in the report."""
     return [
         child
         for child in layer._layers
         if type(child).__name__.endswith("Attention")
-        and not isinstance(child, (*layer_lib.CONVERTIBLE, MultiHeadAttentionAdapter))
+        and not isinstance(child, (*layer_lib.CONVERTIBLE, AttentionAdapter))
+        and hub_attention.row(child) is None
         and type(child).__name__ != "SelfAttention"
     ]
 
@@ -195,7 +198,7 @@ def _replace_attribute(parent, old, new) -> None:
 def copy_weights(original, new) -> None:
     """Copies the variables of every sublayer of `original` to the one at
     the same place in `new`, adapters (which hold their own) left out."""
-    if isinstance(new, MultiHeadAttentionAdapter):
+    if isinstance(new, AttentionAdapter):
         return
     if len(original._layers) != len(new._layers):
         raise ValueError(
@@ -206,7 +209,9 @@ def copy_weights(original, new) -> None:
         )
     store: dict = {}
     original.save_own_variables(store)
-    new.load_own_variables(store)
+    # Copies: on JAX an assigned array is shared, and Keras's compiled
+    # `predict` of the original donates (deletes) its variables' arrays.
+    new.load_own_variables({k: np.array(v) for k, v in store.items()})
     for old_child, new_child in zip(original._layers, new._layers, strict=True):
         copy_weights(old_child, new_child)
 
@@ -239,7 +244,7 @@ def _mark_converted(block, places: list[Place]) -> None:
 
 def _converted_config(self) -> dict:
     base = type(self).__mro__[1]
-    inner = serialization_lib.serialize_dict(base.get_config(self))
+    inner = serialization_lib.serialize_dict(configs.config_of(self, base))
     layer = serialization_lib.serialize_with_public_class(base, inner) or {
         "module": base.__module__,
         "class_name": base.__name__,

@@ -18,9 +18,10 @@ import keras
 from keras.src import backend as keras_backend
 from keras.src.models.functional import Functional
 
-from keras_selfattn.migration import blocks
+from keras_selfattn.migration import blocks, configs, hub_attention
 from keras_selfattn.migration import layer as layer_lib
 from keras_selfattn.migration.adapter import MultiHeadAttentionAdapter
+from keras_selfattn.migration.hub_adapter import KerasHubAttentionAdapter
 from keras_selfattn.self_attention import SelfAttention
 
 _CALL = inspect.signature(keras.layers.MultiHeadAttention.call)
@@ -79,10 +80,15 @@ def _why_not(calls: list[dict]) -> str | None:
 
 def _described(sa: SelfAttention) -> str:
     """How the report names a converted layer's SelfAttention."""
+    extras = "".join(
+        f", {name}={getattr(sa, name)}"
+        for name in ("rope_max_wavelength", "sliding_window", "logit_soft_cap")
+        if getattr(sa, name) is not None
+    )
     return (
         f"SelfAttention(num_heads={sa.num_heads}, num_key_value_heads="
         f"{sa.num_key_value_heads}, output_dim={sa.output_dim}, "
-        f"causal={sa.causal})"
+        f"causal={sa.causal}{extras})"
     )
 
 
@@ -102,16 +108,41 @@ def _input_like(x) -> keras.KerasTensor:
     return keras.Input(batch_shape=x.shape, dtype=x.dtype, name=name)
 
 
-def _copy(layer: keras.layers.Layer) -> keras.layers.Layer:
+def _keras_adapter(attention, calls):
+    """The MultiHeadAttentionAdapter of a Keras attention layer inside a
+    block, or None and why not."""
+    why = blocks.why_not(calls)
+    if why is not None:
+        return None, why
     try:
-        return layer.__class__.from_config(layer.get_config())
-    except Exception as error:  # the class's own code: any error
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        raise ValueError(
-            f"Cannot convert: {type(layer).__name__} '{layer.name}' does not "
-            f"rebuild from its own get_config() ({type(error).__name__}: "
-            f"{reason}), so it cannot be copied. Received: layer={layer.name!r}"
-        ) from None
+        adapter = MultiHeadAttentionAdapter.from_multi_head_attention(
+            attention,
+            causal=blocks.causal_of(calls),
+            causal_attention_mask=blocks.causal_mask_given(calls),
+        )
+    except ValueError as error:
+        return None, str(error).split(". Received")[0]
+    return adapter, None
+
+
+def _hub_adapter(attention, parent, calls):
+    """The KerasHubAttentionAdapter of a keras-hub attention layer (Llama's,
+    ...) held by `parent`, or None and why not."""
+    if not calls:
+        return None, "not called when the model ran on example inputs"
+    try:
+        sa = hub_attention.from_keras_hub(SelfAttention, attention, parent)
+    except ValueError as error:
+        return None, str(error).split(". Received")[0]
+    if not hub_attention.mask_is_causal(calls, attention, sa.sliding_window):
+        return None, (
+            "its attention_mask on the example run was not its decoder's causal mask"
+        )
+    adapter = KerasHubAttentionAdapter(
+        sa, name=attention.name, dtype=attention.dtype_policy
+    )
+    adapter.built = True
+    return adapter, None
 
 
 class _Converter:
@@ -151,9 +182,9 @@ class _Converter:
                 "differ (SelfAttention.from_multi_head_attention converts it "
                 "where it computes what its base class does)"
             )
-            new = _copy(layer)
+            new = configs.copy(layer)
         else:
-            new = _copy(layer)
+            new = configs.copy(layer)
             if blocks.holds_attention(layer):
                 self._block(layer, new, name)
             for inner in blocks.other_attention(layer):
@@ -169,7 +200,7 @@ class _Converter:
         why = _why_not(calls)
         if why is not None:
             self.report.kept.append(f"{name}: {why}")
-            return _copy(layer)
+            return configs.copy(layer)
         causal = bool(calls[0].get("use_causal_mask"))
         sa = SelfAttention.from_multi_head_attention(layer, causal=causal)
         self.report.converted.append(
@@ -187,7 +218,7 @@ class _Converter:
         adapters = {}
         for place, attention in blocks.attention_places(layer):
             label = f"{name}/{attention.name}"
-            adapter, why = self._adapter(attention)
+            adapter, why = self._adapter(attention, blocks.at(layer, place[:-1]))
             if why is None and type(blocks.at(new, place)) is not type(attention):
                 why = f"the copy of {type(layer).__name__} holds another layer there"
             if why is not None:
@@ -197,34 +228,30 @@ class _Converter:
             self.report.converted.append(
                 f"{label} ({type(attention).__name__}, inside "
                 f"{type(layer).__name__}) -> {_described(adapter.attention)} "
-                "behind MultiHeadAttentionAdapter"
+                f"behind {type(adapter).__name__}"
             )
         if adapters:
             blocks.install(new, adapters)
 
-    def _adapter(self, attention):
-        """The adapter of an attention layer inside a block (one per layer:
-        a shared layer stays shared), or None and why not."""
+    def _adapter(self, attention, parent):
+        """The adapter of an attention layer inside a block (`parent` holds
+        it; one adapter per layer: a shared layer stays shared), or None and
+        why not."""
         if id(attention) in self.adapters:
             return self.adapters[id(attention)], None
-        if type(attention) not in layer_lib.CONVERTIBLE and not _known(attention):
+        calls = self.calls.get(id(attention))
+        if hub_attention.row(attention) is not None:
+            adapter, why = _hub_adapter(attention, parent, calls)
+        elif type(attention) not in layer_lib.CONVERTIBLE and not _known(attention):
             return None, (
                 f"a subclass, {type(attention).__name__}, whose call may differ "
                 "(SelfAttention.from_multi_head_attention converts it where it "
                 "computes what its base class does)"
             )
-        calls = self.calls.get(id(attention))
-        why = blocks.why_not(calls)
+        else:
+            adapter, why = _keras_adapter(attention, calls)
         if why is not None:
             return None, why
-        try:
-            adapter = MultiHeadAttentionAdapter.from_multi_head_attention(
-                attention,
-                causal=blocks.causal_of(calls),
-                causal_attention_mask=blocks.causal_mask_given(calls),
-            )
-        except ValueError as error:
-            return None, str(error).split(". Received")[0]
         self.adapters[id(attention)] = adapter
         if any(call[blocks.KERAS_MASK] is not None for call in calls):
             self.report.padded = True

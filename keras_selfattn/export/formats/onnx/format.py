@@ -67,19 +67,46 @@ def convert_to_onnx(target: Signature, opset: int) -> onnx.ModelProto:
     Inputs keep the target's input names (through named TensorSpecs) and
     outputs get its output names (the keys of the returned dict). The key/
     value cache write of a decoding step converts through
-    `handlers.CUSTOM_OP_HANDLERS`.
+    `handlers.CUSTOM_OP_HANDLERS`. A tensor the traced function captured
+    (a constant the model computed when built, as keras-hub's
+    `GemmaBackbone` does its embedding scale) is stored in the file:
+    tf2onnx lists it as a graph input.
     """
+    import onnx
     import tf2onnx
 
     from keras_selfattn.export.formats.onnx.handlers import CUSTOM_OP_HANDLERS
 
+    function, specs = target.tf_function(), target.tf_specs()
     proto, _ = tf2onnx.convert.from_function(
-        target.tf_function(),
-        input_signature=target.tf_specs(),
+        function,
+        input_signature=specs,
         opset=opset,
         custom_op_handlers=CUSTOM_OP_HANDLERS,
     )
+    constants = _captured_constants(function, specs)
+    for value_info in list(proto.graph.input):
+        if value_info.name in constants:
+            proto.graph.input.remove(value_info)
+            proto.graph.initializer.append(
+                onnx.numpy_helper.from_array(
+                    constants[value_info.name], value_info.name
+                )
+            )
     return proto
+
+
+def _captured_constants(function, specs) -> dict:
+    """The values of the tensors (not variables) the traced function
+    captured, by the name of their placeholder inside it."""
+    import tensorflow as tf
+
+    concrete = function.get_concrete_function(*specs)
+    return {
+        inner.name: outer.numpy()
+        for outer, inner in concrete.graph.captures
+        if outer.dtype != tf.resource and hasattr(outer, "numpy")
+    }
 
 
 def name_dynamic_axes(proto: onnx.ModelProto) -> onnx.ModelProto:

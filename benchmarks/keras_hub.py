@@ -1,0 +1,155 @@
+"""A keras-hub `LlamaCausalLM` converted (`keras_selfattn.convert_causal_lm`)
+against keras-hub's own, the same weights: `generate` and the forward pass.
+
+keras-hub's side is its own API: `lm.compile(sampler="greedy")` then
+`lm.generate({"token_ids", "padding_mask"}, max_length=prompt + new,
+stop_token_ids=None)` (its compiled loop and cache), and `lm.predict_on_batch`
+for the forward pass. The converted side is `keras_selfattn.generate(tokens_model,
+prompts, new)` and `tokens_model.predict_on_batch`. Both are timed on the
+backend the benchmark runs on, interleaved, as medians of per-round ratios
+(`benchmarks.timing`); the generated tokens are compared.
+
+Run: `python -m benchmarks.keras_hub [--quick] [--rounds N] [--out DIR]`
+(under `KERAS_BACKEND=jax` or `torch` for those backends).
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+from benchmarks import machine, report, timing
+from keras_selfattn import convert_causal_lm, generate
+
+VOCABULARY = 1024
+PROMPT = 16
+NEW_TOKENS = 32
+# (hidden, query heads, key/value heads, layers, batch)
+CASES = ((128, 4, 2, 2, 4), (256, 8, 2, 4, 1))
+
+
+def causal_lm(hidden: int, heads: int, kv_heads: int, layers: int):
+    """A random-weight Llama of this size (keras-hub's classes)."""
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=VOCABULARY,
+        num_layers=layers,
+        num_query_heads=heads,
+        num_key_value_heads=kv_heads,
+        hidden_dim=hidden,
+        intermediate_dim=2 * hidden,
+    )
+    lm = keras_hub.models.LlamaCausalLM(backbone, preprocessor=None)
+    lm.compile(sampler="greedy")
+    return lm
+
+
+def _keras_hub_generate(lm, prompts: np.ndarray, outputs: dict):
+    length = prompts.shape[1] + NEW_TOKENS
+    ids = np.zeros((len(prompts), length), "int32")
+    ids[:, : prompts.shape[1]] = prompts
+    padding = np.zeros(ids.shape, bool)
+    padding[:, : prompts.shape[1]] = True
+    request = {"token_ids": ids, "padding_mask": padding}
+
+    def call():
+        out = lm.generate(request, max_length=length, stop_token_ids=None)
+        outputs["keras_hub"] = np.asarray(out["token_ids"])[:, prompts.shape[1] :]
+
+    return call
+
+
+def _converted_generate(model, prompts: np.ndarray, outputs: dict):
+    def call():
+        outputs["converted"] = np.asarray(generate(model, prompts, NEW_TOKENS).tokens)
+
+    return call
+
+
+def _row(hidden: int, heads: int, kv_heads: int, layers: int, batch: int, rounds):
+    lm = causal_lm(hidden, heads, kv_heads, layers)
+    tokens_model = convert_causal_lm(lm)
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(1, VOCABULARY, (batch, PROMPT)).astype("int32")
+    outputs: dict[str, np.ndarray] = {}
+    generation = timing.interleave(
+        {
+            "keras_hub": _keras_hub_generate(lm, prompts, outputs),
+            "converted": _converted_generate(tokens_model, prompts, outputs),
+        },
+        rounds=rounds,
+        warmup=1,
+    )
+    window = rng.integers(1, VOCABULARY, (batch, PROMPT + NEW_TOKENS)).astype("int32")
+    request = {"token_ids": window, "padding_mask": np.ones_like(window, bool)}
+    forward = timing.interleave(
+        {
+            "keras_hub": lambda: lm.predict_on_batch(request),
+            "converted": lambda: tokens_model.predict_on_batch(window),
+        },
+        rounds=rounds,
+        warmup=1,
+    )
+    return {
+        "model": f"Llama {layers} layers, D={hidden}, {heads}/{kv_heads} heads, "
+        f"batch {batch}",
+        "generate_speedup": generation.speedup("keras_hub", "converted"),
+        "forward_time_ratio": 1 / forward.speedup("keras_hub", "converted"),
+        "converted_tokens_per_s": batch * NEW_TOKENS / generation.median("converted"),
+        "same_tokens": bool((outputs["keras_hub"] == outputs["converted"]).all()),
+    }
+
+
+def run(quick: bool = False, rounds: int | None = None) -> dict:
+    rounds = rounds or (3 if quick else 7)
+    rows = [_row(*case, rounds) for case in (CASES[:1] if quick else CASES)]
+    return {
+        "machine": machine.describe(),
+        "backend": keras.backend.backend(),
+        "rounds": rounds,
+        "rows": rows,
+    }
+
+
+def to_markdown(results: dict) -> str:
+    m = results["machine"]
+    lines = [
+        f"# keras-hub's Llama converted vs keras-hub's own ({results['backend']})",
+        "",
+        f"{m['cpu']}, {m['cores']} cores, load {m['load_average_1_5_15min']}, "
+        f"commit {m['git_commit']}, {m['date_utc']}; {results['rounds']} rounds, "
+        f"prompt {PROMPT}, {NEW_TOKENS} new tokens, greedy, float32.",
+        "",
+        "Targets: generate speedup (keras-hub time / converted time) at least "
+        "1; forward time ratio (converted / keras-hub) at most 1.1.",
+        "",
+    ]
+    lines += report.table(
+        [
+            ("model", "model"),
+            ("generate_speedup", "generate speedup"),
+            ("forward_time_ratio", "forward time ratio"),
+            ("converted_tokens_per_s", "converted tokens/s"),
+            ("same_tokens", "same tokens"),
+        ],
+        results["rows"],
+    )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    backend = keras.backend.backend()
+    report.main(
+        argv,
+        __doc__,
+        run,
+        to_markdown,
+        f"keras_hub_{backend}",
+        {"quick": "one small case, 3 rounds", "rounds": "rounds (default 7)"},
+    )
+
+
+if __name__ == "__main__":
+    main()
