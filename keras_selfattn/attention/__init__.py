@@ -29,7 +29,9 @@ Its rooms (subpackages) and modules, one line each:
 - `heads`: the `(B, T, H, D)` layout the implementations share, and
   splitting into heads and merging back;
 - `dropout`: dropout from a per-call seed, the same in a recomputed block;
-- `nan_safe`: selects that keep NaN and inf out of what they do not choose.
+- `nan_safe`: selects that keep NaN and inf out of what they do not choose;
+- `backend_ops`: Keras ops as the backend's own call where a PyTorch
+  decoding step runs them eagerly.
 """
 
 from keras_selfattn.attention.dispatch import IMPLEMENTATIONS, choose

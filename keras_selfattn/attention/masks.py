@@ -17,6 +17,8 @@ from typing import Any
 import keras
 from keras import ops
 
+from keras_selfattn.attention import backend_ops
+
 
 @dataclasses.dataclass(frozen=True)
 class Masks:
@@ -173,8 +175,8 @@ def block_positions(
     first_query = query_start
     if masks.decoding:
         first_query = ops.add(masks.query_offset, query_start)
-    query_pos = ops.reshape(first_query + positions(query_len), (1, 1, -1, 1))
-    key_pos = ops.reshape(key_start + positions(key_len), (1, 1, 1, -1))
+    query_pos = backend_ops.reshape(first_query + positions(query_len), (1, 1, -1, 1))
+    key_pos = backend_ops.reshape(key_start + positions(key_len), (1, 1, 1, -1))
     return query_pos, key_pos
 
 

@@ -49,7 +49,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_selfattn.attention import heads, masks
+from keras_selfattn.attention import backend_ops, heads, masks
 
 # A position is written in base `BASE` with at most `DIGITS` digits: enough
 # for every int32 position (256 ** 4 = 2 ** 32).
@@ -224,7 +224,7 @@ def rotate(x, layout: str, cos_sin):
     # reshape each (two expand_dims would be two ops in a decoding step).
     depth = x.shape[-1]
     shape = (1, 1, -1, depth) if layout == heads.HEADS_FIRST else (1, -1, 1, depth)
-    cos, sin = (ops.reshape(t, shape) for t in cos_sin)
+    cos, sin = (backend_ops.reshape(t, shape) for t in cos_sin)
     x = ops.cast(x, "float32")
     x1, x2 = ops.split(x, 2, axis=-1)
     # `-x2`, not ops.negative: traced on torch inside the export pipeline the
