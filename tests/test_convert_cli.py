@@ -92,10 +92,7 @@ def test_convert_command_reaches_keras_hub_layers(tmp_path, capsys):
     )
 
 
-@pytest.mark.slow
-@pytest.mark.one_suite(
-    "runs the console script in its own interpreter", slow_suite="tensorflow"
-)
+@pytest.mark.one_suite("runs the console script in its own interpreter")
 def test_convert_command_loads_and_converts_a_keras_hub_llama(tmp_path):
     """A keras-hub file loads in a fresh interpreter: the command imports
     keras-hub for it (its classes register on import)."""

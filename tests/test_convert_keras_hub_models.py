@@ -179,11 +179,12 @@ def test_converted_causal_lm_generates_keras_hub_s_greedy_tokens(family):
 
 
 # Gemma 2 (grouped heads, rotary, soft-cap, alternating windows, its
-# embedding scale a captured constant) in every format; Llama's ONNX and
-# Mistral's LiteRT generators are the exports keras-hub's users report
-# failing (keras-hub #2340, #2705).
+# embedding scale a captured constant) in the two converted formats; Llama's
+# ONNX and Mistral's LiteRT generators are the exports keras-hub's users
+# report failing (keras-hub #2340, #2705). The SavedModel generator is
+# TensorFlow's own graph (GPT-2's is checked in test_convert_blocks); each
+# case costs 26-45 s of CI's TensorFlow slow suite.
 EXPORTS = [
-    ("Gemma 2", "saved_model"),
     ("Gemma 2", "litert"),
     ("Gemma 2", "onnx"),
     ("Llama", "onnx"),
@@ -213,9 +214,9 @@ def test_converted_causal_lm_exports_its_generator(
         lm = _causal_lm(family)
         converted_lms[family] = lm, keras_selfattn.convert_causal_lm(lm)
     lm, tokens_model = converted_lms[family]
-    suffix = {"saved_model": "", "litert": ".tflite", "onnx": ".onnx"}[export_format]
+    suffix = {"litert": ".tflite", "onnx": ".onnx"}[export_format]
     path = export_generator(
-        tokens_model, tmp_path / f"lm{suffix}", export_format, max_length=16, name="lm"
+        tokens_model, tmp_path / f"lm{suffix}", export_format, max_length=16
     )
     if export_format != "onnx":
         return
