@@ -131,15 +131,7 @@ def to_markdown(results: dict) -> str:
 
 
 def main(argv=None) -> None:
-    backend = keras.backend.backend()
-    report.main(
-        argv,
-        __doc__,
-        run,
-        to_markdown,
-        f"nested_{backend}",
-        {"quick": "one small case, 3 rounds", "rounds": "rounds (default 7)"},
-    )
+    report.backend_main(argv, __doc__, run, to_markdown, "nested")
 
 
 if __name__ == "__main__":

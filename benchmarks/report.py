@@ -387,3 +387,25 @@ def main(
     json_path, markdown_path = write(results, args.out, stem, to_markdown)
     print(to_markdown(results))
     print(f"Wrote {json_path} and {markdown_path} at {datetime.datetime.now()}")
+
+
+def backend_main(
+    argv: Sequence[str] | None,
+    doc: str,
+    run: Callable[..., dict],
+    to_markdown: Callable[[dict], str],
+    prefix: str,
+) -> None:
+    """`main` for a benchmark run once per Keras backend: its results are
+    `prefix`_<backend>.json and .md, `--quick` one small case in 3 rounds,
+    7 rounds by default."""
+    import keras
+
+    main(
+        argv,
+        doc,
+        run,
+        to_markdown,
+        f"{prefix}_{keras.backend.backend()}",
+        {"quick": "one small case, 3 rounds", "rounds": "rounds (default 7)"},
+    )
