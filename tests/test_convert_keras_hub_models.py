@@ -178,31 +178,22 @@ def test_converted_causal_lm_generates_keras_hub_s_greedy_tokens(family):
     np.testing.assert_array_equal(result.tokens, expected)
 
 
-# Gemma 2 (grouped heads, rotary, soft-cap, alternating windows, its
-# embedding scale a captured constant) in the two converted formats; Llama's
-# ONNX and Mistral's LiteRT generators are the exports keras-hub's users
-# report failing (keras-hub #2340, #2705). The SavedModel generator is
-# TensorFlow's own graph (GPT-2's is checked in test_convert_blocks); each
-# case costs 26-45 s of CI's TensorFlow slow suite.
+# The exports keras-hub's users report failing (keras-hub #2340: Llama to
+# ONNX; #2705: LiteRT generation) and Gemma 2 (grouped heads, rotary,
+# soft-cap, alternating windows, its embedding scale a captured constant) to
+# ONNX: 26-45 s each in CI's TensorFlow slow suite. The other six of the
+# three families' nine generators passed when this was built (2026-11-28);
+# GPT-2's three are checked in test_convert_blocks.
 EXPORTS = [
-    ("Gemma 2", "litert"),
     ("Gemma 2", "onnx"),
     ("Llama", "onnx"),
     ("Mistral", "litert"),
 ]
 
 
-@pytest.fixture(scope="module")
-def converted_lms() -> dict:
-    """family -> (keras-hub's causal LM, its converted token model)."""
-    return {}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family, export_format", EXPORTS)
-def test_converted_causal_lm_exports_its_generator(
-    family, export_format, converted_lms, tmp_path
-):
+def test_converted_causal_lm_exports_its_generator(family, export_format, tmp_path):
     """The export's own check runs it in a fresh process of its runtime
     against `generate` (which equals keras-hub's greedy tokens, above); the
     ONNX file, run here, must return keras-hub's greedy tokens."""
@@ -210,10 +201,8 @@ def test_converted_causal_lm_exports_its_generator(
         pytest.skip("one export per format, from TensorFlow's slow suite")
     from keras_selfattn.export import export_generator
 
-    if family not in converted_lms:
-        lm = _causal_lm(family)
-        converted_lms[family] = lm, keras_selfattn.convert_causal_lm(lm)
-    lm, tokens_model = converted_lms[family]
+    lm = _causal_lm(family)
+    tokens_model = keras_selfattn.convert_causal_lm(lm)
     suffix = {"litert": ".tflite", "onnx": ".onnx"}[export_format]
     path = export_generator(
         tokens_model, tmp_path / f"lm{suffix}", export_format, max_length=16
