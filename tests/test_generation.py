@@ -154,9 +154,7 @@ def test_sampler_picks_only_kept_tokens_at_their_frequencies():
 
 
 # ------------------------------------------------------------ generation
-@pytest.mark.slow_on(
-    "tensorflow", "jax", "generate's first trace (15 s on TensorFlow); PyTorch: 1 s"
-)
+@GENERATES_ON_JAX
 def test_greedy_equals_the_uncached_forward(model):
     result = generate(model, PROMPTS, STEPS)
     tokens, lengths = reference.uncached(model, PROMPTS, STEPS)
