@@ -65,7 +65,9 @@ def _adapters(model) -> list:
     ]
 
 
-@jax_slow
+@pytest.mark.slow_on(
+    "tensorflow", "jax", "four backbones converted and run: PyTorch checks them fast"
+)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_keras_hub_backbone_converts_with_its_outputs(family):
     model = user_blocks.randomized(_backbone(family), scale=1.0)
@@ -81,6 +83,7 @@ def test_keras_hub_backbone_converts_with_its_outputs(family):
     )
 
 
+@jax_slow
 def test_gemma_2_maps_its_scale_soft_cap_and_alternating_windows():
     model = user_blocks.randomized(_backbone("Gemma 2"), scale=1.0)
     # keras-hub 0.32's GemmaDecoderBlock gives its attention
@@ -105,6 +108,7 @@ def test_gemma_2_maps_its_scale_soft_cap_and_alternating_windows():
     )
 
 
+@jax_slow
 def test_what_does_not_convert_is_named_in_one_line():
     llama_31 = keras_selfattn.convert(
         _backbone(
