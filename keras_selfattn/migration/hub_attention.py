@@ -49,15 +49,24 @@ class HubAttention:
     band_in_mask: bool = False
 
 
+def _no_output_dropout(layer, rate: float) -> None:
+    """Llama's and Mistral's dropout is on the attention output."""
+    if rate:
+        _refuse(
+            layer,
+            "its dropout applies to the attention output, SelfAttention's to "
+            "the attention weights",
+        )
+
+
 def _llama(layer, block) -> dict:
-    return {"dropout_on_output": float(layer.dropout)}
+    _no_output_dropout(layer, layer.dropout)
+    return {}
 
 
 def _mistral(layer, block) -> dict:
-    return {
-        "dropout_on_output": float(layer._dropout),
-        "sliding_window": getattr(block, "sliding_window", None),
-    }
+    _no_output_dropout(layer, layer._dropout)
+    return {"sliding_window": getattr(block, "sliding_window", None)}
 
 
 def _gemma(layer, block) -> dict:
@@ -177,12 +186,6 @@ def from_keras_hub(cls, layer, block):
     heads = heads_width // head_dim
     key_value_heads = kernels["key"].shape[1] // head_dim
     arguments = spec.arguments(layer, block)
-    if arguments.pop("dropout_on_output", 0.0):
-        _refuse(
-            layer,
-            "its dropout applies to the attention output, SelfAttention's to "
-            "the attention weights",
-        )
     sa = cls(
         num_heads=heads,
         num_key_value_heads=key_value_heads,
