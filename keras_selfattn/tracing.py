@@ -19,6 +19,9 @@ rounding where a mode says so):
   cache shape it passes valid, whose caches hold zeros in every slot no
   query may attend (padded, or not yet written), and whose new positions
   are all real tokens, as the generation loop's steps after the prompt do.
+  In eager PyTorch such a call writes into the cache it takes (Keras's
+  slice update would copy the whole cache), so the caller reads only the
+  caches the calls return.
 - `TIME_MAJOR`: cached calls take and return their caches time-major,
   `(2, max_length, batch, num_key_value_heads, key_dim)`
   (`attention.cache.modes.to_time_major`), and read their keys and values

@@ -129,6 +129,7 @@ def test_what_does_not_convert_is_named_in_one_line():
         assert all(why in line and "\n" not in line for line in report.kept)
 
 
+@jax_slow
 def test_converted_llama_saves_and_loads_without_custom_objects(tmp_path):
     """keras-hub 0.32's LlamaTransformerDecoder cannot rebuild from its own
     get_config(): its converted copy saves the config read off it."""

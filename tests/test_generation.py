@@ -174,6 +174,7 @@ def test_one_prompt_equals_the_uncached_forward(model):
 
 
 @GENERATES_ON_JAX
+@pytest.mark.slow_on("tensorflow", "traces the sampling loop: 12 s")
 def test_seeded_sampling_equals_the_uncached_forward(model):
     controls = {"temperature": 1.5, "top_k": 8, "top_p": 0.95}
     first = generate(model, PROMPTS, STEPS, seed=7, **controls)

@@ -313,3 +313,43 @@ def test_time_major_caches_decode_as_the_reference(config, padded):
     )
     expected = to_numpy(cache_lib.to_time_major(to_numpy(public) * slots))
     np.testing.assert_allclose(to_numpy(cache), expected, atol=1e-6)
+
+
+@pytest.mark.skipif(
+    BACKEND != "torch", reason="caches are written in place only in eager PyTorch"
+)
+@pytest.mark.parametrize("padded", [False, True])
+def test_eager_torch_steps_write_their_caches_in_place(padded):
+    """The generation loop's steps on PyTorch: within `CHECKED_BY_CALLER`,
+    one token a call writes into the cache it is given (the same tensor
+    comes back, no copy of the cache per step), outputs match the numpy
+    reference and the cache ends as the copying calls' do; outside that
+    mode the cache passed in is left as it was."""
+    import torch
+
+    layer = _single_query_layer("gqa")
+    masks = {"mask": LEFT_PADDED} if padded else {}
+    public = layer.empty_cache(2, 9)
+    prefix, public = layer(X[:, :5], cache=public, cache_update_index=0, **masks)
+    before = to_numpy(public).copy()
+    _, written = layer(X[:, 5:6], cache=public, cache_update_index=5, **masks)
+    assert written is not public
+    np.testing.assert_array_equal(to_numpy(public), before)
+
+    slots = LEFT_PADDED if padded else np.ones((2, 9), bool)
+    cache = public * torch.as_tensor(slots[:, None, :, None, None])
+    outputs = [to_numpy(prefix)]
+    with torch.no_grad(), tracing.traced_as(tracing.CHECKED_BY_CALLER):
+        for index in range(5, 9):
+            x = X[:, index : index + 1]
+            output, returned = layer(x, cache=cache, cache_update_index=index, **masks)
+            assert returned is cache
+            _, public = layer(x, cache=public, cache_update_index=index, **masks)
+            outputs.append(to_numpy(output))
+    reference = for_layer(layer, X, **({"padding_mask": LEFT_PADDED} if padded else {}))
+    np.testing.assert_allclose(
+        np.concatenate(outputs, axis=1), reference[0], atol=2e-5, rtol=2e-5
+    )
+    np.testing.assert_allclose(
+        to_numpy(cache), to_numpy(public) * slots[:, None, :, None, None], atol=1e-6
+    )

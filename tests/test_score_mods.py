@@ -194,6 +194,7 @@ def test_sinks_take_all_the_mass_of_a_row_with_nothing_to_attend():
     assert (weights[1, :, 2].sum(-1) < 1 - 1e-4).all()
 
 
+@pytest.mark.slow_on("jax", "compiles each segment's call: 10 s")
 def test_a_packed_row_equals_its_segments_run_alone():
     config = {"causal": True, "position_bias": "alibi", "rope_max_wavelength": 20.0}
     layer = _layer(config, "chunked")

@@ -146,6 +146,7 @@ def test_custom_shapes(classifier_exports):
     ]
 
 
+@pytest.mark.slow  # 9 s: eight runs of both files; the padding case is fast
 def test_export_of_other_weights_is_caught(classifier_exports):
     _, version_dir, onnx_path = classifier_exports
     other = model_zoo.masked_classifier(seed=1)

@@ -34,8 +34,9 @@ def _arguments(request: Request) -> tuple:
     )
 
 
-def _loop_function(read: Model, max_length: int, capacity: int):
-    """The loop as a function of the request's arrays."""
+def _loop_function(read: Model, max_length: int, capacity: int, greedy: bool):
+    """The loop as a function of the request's arrays (`greedy`: for
+    requests at temperature 0 only, `loop.run`'s)."""
 
     def generate(prompts, lengths, steps, temperature, top_k, top_p, seed, end):
         controls = loop.Controls(temperature, top_k, top_p, seed, end)
@@ -49,22 +50,23 @@ def _loop_function(read: Model, max_length: int, capacity: int):
             steps=steps,
             controls=controls,
             tokens=read.tokens,
+            greedy=greedy,
         )
 
     return generate
 
 
-def _tensorflow(read: Model, max_length: int, capacity: int):
+def _tensorflow(read: Model, max_length: int, capacity: int, greedy: bool):
     import tensorflow as tf
 
-    return tf.function(_loop_function(read, max_length, capacity))
+    return tf.function(_loop_function(read, max_length, capacity, greedy))
 
 
-def _jax(read: Model, max_length: int, capacity: int):
+def _jax(read: Model, max_length: int, capacity: int, greedy: bool):
     import jax
 
     variables = read.model.variables
-    generate = _loop_function(read, max_length, capacity)
+    generate = _loop_function(read, max_length, capacity, greedy)
 
     @jax.jit
     def stateless(values, *arrays):
@@ -76,10 +78,10 @@ def _jax(read: Model, max_length: int, capacity: int):
     return lambda *arrays: stateless([v.value for v in variables], *arrays)
 
 
-def _torch(read: Model, max_length: int, capacity: int):
+def _torch(read: Model, max_length: int, capacity: int, greedy: bool):
     import torch
 
-    generate = _loop_function(read, max_length, capacity)
+    generate = _loop_function(read, max_length, capacity, greedy)
 
     def run(*arrays):
         with torch.no_grad():
@@ -100,7 +102,11 @@ def run(read: Model, request: Request) -> tuple[np.ndarray, np.ndarray]:
             f"generate runs on the TensorFlow, JAX and PyTorch backends. "
             f"Received: KERAS_BACKEND={backend!r}"
         )
-    key = (request.max_length, request.max_new_tokens)
+    key = (
+        request.max_length,
+        request.max_new_tokens,
+        request.controls.temperature == 0,
+    )
     functions = _COMPILED.setdefault(read.model, {})
     if key not in functions:
         functions[key] = _BUILDERS[backend](read, *key)

@@ -120,6 +120,7 @@ def run(
     steps,
     controls: Controls,
     tokens: bool,
+    greedy: bool = False,
 ):
     """Generates up to `steps` new positions per row (module docstring).
 
@@ -134,6 +135,9 @@ def run(
         steps: The most new positions (int or int32 scalar), >= 1.
         controls: The sampling controls (token models).
         tokens: Whether `model` is a token model.
+        greedy: Whether the caller knows, as a Python fact, that
+            `controls.temperature` is 0: then no uniforms are drawn and no
+            sampling branch is traced (the same tokens).
 
     Returns:
         Tuple (int32 `(batch, capacity)` tokens, or `(batch, capacity,
@@ -148,7 +152,7 @@ def run(
         [valid, ops.ones((batch, max_length - width), dtype="bool")], axis=1
     )
     caches = [_empty_cache(layer, batch, max_length) for layer in layers]
-    if tokens:  # every step's uniforms at once: (batch, capacity)
+    if tokens and not greedy:  # every step's uniforms at once: (batch, capacity)
         uniforms = random_stream.uniforms(
             controls.seed,
             ops.arange(batch, dtype="int32"),
@@ -159,6 +163,8 @@ def run(
         last = output[:, -1]
         if not tokens:
             return last
+        if greedy:
+            return sampling.greedy_token(last)
         uniform = ops.take(uniforms, ops.cast(t, "int32"), axis=1)
         return sampling.next_token(
             last, uniform, controls.temperature, controls.top_k, controls.top_p

@@ -50,7 +50,7 @@ def next_token(logits, uniform, temperature, top_k, top_p):
         int32 `(batch,)` token ids.
     """
     logits = ops.cast(logits, "float32")
-    greedy = _first_index(ops.equal(logits, ops.max(logits, axis=-1, keepdims=True)))
+    greedy = greedy_token(logits)
     sampling = ops.greater(temperature, 0.0)
     if tracing.active(tracing.FOR_CONVERTER):
         positive = ops.where(sampling, temperature, 1.0)
@@ -63,6 +63,12 @@ def next_token(logits, uniform, temperature, top_k, top_p):
         lambda: _sampled(logits, uniform, temperature, top_k, top_p),
         lambda: greedy,
     )
+
+
+def greedy_token(logits):
+    """int32 `(batch,)`: the first index of each row's largest logit."""
+    logits = ops.cast(logits, "float32")
+    return _first_index(ops.equal(logits, ops.max(logits, axis=-1, keepdims=True)))
 
 
 def _sampled(logits, uniform, temperature, top_k, top_p):

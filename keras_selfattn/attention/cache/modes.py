@@ -20,6 +20,20 @@ def views_pay() -> bool:
     return outside_xla() and not tracing.active(tracing.FOR_CONVERTER)
 
 
+def torch_eager() -> bool:
+    """Whether this call runs in eager PyTorch: not traced by
+    `torch.jit.trace`, exported by `torch.export` or compiled."""
+    if keras.backend.backend() != "torch":
+        return False
+    import torch
+
+    return not (
+        torch.jit.is_tracing()
+        or torch.compiler.is_exporting()
+        or torch.compiler.is_compiling()
+    )
+
+
 def outside_xla() -> bool:
     """Whether this call is traced into a TensorFlow graph that XLA does not
     compile (not eager, not under `jit_compile=True`): there tensors may

@@ -5,7 +5,7 @@ How a call writes is chosen by one table, `WRITES`, from the static facts
 of the call (`WriteFacts`: backend, layout, flags, whether a `Guard` may
 refuse it), as `dispatch` chooses attention: each write declares what it
 cannot do, and `choose` takes the first that nothing rules out, in the
-order in_place, gathered, strided, sliced, selected.
+order in_place, torch_in_place, gathered, strided, sliced, selected.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ class WriteFacts:
         converter: Whether TensorFlow traces it for a converter.
         outside_xla: Whether it is traced into a TensorFlow graph that XLA
             does not compile.
+        torch_eager: Whether PyTorch runs it eagerly (not tracing,
+            exporting or compiling it).
+        checked_by_caller: Whether it is traced in `tracing.CHECKED_BY_CALLER`.
     """
 
     backend: str
@@ -45,6 +48,8 @@ class WriteFacts:
     guarded: bool
     converter: bool
     outside_xla: bool
+    torch_eager: bool
+    checked_by_caller: bool
 
     @classmethod
     def of(cls, key, valid) -> WriteFacts:
@@ -58,6 +63,8 @@ class WriteFacts:
             guarded=valid is not None,
             converter=tracing.active(tracing.FOR_CONVERTER),
             outside_xla=modes.outside_xla(),
+            torch_eager=modes.torch_eager(),
+            checked_by_caller=tracing.active(tracing.CHECKED_BY_CALLER),
         )
 
 
@@ -139,6 +146,19 @@ def _write_in_place(cache, key, value, index, valid):
     return _tf_write_in_place(cache, new, index)
 
 
+def _write_torch_in_place(cache, key, value, index, valid):
+    """The cache with the new positions written at `index` into its own
+    tensor, where Keras's `slice_update` clones the whole cache first (a
+    copy of every layer's cache on every step). For eager PyTorch calls in
+    `tracing.CHECKED_BY_CALLER`: the generation loop's steps, whose caches
+    only these writes read (the keys and values attended are views of the
+    cache up to the new positions; the next step writes after them)."""
+    new = _stacked(cache, key, value)
+    start = int(index)
+    cache[:, :, start : start + new.shape[2]] = new
+    return cache
+
+
 def _write_gathered(cache, key, value, index, valid):
     start = ops.cast(index, _index_dtype())
     return _gather_write(cache, _stacked(cache, key, value), start, valid)
@@ -172,6 +192,18 @@ WRITES = {
         "in_place",
         _write_in_place,
         cannot=((lambda f: not f.time_major, "the cache is not time-major"),),
+    ),
+    "torch_in_place": Write(
+        "torch_in_place",
+        _write_torch_in_place,
+        cannot=(
+            (lambda f: not f.torch_eager, "it writes into eager PyTorch tensors"),
+            (
+                lambda f: not f.checked_by_caller or f.guarded,
+                "only a caller that owns the cache and checked the index "
+                "(tracing.CHECKED_BY_CALLER) may have it written in place",
+            ),
+        ),
     ),
     "gathered": Write(
         "gathered",
