@@ -117,10 +117,7 @@ def cut(x, axis: int, start, length):
             return x
     if length is None:
         length = ops.shape(x)[axis] - start
-    starts = [0] * len(x.shape)
-    sizes = list(ops.shape(x))
-    starts[axis], sizes[axis] = start, length
-    return ops.slice(x, starts, sizes)
+    return backend_ops.narrow(x, axis, start, length)
 
 
 def block(masks: Masks, query_start=0, key_start=0, query_len=None, key_len=None):

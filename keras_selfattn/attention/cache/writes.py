@@ -153,9 +153,11 @@ def _write_torch_in_place(cache, key, value, index, valid):
     `tracing.CHECKED_BY_CALLER`: the generation loop's steps, whose caches
     only these writes read (the keys and values attended are views of the
     cache up to the new positions; the next step writes after them)."""
-    new = _stacked(cache, key, value)
     start = int(index)
-    cache[:, :, start : start + new.shape[2]] = new
+    end = start + key.shape[1]
+    # Two copies (cast to the cache's dtype as they go), no stacked tensor.
+    cache[:, 0, start:end] = key
+    cache[:, 1, start:end] = value
     return cache
 
 
@@ -336,12 +338,14 @@ def update(cache, key, value, index, valid=None, padding=None):
     length, visible = None, None
     if all(is_static(n) for n in (end, max_length)):
         length = end if end < max_length else None
-    elif modes.outside_xla():
+    elif modes.outside_xla() or modes.torch_eager():
         # At least one key: an index out of range returns NaN (`Guard`);
-        # in `tracing.CHECKED_BY_CALLER` none is.
-        length = end
+        # in `tracing.CHECKED_BY_CALLER` none is. Eager PyTorch reads the
+        # index now: the keys written so far are a view, and no later slot
+        # is attended (or masked).
+        length = int(end) if modes.torch_eager() else end
         if not tracing.active(tracing.CHECKED_BY_CALLER):
-            length = ops.minimum(ops.maximum(end, 1), max_length)
+            length = ops.minimum(ops.maximum(length, 1), max_length)
     else:
         positions = masks.positions(max_length)
         visible = ops.expand_dims(ops.less(positions, end), 0)
