@@ -338,14 +338,19 @@ def update(cache, key, value, index, valid=None, padding=None):
     length, visible = None, None
     if all(is_static(n) for n in (end, max_length)):
         length = end if end < max_length else None
-    elif modes.outside_xla() or modes.torch_eager():
-        # At least one key: an index out of range returns NaN (`Guard`);
-        # in `tracing.CHECKED_BY_CALLER` none is. Eager PyTorch reads the
-        # index now: the keys written so far are a view, and no later slot
-        # is attended (or masked).
-        length = int(end) if modes.torch_eager() else end
+    elif modes.torch_eager():
+        # Eager PyTorch reads the index now: the keys written so far are a
+        # view, and no later slot is attended (or masked). At least one key,
+        # as below.
+        length = int(end)
         if not tracing.active(tracing.CHECKED_BY_CALLER):
-            length = ops.minimum(ops.maximum(length, 1), max_length)
+            length = min(max(length, 1), max_length)
+    elif modes.outside_xla():
+        # At least one key: an index out of range returns NaN (`Guard`);
+        # in `tracing.CHECKED_BY_CALLER` none is.
+        length = end
+        if not tracing.active(tracing.CHECKED_BY_CALLER):
+            length = ops.minimum(ops.maximum(end, 1), max_length)
     else:
         positions = masks.positions(max_length)
         visible = ops.expand_dims(ops.less(positions, end), 0)
