@@ -52,7 +52,7 @@ EXPORT_CODE = (
     "keras_selfattn/serving/",
     "keras_selfattn_runtimes/",
 )
-MOST_EXPORT_MODULES = 23
+MOST_EXPORT_MODULES = 20
 
 
 @contextlib.contextmanager

@@ -156,7 +156,8 @@ def test_model_loaded_from_keras_file(tmp_path):
 
 def test_exact_gelu_exports(tmp_path):
     """Keras's exact GELU is erfc on TensorFlow, which tf2onnx cannot
-    convert by itself (onnx.handlers); its tail rounds to 0 (inputs -6)."""
+    convert by itself (`onnx.format.CUSTOM_OP_HANDLERS`); its tail rounds
+    to 0 (inputs -6)."""
     keras.utils.set_random_seed(0)
     x = keras.Input((None, 8), name="x")
     h = keras.layers.Dense(16, activation="gelu")(x)

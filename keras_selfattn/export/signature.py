@@ -5,7 +5,8 @@ accepts: the forward `Endpoint` and the decoding step both provide one
 (`Endpoint.target()`, `DecodeStep.target()`), so staging, conversion and
 verification never depend on which of the two they export. A quantized
 model's target carries its quantized layers (`quantized`); each format
-traces them in its own form (`traced`, see `quantization`).
+traces them in its own form (`traced`, see `quantization`). Checks and
+TF Serving's warmup run a signature on deterministic `example_inputs`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import keras
+import numpy as np
 
+from keras_selfattn._model_layers import every_layer
 from keras_selfattn.export import quantization
 
 # Names of dynamic axes in exports: axis 0 is the batch, every other dynamic
@@ -62,7 +65,7 @@ class Signature:
             (`quantization.quantized_embeddings`).
         examples: Builds valid example inputs `(batch, time, seed) -> {name:
             array}` for targets whose inputs are not a model's (a
-            generator's controls); None: `example_inputs.example_inputs`' random
+            generator's controls); None: `example_inputs`' random
             ones.
         extra_signatures: Builds more targets over the same model that a
             LiteRT file holds beside this one, each under its own
@@ -144,3 +147,67 @@ class _TargetModel(keras.Model):
 
     def call(self, inputs, training=False):
         return list(self._function(list(inputs)))
+
+
+# Token range when no Embedding layer tells the vocabulary size.
+_FALLBACK_VOCAB = 10
+
+
+def vocabulary_size(model: keras.Model) -> int:
+    """The smallest `input_dim` of the model's Embedding layers (nested too)."""
+    sizes = [
+        layer.input_dim
+        for layer in every_layer(model)
+        if isinstance(layer, keras.layers.Embedding)
+    ]
+    return min(sizes) if sizes else _FALLBACK_VOCAB
+
+
+def is_padded(target: Signature, batch: int, time: int) -> bool:
+    """Whether `example_inputs` pads rows for this shape (see there)."""
+    discrete = any(
+        spec.dtype == "bool" or "int" in spec.dtype for spec in target.inputs
+    )
+    return discrete and batch > 1 and time > 1
+
+
+def example_inputs(
+    target: Signature, batch: int, time: int, seed: int = 0
+) -> dict[str, np.ndarray]:
+    """Random inputs keyed by input name; every dynamic dim after batch is `time`
+    (or the target's own `examples`).
+
+    Float inputs are standard normal. Integer inputs are token ids in
+    [1, vocabulary) and boolean inputs are True; in both, rows after the first
+    end with padding (0 / False) from a random length in [1, time] on, the
+    first row staying full length.
+
+    Args:
+        target: The export target whose inputs to build.
+        batch: Batch size.
+        time: Size of every dynamic dimension after the batch.
+        seed: Seed of the random generator.
+
+    Returns:
+        A dict {input name: numpy array}.
+    """
+    if target.examples is not None:
+        return target.examples(batch, time, seed)
+    rng = np.random.default_rng(seed)
+    vocab = vocabulary_size(target.model)
+    lengths = np.concatenate([[time], rng.integers(1, time + 1, size=batch - 1)])
+    result = {}
+    for spec in target.inputs:
+        shape = (batch,) + tuple(time if d is None else d for d in spec.shape[1:])
+        if spec.dtype == "bool":
+            values = np.ones(shape, dtype=bool)
+        elif "int" in spec.dtype:
+            values = rng.integers(1, max(vocab, 2), size=shape)
+        else:
+            values = rng.standard_normal(shape)
+        if values.dtype.kind in "bi" and len(shape) > 1:
+            padding = np.arange(shape[1])[None, :] >= lengths[:, None]
+            padding = padding.reshape(padding.shape + (1,) * (len(shape) - 2))
+            values[np.broadcast_to(padding, shape)] = 0
+        result[spec.name] = values.astype(spec.dtype)
+    return result

@@ -58,8 +58,11 @@ from keras_selfattn.export.decode_step.graph import (
     build_decode_step,
     refuse_quantized,
 )
-from keras_selfattn.export.parity.arguments import artifact_paths, check_tolerance
-from keras_selfattn.export.parity.engine import collect_artifacts
+from keras_selfattn.export.parity.engine import (
+    artifact_paths,
+    check_tolerance,
+    collect_artifacts,
+)
 from keras_selfattn.export.parity.report import ParityReport
 from keras_selfattn.export.parity.rules import DEFAULT_ATOL, DEFAULT_RTOL
 from keras_selfattn.export.signature import Signature

@@ -17,8 +17,12 @@ from keras_selfattn.export.decode_step.graph import (
     teacher_probe,
 )
 from keras_selfattn.export.parity import runner
-from keras_selfattn.export.parity.arguments import artifact_paths, check_tolerance
-from keras_selfattn.export.parity.engine import check_artifacts, collect_artifacts
+from keras_selfattn.export.parity.engine import (
+    artifact_paths,
+    check_artifacts,
+    check_tolerance,
+    collect_artifacts,
+)
 from keras_selfattn.export.parity.report import ParityReport, finish_report
 from keras_selfattn.export.parity.rules import DEFAULT_ATOL, DEFAULT_RTOL, parity_row
 from keras_selfattn.export.signature import Signature

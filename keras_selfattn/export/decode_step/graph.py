@@ -13,9 +13,8 @@ import numpy as np
 
 from keras_selfattn import _checks
 from keras_selfattn.export import quantization
-from keras_selfattn.export.example_inputs import vocabulary_size
 from keras_selfattn.export.forward.graph import model_inputs, model_output_names
-from keras_selfattn.export.signature import NamedInput, Signature
+from keras_selfattn.export.signature import NamedInput, Signature, vocabulary_size
 from keras_selfattn.generation import cached_model, decode_check
 from keras_selfattn.self_attention import SelfAttention
 from keras_selfattn_runtimes import table

@@ -37,14 +37,13 @@ import keras
 from keras_selfattn import _checks
 from keras_selfattn._model_layers import every_layer
 from keras_selfattn.export import _files, quantization
-from keras_selfattn.export.example_inputs import example_inputs
 from keras_selfattn.export.formats._base import (
     Destination,
     Format,
     Writer,
     converting,
 )
-from keras_selfattn.export.signature import SERVING_SIGNATURE, Signature
+from keras_selfattn.export.signature import SERVING_SIGNATURE, Signature, example_inputs
 from keras_selfattn.serving import layout
 from keras_selfattn_runtimes import table
 

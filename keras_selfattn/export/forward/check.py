@@ -12,20 +12,19 @@ from collections.abc import Mapping, Sequence
 import keras
 
 from keras_selfattn.export import precision, quantization
-from keras_selfattn.export.example_inputs import example_inputs, is_padded
 from keras_selfattn.export.forward.graph import (
     Endpoint,
     build_endpoint,
     keras_reference,
 )
-from keras_selfattn.export.parity import arguments, engine, exact, runner
+from keras_selfattn.export.parity import engine, exact, runner
 from keras_selfattn.export.parity.report import (
     ParityError,
     ParityReport,
     finish_report,
 )
 from keras_selfattn.export.parity.rules import DEFAULT_ATOL, DEFAULT_RTOL, ParityRow
-from keras_selfattn.export.signature import Signature
+from keras_selfattn.export.signature import Signature, example_inputs, is_padded
 
 # What importers of `verify` find here besides it: its defaults, its report.
 __all__ = [
@@ -223,14 +222,14 @@ def verify(
         "openvino_path": openvino_path,
         "torch_path": torch_path,
     }
-    paths = arguments.artifact_paths(keywords, paths)
+    paths = engine.artifact_paths(keywords, paths)
     artifacts = engine.collect_artifacts(
         paths, {"openvino_precision": openvino_precision}
     )
     default = shapes is None
-    shapes = arguments.check_shapes(DEFAULT_SHAPES if default else shapes)
-    atol = arguments.check_tolerance("atol", atol)
-    rtol = arguments.check_tolerance("rtol", rtol)
+    shapes = engine.check_shapes(DEFAULT_SHAPES if default else shapes)
+    atol = engine.check_tolerance("atol", atol)
+    rtol = engine.check_tolerance("rtol", rtol)
     endpoint = build_endpoint(model, attention_outputs, precision)
     return check_endpoint(
         endpoint,
@@ -257,18 +256,18 @@ def check_endpoint(
     seed: int = 0,
 ) -> ParityReport:
     """The check `verify` runs, on an endpoint already built: the exporters
-    pass theirs (`Forward`), `verify` builds one from its arguments.
+    pass theirs (`Forward`), `verify` builds one from its engine.
 
     Args:
         endpoint: The endpoint checked (its `source` is Keras's reference).
         target: `endpoint.target()`, as built for the export.
         artifacts: {runtime label: artifact}, from
             `engine.collect_artifacts`.
-        shapes: The checked (batch, time) pairs (`arguments.check_shapes`).
+        shapes: The checked (batch, time) pairs (`engine.check_shapes`).
         default: Whether `shapes` are `DEFAULT_SHAPES` (a quantized model
             adds rows of `QUANTIZED_TIME` to them, else repeats them).
         attention_outputs: As given to the export.
-        atol, rtol: Checked tolerances (`arguments.check_tolerance`).
+        atol, rtol: Checked tolerances (`engine.check_tolerance`).
         seed: Seed of the random inputs.
     """
     if target.quantized:

@@ -19,7 +19,7 @@ from keras_selfattn.export.forward.check import (
     check_endpoint,
 )
 from keras_selfattn.export.forward.graph import Endpoint, build_endpoint
-from keras_selfattn.export.parity import arguments, engine
+from keras_selfattn.export.parity import engine
 from keras_selfattn.export.signature import Signature
 from keras_selfattn_runtimes import table
 
@@ -102,10 +102,10 @@ class Forward(pipeline.Target):
         """`verify` of the artifacts `staged`, {format: path}, on `shapes`
         (None: `verify`'s defaults) with `verify`'s runtime keywords
         `runtime` (`openvino_precision`), on the endpoint `build` built."""
-        paths = arguments.artifact_paths({}, staged)
+        paths = engine.artifact_paths({}, staged)
         artifacts = engine.collect_artifacts(paths, dict(runtime or {}))
         default = shapes is None
-        shapes = arguments.check_shapes(DEFAULT_SHAPES if default else shapes)
+        shapes = engine.check_shapes(DEFAULT_SHAPES if default else shapes)
         return check_endpoint(
             self._endpoint,
             self._target,
@@ -113,8 +113,8 @@ class Forward(pipeline.Target):
             shapes,
             default,
             self.attention_outputs,
-            arguments.check_tolerance("atol", self.atol),
-            arguments.check_tolerance("rtol", self.rtol),
+            engine.check_tolerance("atol", self.atol),
+            engine.check_tolerance("rtol", self.rtol),
         )
 
 

@@ -75,8 +75,7 @@ from keras_selfattn.export.generator.check import (
     verify_generator,
 )
 from keras_selfattn.export.generator.graph import Generator, build_generator
-from keras_selfattn.export.parity.arguments import artifact_paths
-from keras_selfattn.export.parity.engine import collect_artifacts
+from keras_selfattn.export.parity.engine import artifact_paths, collect_artifacts
 from keras_selfattn.export.parity.report import ParityReport
 from keras_selfattn.export.signature import Signature
 from keras_selfattn.generation import decode_check

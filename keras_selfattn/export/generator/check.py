@@ -24,8 +24,8 @@ from keras_selfattn.export.generator.graph import (
     control_inputs,
     random_prompts,
 )
-from keras_selfattn.export.parity.arguments import artifact_paths
 from keras_selfattn.export.parity.engine import (
+    artifact_paths,
     check_artifacts,
     collect_artifacts,
     run_checked,
