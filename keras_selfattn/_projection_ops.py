@@ -230,11 +230,7 @@ def _eager(x) -> bool:
     if _BACKEND == "jax":
         return not isinstance(x, jax.core.Tracer)
     if _BACKEND == "torch":
-        return not (
-            torch.compiler.is_compiling()
-            or torch.compiler.is_exporting()
-            or torch.jit.is_tracing()
-        )
+        return not tracing.torch_traced()
     return False
 
 

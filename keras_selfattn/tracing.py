@@ -36,8 +36,9 @@ rounding where a mode says so):
   (OpenVINO's TensorFlow frontend has no XlaDynamicUpdateSlice).
 
 `traced_as(*modes)` sets modes within a context and `active(mode)` reads
-one. A mode is decided while a call is traced, so a traced function keeps
-the graph it was traced with; it nests, and holds only in the thread (or
+one; `torch_traced()` says whether PyTorch itself traces the call. A
+mode is decided while a call is traced, so a traced function keeps the
+graph it was traced with; it nests, and holds only in the thread (or
 asyncio task) that entered it (a `contextvars.ContextVar` each).
 
 `FUSABLE_CORE_SCOPE` is the other contract of a traced graph: the name
@@ -109,3 +110,17 @@ def active(mode: str) -> bool:
         ValueError: if `mode` is unknown.
     """
     return _check(mode).get()
+
+
+def torch_traced() -> bool:
+    """Whether PyTorch traces the call being made: `torch.jit.trace`
+    (Keras's ONNX export with dynamic shapes, its OpenVINO export),
+    `torch.export` (its `.pt2`, LiteRT and static-shape ONNX exports) or
+    `torch.compile`. For the torch backend (it imports torch)."""
+    import torch
+
+    return (
+        torch.jit.is_tracing()
+        or torch.compiler.is_exporting()
+        or torch.compiler.is_compiling()
+    )

@@ -23,15 +23,7 @@ def views_pay() -> bool:
 def torch_eager() -> bool:
     """Whether this call runs in eager PyTorch: not traced by
     `torch.jit.trace`, exported by `torch.export` or compiled."""
-    if keras.backend.backend() != "torch":
-        return False
-    import torch
-
-    return not (
-        torch.jit.is_tracing()
-        or torch.compiler.is_exporting()
-        or torch.compiler.is_compiling()
-    )
+    return keras.backend.backend() == "torch" and not tracing.torch_traced()
 
 
 def outside_xla() -> bool:

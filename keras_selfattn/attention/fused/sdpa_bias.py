@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from keras_selfattn import tracing
+
 
 def applies(query, mask) -> bool:
     """Whether `attention` should compute this call: a float mask that
@@ -35,9 +37,7 @@ def applies(query, mask) -> bool:
         and mask.requires_grad
         and torch.is_grad_enabled()
         and query.device.type == "cpu"
-        and not torch.jit.is_tracing()
-        and not torch.compiler.is_compiling()
-        and not torch.compiler.is_exporting()
+        and not tracing.torch_traced()
     )
 
 

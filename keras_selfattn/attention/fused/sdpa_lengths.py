@@ -25,6 +25,8 @@ from collections.abc import Callable
 
 import torch
 
+from keras_selfattn import tracing
+
 
 def applies(query, key, padding) -> bool:
     """Whether `attention` may compute this call: a padding mask on
@@ -34,9 +36,7 @@ def applies(query, key, padding) -> bool:
         padding is not None
         and query.device.type == "cuda"
         and query.shape[1] == key.shape[1]
-        and not torch.jit.is_tracing()
-        and not torch.compiler.is_compiling()
-        and not torch.compiler.is_exporting()
+        and not tracing.torch_traced()
     )
 
 
