@@ -256,7 +256,7 @@ def check_endpoint(
     seed: int = 0,
 ) -> ParityReport:
     """The check `verify` runs, on an endpoint already built: the exporters
-    pass theirs (`Forward`), `verify` builds one from its engine.
+    pass theirs (`Forward`), `verify` builds one from its arguments.
 
     Args:
         endpoint: The endpoint checked (its `source` is Keras's reference).
