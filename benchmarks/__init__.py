@@ -3,7 +3,8 @@
 Entry points: `python -m benchmarks.cpu`, `benchmarks.backends`,
 `benchmarks.decode`, `benchmarks.runtimes`; `make bench`
 runs cpu then runtimes. Shared: `pairs` (the layer pair and FLOP count),
-`timing`, `machine`, `probe` (RSS in a child process), `report` (tables).
+`timing`, `machine`, `probe` (RSS in a child process), `report` (tables,
+the JSON file, the command line), `per_backend` (a run once per backend).
 """
 
 import os

@@ -74,6 +74,8 @@ SIZES = (
     Size("d256", 256, 256, 8, 8, 4),
 )
 QUICK_SIZES = (Size("tiny", 16, 16, 2, 1, 1),)
+# The help of `--quick` and `--rounds`.
+_HELPS = {"quick": "tiny sizes, 1 round", "rounds": "rounds per batch"}
 
 
 def build_model(size: Size, seed: int = 0):
@@ -486,14 +488,5 @@ def to_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-# The help of `--quick` and `--rounds`.
-_HELPS = {"quick": "tiny sizes, 1 round", "rounds": "rounds per batch"}
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Runs the benchmark (`--quick`, `--out`, `--rounds`: `report.main`)."""
-    report.main(argv, __doc__, run, to_markdown, "generation", _HELPS)
-
-
 if __name__ == "__main__":
-    main()
+    report.main(__doc__, run, to_markdown, "generation", _HELPS)

@@ -40,7 +40,6 @@ benchmarks/results).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import os
 import tempfile
@@ -50,7 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks import machine, quantized, report
+from benchmarks import machine, quantized, report, timing
 from benchmarks.timing import interleave
 
 SIGNED, UNSIGNED = "uint8 x int8", "uint8 x uint8"
@@ -61,13 +60,20 @@ FILES = ("float", "int8", NO_PROBE, "int8 probe failed", quantized.ANCHOR)
 # The default file's probe: the exact sums it expects of the machine's kernel.
 PROBED = "int8_probe_exact"
 THREADS = (1, 0)  # 0: ONNX Runtime's default (one per core)
+
+
+def _cell(key: str, form: str) -> Callable[[dict], str]:
+    """A table cell: the row's `key` written as `form`, blank where absent."""
+    return lambda row: "" if row.get(key) is None else form.format(row[key])
+
+
 MATMUL_COLUMNS = [
     ("threads", "threads"),
     ("scheme", "scheme"),
     ("operands", "operands"),
-    (lambda row: _ms(row.get("ms")), "ms / call"),
-    (lambda row: _ratio(row.get("vs_float")), "speedup vs float"),
-    (lambda row: _ratio(row.get("vs_signed")), "time / uint8 x int8's"),
+    (_cell("ms", "{:.2f}"), "ms / call"),
+    (_cell("vs_float", "{:.2f}x"), "speedup vs float"),
+    (_cell("vs_signed", "{:.2f}x"), "time / uint8 x int8's"),
     ("exact", "exact"),
     ("cpu_features", "CPU"),
 ]
@@ -75,28 +81,30 @@ LAYER_COLUMNS = [
     ("shape", "(batch, time)"),
     ("threads", "threads"),
     ("file", "ONNX file"),
-    (lambda row: _ms(row.get("ms")), "ms / call"),
-    (lambda row: _ratio(row.get("vs_float")), "speedup vs float"),
-    (lambda row: _ratio(row.get("vs_anchor")), "time / quantize_dynamic's"),
+    (_cell("ms", "{:.2f}"), "ms / call"),
+    (_cell("vs_float", "{:.2f}x"), "speedup vs float"),
+    (_cell("vs_anchor", "{:.2f}x"), "time / quantize_dynamic's"),
     (lambda row: f"{row['max_abs_diff']:.1e}", "max abs diff vs int8 Keras"),
     ("cpu_features", "CPU"),
 ]
 
 
 @dataclass(frozen=True)
-class Plan:
-    """Sizes and repetitions of one run."""
+class Plan(timing.Plan):
+    """The matmul's M x K x N, the layer's width and the calls profiled, with
+    what `timing.Plan` times (the layer's shapes)."""
 
     mkn: tuple[int, int, int]
     d_model: int
-    shapes: list[tuple[int, int]]
-    rounds: int
-    min_round_s: float
     profiled_calls: int
 
 
-FULL = Plan((1024, 512, 1536), 512, [(8, 128), (2, 512)], 25, 0.1, 30)
-QUICK = Plan((64, 64, 96), 128, [(2, 16)], 2, 0.0, 2)
+FULL = Plan(
+    (1024, 512, 1536), 512, 30, shapes=[(8, 128), (2, 512)], rounds=25, min_round_s=0.1
+)
+QUICK = Plan((64, 64, 96), 128, 2, shapes=[(2, 16)], rounds=2, min_round_s=0.0)
+# The help of `--quick` and `--rounds`.
+_HELPS = {"quick": "tiny sizes, 2 rounds", "rounds": "rounds per table"}
 
 
 def session(model, threads: int, profile_prefix: str | None = None):
@@ -343,9 +351,7 @@ def run(quick: bool = False, rounds: int | None = None) -> dict:
         {"machine", "mode", "plan", "seconds", "matmul", "layer", "ops"}.
     """
     report.require_tensorflow("int8_matmul", "its ONNX export")
-    plan = QUICK if quick else FULL
-    if rounds is not None:
-        plan = dataclasses.replace(plan, rounds=rounds)
+    plan = report.plan(QUICK, FULL, quick, rounds)
     start = time.perf_counter()
     features = ", ".join(quantized.cpu_features() or ["unknown"]) or "none"
     matmul = matmul_rows(plan, features)
@@ -364,14 +370,6 @@ def run(quick: bool = False, rounds: int | None = None) -> dict:
         "layer": layer,
         "ops": ops,
     }
-
-
-def _ms(value: float | None) -> str:
-    return "" if value is None else f"{value:.2f}"
-
-
-def _ratio(value: float | None) -> str:
-    return "" if value is None else f"{value:.2f}x"
 
 
 def to_markdown(results: dict) -> str:
@@ -407,14 +405,5 @@ def to_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-# The help of `--quick` and `--rounds`.
-_HELPS = {"quick": "tiny sizes, 2 rounds", "rounds": "rounds per table"}
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Runs the benchmark (`--quick`, `--out`, `--rounds`: `report.main`)."""
-    report.main(argv, __doc__, run, to_markdown, "int8_matmul", _HELPS)
-
-
 if __name__ == "__main__":
-    main()
+    report.main(__doc__, run, to_markdown, "int8_matmul", _HELPS)

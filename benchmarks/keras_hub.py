@@ -18,7 +18,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from benchmarks import machine, report, timing
+from benchmarks import per_backend, timing
 from keras_selfattn import convert_causal_lm, generate
 
 VOCABULARY = 1024
@@ -26,6 +26,20 @@ PROMPT = 16
 NEW_TOKENS = 32
 # (hidden, query heads, key/value heads, layers, batch)
 CASES = ((128, 4, 2, 2, 4), (256, 8, 2, 4, 1))
+# The Markdown's heading, the setting on its machine line, its targets.
+TITLE = "keras-hub's Llama converted vs keras-hub's own"
+SETTING = f"prompt {PROMPT}, {NEW_TOKENS} new tokens, greedy, float32."
+TARGETS = (
+    "Targets: generate speedup (keras-hub time / converted time) at least "
+    "1; forward time ratio (converted / keras-hub) at most 1.1."
+)
+COLUMNS = [
+    ("model", "model"),
+    ("generate_speedup", "generate speedup"),
+    ("forward_time_ratio", "forward time ratio"),
+    ("converted_tokens_per_s", "converted tokens/s"),
+    ("same_tokens", "same tokens"),
+]
 
 
 def causal_lm(hidden: int, heads: int, kv_heads: int, layers: int):
@@ -103,45 +117,15 @@ def _row(hidden: int, heads: int, kv_heads: int, layers: int, batch: int, rounds
 
 
 def run(quick: bool = False, rounds: int | None = None) -> dict:
-    rounds = rounds or (3 if quick else 7)
+    rounds = per_backend.rounds(quick, rounds)
     rows = [_row(*case, rounds) for case in (CASES[:1] if quick else CASES)]
-    return {
-        "machine": machine.describe(),
-        "backend": keras.backend.backend(),
-        "rounds": rounds,
-        "rows": rows,
-    }
+    return per_backend.results(rounds, rows)
 
 
 def to_markdown(results: dict) -> str:
-    m = results["machine"]
-    lines = [
-        f"# keras-hub's Llama converted vs keras-hub's own ({results['backend']})",
-        "",
-        f"{m['cpu']}, {m['cores']} cores, load {m['load_average_1_5_15min']}, "
-        f"commit {m['git_commit']}, {m['date_utc']}; {results['rounds']} rounds, "
-        f"prompt {PROMPT}, {NEW_TOKENS} new tokens, greedy, float32.",
-        "",
-        "Targets: generate speedup (keras-hub time / converted time) at least "
-        "1; forward time ratio (converted / keras-hub) at most 1.1.",
-        "",
-    ]
-    lines += report.table(
-        [
-            ("model", "model"),
-            ("generate_speedup", "generate speedup"),
-            ("forward_time_ratio", "forward time ratio"),
-            ("converted_tokens_per_s", "converted tokens/s"),
-            ("same_tokens", "same tokens"),
-        ],
-        results["rows"],
-    )
-    return "\n".join(lines) + "\n"
-
-
-def main(argv=None) -> None:
-    report.backend_main(argv, __doc__, run, to_markdown, "keras_hub")
+    """`run`'s results as Markdown (`per_backend.to_markdown`)."""
+    return per_backend.to_markdown(results, TITLE, SETTING, TARGETS, COLUMNS)
 
 
 if __name__ == "__main__":
-    main()
+    per_backend.main(__doc__, run, to_markdown, "keras_hub")

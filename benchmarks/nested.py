@@ -19,7 +19,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from benchmarks import machine, report, timing
+from benchmarks import per_backend, timing
 from keras_selfattn import SelfAttention, generate
 
 VOCABULARY = 256
@@ -27,6 +27,16 @@ PROMPT = 16
 NEW_TOKENS = 64
 # (width, heads, blocks, batch)
 CASES = ((64, 4, 2, 4), (256, 8, 4, 1))
+# The Markdown's heading, the setting on its machine line, its targets.
+TITLE = "generate: nested blocks vs the same layers flat"
+SETTING = f"prompt {PROMPT}, {NEW_TOKENS} new tokens, greedy."
+TARGETS = "Time ratio nested / flat (below 1.05: the target)."
+COLUMNS = [
+    ("model", "model"),
+    ("nested_over_flat", "nested / flat time"),
+    ("flat_tokens_per_s", "flat tokens/s"),
+    ("same_tokens", "same tokens"),
+]
 
 
 class Block(keras.layers.Layer):
@@ -76,7 +86,7 @@ def _timed(model: keras.Model, prompts: np.ndarray, outputs: dict, name: str):
 
 
 def run(quick: bool = False, rounds: int | None = None) -> dict:
-    rounds = rounds or (3 if quick else 7)
+    rounds = per_backend.rounds(quick, rounds)
     rows = []
     for width, heads, blocks, batch in CASES[:1] if quick else CASES:
         nested, flat = models(width, heads, blocks)
@@ -98,41 +108,13 @@ def run(quick: bool = False, rounds: int | None = None) -> dict:
                 "same_tokens": bool((outputs["flat"] == outputs["nested"]).all()),
             }
         )
-    return {
-        "machine": machine.describe(),
-        "backend": keras.backend.backend(),
-        "rounds": rounds,
-        "rows": rows,
-    }
+    return per_backend.results(rounds, rows)
 
 
 def to_markdown(results: dict) -> str:
-    m = results["machine"]
-    lines = [
-        f"# generate: nested blocks vs the same layers flat ({results['backend']})",
-        "",
-        f"{m['cpu']}, {m['cores']} cores, load {m['load_average_1_5_15min']}, "
-        f"commit {m['git_commit']}, {m['date_utc']}; {results['rounds']} rounds, "
-        f"prompt {PROMPT}, {NEW_TOKENS} new tokens, greedy.",
-        "",
-        "Time ratio nested / flat (below 1.05: the target).",
-        "",
-    ]
-    lines += report.table(
-        [
-            ("model", "model"),
-            ("nested_over_flat", "nested / flat time"),
-            ("flat_tokens_per_s", "flat tokens/s"),
-            ("same_tokens", "same tokens"),
-        ],
-        results["rows"],
-    )
-    return "\n".join(lines) + "\n"
-
-
-def main(argv=None) -> None:
-    report.backend_main(argv, __doc__, run, to_markdown, "nested")
+    """`run`'s results as Markdown (`per_backend.to_markdown`)."""
+    return per_backend.to_markdown(results, TITLE, SETTING, TARGETS, COLUMNS)
 
 
 if __name__ == "__main__":
-    main()
+    per_backend.main(__doc__, run, to_markdown, "nested")

@@ -82,7 +82,7 @@ def _child(rounds: int) -> dict:
 
         # One thread: at this size the work is one small kernel per op, and
         # on a shared machine idle intra-op threads made calls of both
-        # layers take 70 ms (measured) instead of 0.5 ms.
+        # layers many times slower (benchmarks/README.md, "Per-call overhead").
         torch.set_num_threads(1)
     rng = np.random.default_rng(0)
     x = keras.ops.convert_to_tensor(rng.normal(size=SHAPE).astype("float32"))
@@ -178,7 +178,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(json.dumps(_child(int(argv[1]))))
         return
     report.main(
-        argv,
         __doc__,
         run,
         to_markdown,
@@ -187,6 +186,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "quick": "20 calls per layer (seconds; numbers mean little)",
             "rounds": f"calls per layer and case (default {ROUNDS})",
         },
+        argv,
     )
 
 

@@ -162,21 +162,13 @@ def train_flops(row: Row) -> int:
 
 # The benchmarks' one memory estimate (`estimated_bytes`), in float32 tensors
 # of the attention scores' shape (B, H, queries at once, T) held at the peak
-# of one call. Measured 2026-11-25 on CPU (growth of VmHWM over one call in a
-# fresh process, `pairs` layers at (B, H, T) = (1, 4, 4096), D = 64, float32,
-# every mask; the largest rechecked at T = 8192: 2.65 and 3.01, and JAX's
-# training step at T = 2048: 7.05), the largest counts were:
-# - forward: 3.08 PyTorch with flash_attention=False (SelfAttention, causal;
-#   2.0 without a mask), 3.02 JAX (SelfAttention, padding; 2.0 otherwise),
-#   2.76 TensorFlow (MultiHeadAttention, causal; SelfAttention 1.1-1.6, also
-#   with sliding_window=256); chunk_size=512: at most 2.3 blocks of
-#   (1, 4, 512, 4096);
-# - training step (forward + gradients): 7.98 JAX (SelfAttention; 7.0-7.1
-#   otherwise), 3.47 TensorFlow (MultiHeadAttention, padding), 3.07 PyTorch.
-# Each is that maximum with at least 5 % to spare. Fused kernels (PyTorch's
+# of one call: the largest count measured on CPU (growth of VmHWM over one
+# call in a fresh process, `pairs` layers, float32, every mask, each backend,
+# with and without `chunk_size`), forward and training step (forward +
+# gradients) apart, with at least 5 % to spare. Fused kernels (PyTorch's
 # scaled_dot_product_attention, which both layers take by default there) hold
-# no such tensor (growth <= 0.1 copy): the estimate ignores them, so it bounds
-# the layer on whichever path it takes.
+# no such tensor: the estimate ignores them, so it bounds the layer on
+# whichever path it takes.
 PEAK_SCORE_COPIES = {"forward": 3.25, "train": 8.5}
 FLOAT32_BYTES = 4
 

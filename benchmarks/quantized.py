@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks import machine, report
+from benchmarks import machine, report, timing
 from benchmarks.runtimes import one_input_call
 from benchmarks.timing import Interleaved, interleave
 
@@ -99,14 +99,12 @@ LATENCY_COLUMNS = [
 
 
 @dataclass(frozen=True)
-class Plan:
-    """Sizes and repetitions of one run."""
+class Plan(timing.Plan):
+    """The models' width and the shapes the targets are judged at, with what
+    `timing.Plan` times."""
 
     d_model: int
-    shapes: list[tuple[int, int]]
     target_shapes: list[tuple[int, int]]
-    rounds: int
-    min_round_s: float
 
 
 FULL = Plan(
@@ -119,6 +117,8 @@ FULL = Plan(
 QUICK = Plan(
     d_model=128, shapes=[(2, 16)], target_shapes=[(2, 16)], rounds=2, min_round_s=0.0
 )
+# The help of `--quick` and `--rounds`.
+_HELPS = {"quick": "tiny model, 2 rounds", "rounds": "rounds per shape"}
 
 
 @dataclass
@@ -468,11 +468,7 @@ def run(quick: bool = False, rounds: int | None = None) -> dict:
         "files", "rows", "targets"}.
     """
     report.require_tensorflow("quantized", "SavedModel and LiteRT export")
-    plan = QUICK if quick else FULL
-    if rounds is not None:
-        plan = Plan(
-            plan.d_model, plan.shapes, plan.target_shapes, rounds, plan.min_round_s
-        )
+    plan = report.plan(QUICK, FULL, quick, rounds)
     start = time.perf_counter()
     by_precision = models(plan.d_model)
     with tempfile.TemporaryDirectory() as directory:
@@ -590,14 +586,5 @@ def to_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-# The help of `--quick` and `--rounds`.
-_HELPS = {"quick": "tiny model, 2 rounds", "rounds": "rounds per shape"}
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Runs the benchmark (`--quick`, `--out`, `--rounds`: `report.main`)."""
-    report.main(argv, __doc__, run, to_markdown, "quantized", _HELPS)
-
-
 if __name__ == "__main__":
-    main()
+    report.main(__doc__, run, to_markdown, "quantized", _HELPS)

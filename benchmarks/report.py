@@ -1,16 +1,21 @@
-"""Targets, the JSON file and the Markdown table of a benchmark run."""
+"""Targets, the JSON file, the Markdown table and the command line of a
+benchmark run."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
 import os
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 # Where `make bench` writes its JSON and Markdown results.
 RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
+# A benchmark's plan (`plan`).
+P = TypeVar("P")
 
 # section -> (title, [(row key, column header)])
 SECTIONS: dict[str, tuple[str, list[tuple[str, str]]]] = {
@@ -360,23 +365,23 @@ def write(
 
 
 def main(
-    argv: Sequence[str] | None,
     doc: str,
     run: Callable[..., dict],
     to_markdown: Callable[[dict], str],
     stem: str,
     helps: dict[str, str],
+    argv: Sequence[str] | None = None,
 ) -> None:
     """The command line of a benchmark taking `--quick`, `--out` and
     `--rounds`: runs `run(quick=..., rounds=...)`, prints its Markdown and
     writes `stem`.json and `stem`.md into `--out` (`write`).
 
     Args:
-        argv: The arguments (None: `sys.argv`).
         doc: The benchmark's docstring; its first line is `--help`'s.
         run, to_markdown: The benchmark's.
         stem: The results' file name.
         helps: The help of "quick" and "rounds".
+        argv: The arguments (None: `sys.argv`).
     """
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=helps["quick"])
@@ -389,23 +394,17 @@ def main(
     print(f"Wrote {json_path} and {markdown_path} at {datetime.datetime.now()}")
 
 
-def backend_main(
-    argv: Sequence[str] | None,
-    doc: str,
-    run: Callable[..., dict],
-    to_markdown: Callable[[dict], str],
-    prefix: str,
-) -> None:
-    """`main` for a benchmark run once per Keras backend: its results are
-    `prefix`_<backend>.json and .md, `--quick` one small case in 3 rounds,
-    7 rounds by default."""
-    import keras
+def plan(quick_plan: P, full_plan: P, quick: bool, rounds: int | None) -> P:
+    """The plan a run takes from `main`'s `--quick` and `--rounds`.
 
-    main(
-        argv,
-        doc,
-        run,
-        to_markdown,
-        f"{prefix}_{keras.backend.backend()}",
-        {"quick": "one small case, 3 rounds", "rounds": "rounds (default 7)"},
-    )
+    Args:
+        quick_plan, full_plan: The benchmark's plans, dataclasses with a
+            `rounds` field.
+        quick: Whether the run is `--quick` (`quick_plan`, else `full_plan`).
+        rounds: Interleaved rounds replacing the plan's (None: the plan's).
+
+    Returns:
+        The plan, its `rounds` replaced when `rounds` is given.
+    """
+    chosen = quick_plan if quick else full_plan
+    return chosen if rounds is None else dataclasses.replace(chosen, rounds=rounds)

@@ -24,12 +24,11 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
 from benchmarks import machine, report
-from benchmarks.timing import interleave
+from benchmarks.timing import Plan, interleave
 
 VOCABULARY = 1000
 # runtime -> (module it needs, extra that installs it)
@@ -53,17 +52,10 @@ COLUMNS = [
 ]
 
 
-@dataclass(frozen=True)
-class Plan:
-    """Sizes and repetitions of one run."""
-
-    shapes: list[tuple[int, int]]
-    rounds: int
-    min_round_s: float
-
-
 FULL = Plan(shapes=[(1, 16), (8, 128), (2, 512)], rounds=15, min_round_s=0.1)
 QUICK = Plan(shapes=[(1, 8), (2, 16)], rounds=2, min_round_s=0.0)
+# The help of `--quick` and `--rounds`.
+_HELPS = {"quick": "tiny sizes, 2 rounds", "rounds": "rounds per shape"}
 
 
 def classifier():
@@ -222,19 +214,14 @@ def _rows_for_shape(model, calls, notes, shape, plan: Plan) -> list[dict]:
 
 
 def run(quick: bool = False, rounds: int | None = None) -> dict:
-    """Exports the classifier once and times every runtime at every shape.
-
-    Args:
-        quick: tiny sizes and two rounds (for the smoke test).
-        rounds: interleaved rounds per shape (default: the plan's).
+    """Exports the classifier once and times every runtime at every shape
+    of the plan (`quick`: QUICK's, else FULL's; `rounds`: `report.plan`).
 
     Returns:
         {"machine", "mode", "seconds", "rows"}.
     """
     report.require_tensorflow("runtimes", "SavedModel and fused ONNX export")
-    plan = QUICK if quick else FULL
-    if rounds is not None:
-        plan = Plan(plan.shapes, rounds, plan.min_round_s)
+    plan = report.plan(QUICK, FULL, quick, rounds)
     start = time.perf_counter()
     model = classifier()
     rows: list[dict] = []
@@ -279,14 +266,5 @@ def to_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-# The help of `--quick` and `--rounds`.
-_HELPS = {"quick": "tiny sizes, 2 rounds", "rounds": "rounds per shape"}
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Runs the benchmark (`--quick`, `--out`, `--rounds`: `report.main`)."""
-    report.main(argv, __doc__, run, to_markdown, "runtimes", _HELPS)
-
-
 if __name__ == "__main__":
-    main()
+    report.main(__doc__, run, to_markdown, "runtimes", _HELPS)

@@ -41,7 +41,7 @@ import time
 
 import numpy as np
 
-from benchmarks import cases, machine, report
+from benchmarks import cases, machine, report, timing
 from benchmarks.timing import interleave
 
 SAVED_MODEL = "saved_model"
@@ -76,23 +76,20 @@ _NOT_COUNTED = {"Const", "Identity", "NoOp", "Placeholder", "_Arg", "_Retval"}
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-    """Sizes and repetitions of one run."""
+class Plan(timing.Plan):
+    """The layers, their input's features and the shapes the targets are
+    judged at, with what `timing.Plan` times."""
 
     config: cases.AttentionConfig
     features: int
-    shapes: list[tuple[int, int]]
-    # The shapes the targets are judged at.
     judged: list[tuple[int, int]]
-    rounds: int
-    min_round_s: float
 
 
 FULL = Plan(
     cases.AttentionConfig(num_heads=4, key_dim=64, output_dim=256),
     256,
-    [(1, 16), (8, 128), (8, 512)],
     [(8, 128), (8, 512)],
+    shapes=[(1, 16), (8, 128), (8, 512)],
     rounds=25,
     min_round_s=0.1,
 )
@@ -100,10 +97,12 @@ QUICK = Plan(
     cases.AttentionConfig(num_heads=2, key_dim=8, output_dim=16),
     16,
     [(2, 16)],
-    [(2, 16)],
+    shapes=[(2, 16)],
     rounds=2,
     min_round_s=0.0,
 )
+# The help of `--quick` and `--rounds`.
+_HELPS = {"quick": "tiny sizes, 2 rounds", "rounds": "rounds per shape"}
 
 
 def models(plan: Plan) -> dict:
@@ -269,20 +268,16 @@ def targets(rows: list[dict], shapes: list[str]) -> list[dict]:
 
 
 def run(quick: bool = False, rounds: int | None = None) -> dict:
-    """Exports the pair once and times the candidates in both settings.
-
-    Args:
-        quick: tiny sizes and two rounds (for the smoke test).
-        rounds: interleaved rounds per shape (default: the plan's).
+    """Exports the pair once and times the candidates in both settings at
+    every shape of the plan (`quick`: QUICK's, else FULL's; `rounds`:
+    `report.plan`).
 
     Returns:
         {"machine", "mode", "plan", "rounds", "seconds", "graphs", "rows",
         "targets"}.
     """
     report.require_tensorflow("serving", "SavedModel and TF Serving's XLA setting")
-    plan = QUICK if quick else FULL
-    if rounds is not None:
-        plan = dataclasses.replace(plan, rounds=rounds)
+    plan = report.plan(QUICK, FULL, quick, rounds)
     start = time.perf_counter()
     built = models(plan)
     rows: list[dict] = []
@@ -358,14 +353,5 @@ def to_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-# The help of `--quick` and `--rounds`.
-_HELPS = {"quick": "tiny sizes, 2 rounds", "rounds": "rounds per shape"}
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Runs the benchmark (`--quick`, `--out`, `--rounds`: `report.main`)."""
-    report.main(argv, __doc__, run, to_markdown, "serving", _HELPS)
-
-
 if __name__ == "__main__":
-    main()
+    report.main(__doc__, run, to_markdown, "serving", _HELPS)

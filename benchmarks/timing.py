@@ -52,6 +52,18 @@ class Interleaved:
         return max(q1, min(ratios)), min(q3, max(ratios))
 
 
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What a benchmark times: at each (batch, time) of `shapes`, `rounds`
+    interleaved rounds whose samples last about `min_round_s` (`interleave`).
+    A benchmark's own plan adds its sizes to these (keyword-only fields, after
+    its own)."""
+
+    shapes: list[tuple[int, int]]
+    rounds: int
+    min_round_s: float
+
+
 def _calls_per_round(fn: Callable[[], object], min_round_s: float) -> int:
     start = time.perf_counter()
     fn()
