@@ -1,7 +1,9 @@
-"""What a SelfAttention call is: its checks, its masks, its implementation."""
+"""What a SelfAttention call is: its checks, its masks, its implementation,
+its output spec."""
 
 from __future__ import annotations
 
+import keras
 from keras import ops
 
 from keras_selfattn import _config, _inputs, _score_weights
@@ -78,7 +80,14 @@ class CallPlan:
         ).name
 
     def _choose(
-        self, inputs, masks: Masks, training, return_scores: bool, mods, dims=None
+        self,
+        inputs,
+        masks: Masks,
+        training,
+        return_scores: bool,
+        mods,
+        dims=None,
+        time_major_cache: bool = False,
     ):
         dims = dims or self._dims
         return choose(
@@ -96,6 +105,7 @@ class CallPlan:
             return_weights=return_scores,
             score_mods=mods,
             time=inputs.shape[1] if type(inputs.shape[1]) is int else None,
+            time_major_cache=time_major_cache,
             layer_name=self.name,
         )
 
@@ -110,9 +120,10 @@ class CallPlan:
         attention_bias=None,
         segment_ids=None,
     ):
-        """Raises the call's ValueErrors; returns None without a cache, else
-        `index` converted (`cache_lib.index_of`): the call reads it once (an
-        eager tensor's value waits for the device)."""
+        """Raises the call's ValueErrors; returns None without a cache (a
+        tensor or a `cache_lib.Cache`), else `index` converted
+        (`cache_lib.index_of`): the call reads it once (an eager tensor's
+        value waits for the device)."""
         if cache is None:
             cache_lib.check_no_index(index, self.name)
             _inputs.check_masks(self.name, inputs.shape, mask, attention_mask)
@@ -123,13 +134,49 @@ class CallPlan:
                 self.name, inputs.shape, self.num_heads, attention_bias, segment_ids
             )
             return None
+        cache = cache_lib.wrapped(cache)
         _inputs.check_decoding_scores(
             self.name, inputs.shape, self.num_heads, cache, attention_bias, segment_ids
         )
         index = cache_lib.check_call(
             self, inputs, cache, index, attention_mask, return_attention_scores
         )
-        _inputs.check_decoding_mask(
-            self.name, inputs, cache_lib.max_length(cache), mask
-        )
+        _inputs.check_decoding_mask(self.name, inputs, cache.max_length, mask)
         return index
+
+    def compute_output_spec(
+        self,
+        inputs,
+        mask=None,
+        attention_mask=None,
+        training=None,
+        return_attention_scores: bool = False,
+        cache=None,
+        cache_update_index=None,
+        attention_bias=None,
+        segment_ids=None,
+    ):
+        # `__call__` has checked `inputs`, and built the layer.
+        self._decoding(
+            inputs,
+            mask,
+            attention_mask,
+            return_attention_scores,
+            cache,
+            cache_update_index,
+            attention_bias,
+            segment_ids,
+        )
+        output = keras.KerasTensor(
+            tuple(inputs.shape[:-1]) + (self._dims.output_width,),
+            dtype=self.compute_dtype,
+        )
+        if cache is not None:
+            return output, keras.KerasTensor(cache.shape, dtype=cache.dtype)
+        if not return_attention_scores:
+            return output
+        batch, time = inputs.shape[0], inputs.shape[1]
+        weights = keras.KerasTensor(
+            (batch, self.num_heads, time, time), dtype=self.compute_dtype
+        )
+        return output, weights

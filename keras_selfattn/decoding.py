@@ -5,9 +5,11 @@ A decoding run (`generation.cached_model.run_cached`: `generate`, the
 exported decoding steps and generators) calls the model the way its user
 does, `model(new_positions)`, inside a `Scope`. Each SelfAttention layer
 called within it, top-level or inside a subclassed layer, a nested model or
-a subclassed `keras.Model`, takes its own cache from the scope (keyed by
-the layer), runs the new positions against it and leaves the updated cache
-there for the caller; its output is what the full forward pass computes at
+a subclassed `keras.Model`, takes its own cache object from the scope
+(`attention.cache.layouts`, under the layer's stable key:
+`cached_model.layer_names`, which survives a reload or a clone), runs
+the new positions against it and leaves the updated cache there for the
+caller; its output is what the full forward pass computes at
 those positions. Nothing walks the model's graph, so code the package does
 not own decodes as long as it hands each SelfAttention one tensor.
 
@@ -24,19 +26,40 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator
+import inspect
+from collections.abc import Callable, Iterator, Mapping
 
-from keras.src.backend import set_keras_mask
+from keras_selfattn._keras_private import set_keras_mask
 
 # SelfAttention's call arguments that a decoding step cannot apply to its
-# cache, by position in `SelfAttention.call` (after `inputs`).
-_REFUSED = {
-    2: "attention_mask",
-    4: "return_attention_scores",
-    7: "attention_bias",
-    8: "segment_ids",
-}
-_TRAINING = 3
+# cache.
+_REFUSED = (
+    "attention_mask",
+    "return_attention_scores",
+    "attention_bias",
+    "segment_ids",
+)
+
+
+# The names of each layer class's `call` parameters, after `self` (a plain
+# dict: torch.compile warns about a `functools.cache` it traces through).
+_PARAMETERS: dict[type, tuple[str, ...]] = {}
+
+
+def _parameters(layer_class: type) -> tuple[str, ...]:
+    names = _PARAMETERS.get(layer_class)
+    if names is None:
+        names = tuple(inspect.signature(layer_class.call).parameters)[1:]
+        _PARAMETERS[layer_class] = names
+    return names
+
+
+def call_arguments(layer, args: tuple, kwargs: Mapping) -> dict:
+    """The arguments of a call of `layer`, by the names of its `call`'s
+    parameters (those given only)."""
+    arguments = dict(zip(_parameters(type(layer)), args, strict=False))
+    arguments.update(kwargs)
+    return arguments
 
 
 @dataclasses.dataclass
@@ -44,21 +67,23 @@ class Scope:
     """One decoding run over new positions.
 
     Attributes:
-        caches: The cache each SelfAttention layer reads, by `id(layer)`.
-        names: Each layer's name for errors, by `id(layer)`.
+        caches: The cache object (`attention.cache.Cache`) each SelfAttention
+            layer reads, by the layer's stable key.
+        keys: Each layer's stable key, by the layer (the layer objects of
+            this run; the key names it in errors).
         index: The first new position's cache slot (int or int32 scalar).
         padding: Optional bool `(batch, max_length)`, True where a cache
             slot holds a token: every layer's `mask`.
         make_positions: Computes `positions` (only for a model with a
             position layer: a step without one holds no such ops).
-        updated: The caches the layers returned, by `id(layer)`.
+        updated: The caches the layers returned, by stable key.
         refusal: The one-line reason a layer refused to decode, kept for
             the caller (Keras rewrites errors raised inside layer calls
             into several lines).
     """
 
     caches: dict
-    names: dict
+    keys: Mapping
     index: object
     padding: object
     make_positions: Callable[[], object]
@@ -114,8 +139,8 @@ def attend(layer, call: Callable, args: tuple, kwargs: dict):
             cannot apply to the cache.
     """
     scope = _SCOPE.get()
-    key = id(layer)
-    if key not in scope.caches:
+    key = scope.keys.get(layer)
+    if key is None:
         _refuse(
             scope,
             f"SelfAttention {layer.name!r} was called while decoding but holds "
@@ -125,28 +150,23 @@ def attend(layer, call: Callable, args: tuple, kwargs: dict):
     if key in scope.updated:
         _refuse(
             scope,
-            f"SelfAttention {scope.names[key]!r} is called more than once in "
-            "one decoding step: a layer shared between calls would need one "
-            "cache per call. Give each call its own layer",
+            f"SelfAttention {key!r} is called more than once in one decoding "
+            "step: a layer shared between calls would need one cache per call. "
+            "Give each call its own layer",
         )
-    refused = [
-        name
-        for position, name in _REFUSED.items()
-        if _given(args[position] if len(args) > position else kwargs.get(name))
-    ]
+    arguments = call_arguments(layer, args, kwargs)
+    refused = [name for name in _REFUSED if _given(arguments.get(name))]
     if refused:
         _refuse(
             scope,
-            f"SelfAttention {scope.names[key]!r} is called with {refused}, "
-            "which a decoding step cannot apply to the cached positions "
-            "(use causal=True, sliding_window= and the padding mask)",
+            f"SelfAttention {key!r} is called with {refused}, which a decoding "
+            "step cannot apply to the cached positions (use causal=True, "
+            "sliding_window= and the padding mask)",
         )
-    inputs = args[0] if args else kwargs["inputs"]
-    training = args[_TRAINING] if len(args) > _TRAINING else kwargs.get("training")
     output, cache = call(
-        inputs,
+        arguments["inputs"],
         mask=scope.padding,
-        training=training,
+        training=arguments.get("training"),
         cache=scope.caches[key],
         cache_update_index=scope.index,
     )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import keras
 from keras import ops
-from keras.src.backend import get_keras_mask
 
 from keras_selfattn import (
     _call_plan,
@@ -15,9 +14,9 @@ from keras_selfattn import (
     _projection_ops,
     _score_weights,
     decoding,
-    tracing,
 )
 from keras_selfattn import projections as projections_lib
+from keras_selfattn._keras_private import get_keras_mask
 from keras_selfattn.attention import (
     SeededDropout,
     rotary,
@@ -215,8 +214,9 @@ class SelfAttention(
         # tensor would fail there with a less clear error), and the cache's
         # dtype before Keras casts float arguments to the compute dtype.
         input_dim = None if self._dims is None else self._dims.input_dim
-        _inputs.check(self.name, args[0] if args else kwargs.get("inputs"), input_dim)
-        cache = kwargs.get("cache", args[5] if len(args) > 5 else None)
+        arguments = decoding.call_arguments(self, args, kwargs)
+        _inputs.check(self.name, arguments.get("inputs"), input_dim)
+        cache = arguments.get("cache")
         if cache is None and decoding.active() is not None:
             # A decoding run: the cache is the scope's (keras_selfattn.decoding).
             return decoding.attend(self, self.__call__, args, kwargs)
@@ -226,7 +226,7 @@ class SelfAttention(
             # Keras fills `mask` from the input's Keras mask only when the
             # call has one tensor argument: with an `attention_mask`,
             # `attention_bias` or `segment_ids` the padding would be lost.
-            mask = get_keras_mask(args[0] if args else kwargs.get("inputs"))
+            mask = get_keras_mask(arguments.get("inputs"))
             if mask is not None:
                 kwargs["mask"] = mask
         return super().__call__(*args, **kwargs)
@@ -253,6 +253,9 @@ class SelfAttention(
         attention_bias=None,
         segment_ids=None,
     ):
+        given_object = isinstance(cache, cache_lib.Cache)
+        if cache is not None:
+            cache = cache_lib.wrapped(cache)
         offset = self._decoding(
             inputs,
             mask,
@@ -263,11 +266,11 @@ class SelfAttention(
             attention_bias,
             segment_ids,
         )
-        decoding, guard = cache is not None, None
+        cached, guard = cache is not None, None
         plain = _projection_ops.plain(self, inputs)
-        if decoding:
-            guard = cache_lib.Guard.of(inputs, cache, offset, self.name)
-            inputs, cache = guard.inputs, guard.cache
+        if cached:
+            guard = cache.guard(inputs, offset, self.name)
+            inputs, cache = guard.inputs, cache.replaced(guard.cache)
         elif mask is not None:
             # Padded positions are keys no query attends: zeroed, their
             # values (NaN, inf) change no output.
@@ -276,11 +279,16 @@ class SelfAttention(
         masks = self._masks(mask, attention_mask, offset, segment_ids)
         mods = _score_weights.for_call(self, attention_bias)
         implementation = self._choose(
-            inputs, masks, training, return_attention_scores, mods.names if mods else ()
+            inputs,
+            masks,
+            training,
+            return_attention_scores,
+            mods.names if mods else (),
+            time_major_cache=cached and cache.time_major,
         )
         layout = implementation.layout
         # The cache holds keys and values time-first.
-        kv_layout = heads_lib.TIME_FIRST if decoding else layout
+        kv_layout = heads_lib.TIME_FIRST if cached else layout
         query = _projection_ops.heads(
             self, inputs, "query", self.num_heads, layout, plain
         )
@@ -298,10 +306,8 @@ class SelfAttention(
             )
             query = rotary.rotate(query, layout, table)
             key = rotary.rotate(key, kv_layout, table)
-        if decoding:
-            cache, key, value = cache_lib.update(
-                cache, key, value, offset, guard.valid, mask
-            )
+        if cached:
+            cache, key, value = cache.update(key, value, offset, guard.valid, mask)
             if layout != kv_layout:
                 key, value = (heads_lib.transpose(x) for x in (key, value))
         if not implementation.grouped_key_value:
@@ -326,10 +332,10 @@ class SelfAttention(
             output = ops.multiply(output, ops.cast(ops.sigmoid(gate), output.dtype))
         if self.output_dim is not None:
             output = _projection_ops.project(self, output, "output", plain)
-        if not tracing.active(tracing.CHECKED_BY_CALLER):
+        if not (cached and cache.checked):
             output, weights = _outputs.zero_unattending(inputs, masks, output, weights)
-        if decoding:
-            return guard.output(output), cache
+        if cached:
+            return guard.output(output), cache if given_object else cache.tensor
         if return_attention_scores:
             return output, weights
         return output
@@ -364,43 +370,6 @@ class SelfAttention(
         dims = self._dims or _config.dims(self, features)
         return tuple(input_shape[:-1]) + (dims.output_width,)
 
-    def compute_output_spec(
-        self,
-        inputs,
-        mask=None,
-        attention_mask=None,
-        training=None,
-        return_attention_scores: bool = False,
-        cache=None,
-        cache_update_index=None,
-        attention_bias=None,
-        segment_ids=None,
-    ):
-        # `__call__` has checked `inputs`, and built the layer.
-        self._decoding(
-            inputs,
-            mask,
-            attention_mask,
-            return_attention_scores,
-            cache,
-            cache_update_index,
-            attention_bias,
-            segment_ids,
-        )
-        output = keras.KerasTensor(
-            tuple(inputs.shape[:-1]) + (self._dims.output_width,),
-            dtype=self.compute_dtype,
-        )
-        if cache is not None:
-            return output, keras.KerasTensor(cache.shape, dtype=cache.dtype)
-        if not return_attention_scores:
-            return output
-        batch, time = inputs.shape[0], inputs.shape[1]
-        weights = keras.KerasTensor(
-            (batch, self.num_heads, time, time), dtype=self.compute_dtype
-        )
-        return output, weights
-
     def get_config(self) -> dict:
         config = {**super().get_config(), **_config.serialize(self)}
         quantized = self.quantized_projections or {}
@@ -417,7 +386,7 @@ class SelfAttention(
     @classmethod
     def from_multi_head_attention(cls, layer, causal: bool = False) -> SelfAttention:
         """A SelfAttention with the configuration and weights of a built
-        MultiHeadAttention or GroupQueryAttention (keras_selfattn.migration.layer)."""
-        from keras_selfattn.migration.layer import from_multi_head_attention
+        MultiHeadAttention or GroupQueryAttention (keras_selfattn._from_keras)."""
+        from keras_selfattn._from_keras import from_multi_head_attention
 
         return from_multi_head_attention(cls, layer, causal)

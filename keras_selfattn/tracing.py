@@ -5,35 +5,16 @@ that needs a different graph; the numbers stay the layer's (up to float32
 rounding where a mode says so):
 
 - `FOR_CONVERTER`: TensorFlow traces for a converter (tf2onnx, LiteRT's),
-  which takes a narrower set of ops than TensorFlow runs: the decoding
-  cache is written with XlaDynamicUpdateSlice (which they convert;
-  TensorFlow's own TensorStridedSliceUpdate they do not) and sampling
-  selects between greedy and sampled tokens instead of branching (tf2onnx
-  cannot convert the sampling ops inside an ONNX `If`).
+  which takes a narrower set of ops than TensorFlow runs: the exported
+  graphs build converter caches (`attention.cache.ConverterCache`, written
+  with XlaDynamicUpdateSlice, which they convert; TensorFlow's own
+  TensorStridedSliceUpdate they do not) and sampling selects between
+  greedy and sampled tokens instead of branching (tf2onnx cannot convert
+  the sampling ops inside an ONNX `If`).
 - `EXACT_UNCHUNKED`: calls take an exact unchunked path, never the chunked
   one (a loop over blocks), for formats that cannot hold that loop: the
   artifact computes attention whole, the chunked path's numbers up to
   float32 rounding, without `chunk_size`'s memory bound.
-- `CHECKED_BY_CALLER`: cached calls make no run-time checks, zero no cache
-  slot and no output, for a caller that has proven every index, batch and
-  cache shape it passes valid, whose caches hold zeros in every slot no
-  query may attend (padded, or not yet written), and whose new positions
-  are all real tokens, as the generation loop's steps after the prompt do.
-  In eager PyTorch such a call writes into the cache it takes (Keras's
-  slice update would copy the whole cache), so the caller reads only the
-  caches the calls return.
-- `TIME_MAJOR`: cached calls take and return their caches time-major,
-  `(2, max_length, batch, num_key_value_heads, key_dim)`
-  (`attention.cache.modes.to_time_major`), and read their keys and values
-  as the leading slices `cache[0][:n]` and `cache[1][:n]`, which a
-  TensorFlow graph reads as views (the public layout's `cache[:, 0, :n]`
-  is a copy on every call). Only within `CHECKED_BY_CALLER`, one position
-  per call, for callers that `cache.modes.views_pay()`; a call writes into
-  the buffer of the cache it takes, so callers read only the cache it
-  returns.
-- `GATHERED_WRITES`: cached calls write their caches as one gather instead
-  of a dynamic update slice, for converters that have no such op
-  (OpenVINO's TensorFlow frontend has no XlaDynamicUpdateSlice).
 
 `traced_as(*modes)` sets modes within a context and `active(mode)` reads
 one; `torch_traced()` says whether PyTorch itself traces the call. A
@@ -65,10 +46,7 @@ from collections.abc import Iterator
 
 FOR_CONVERTER = "for_converter"
 EXACT_UNCHUNKED = "exact_unchunked"
-CHECKED_BY_CALLER = "checked_by_caller"
-TIME_MAJOR = "time_major"
-GATHERED_WRITES = "gathered_writes"
-MODES = (FOR_CONVERTER, EXACT_UNCHUNKED, CHECKED_BY_CALLER, TIME_MAJOR, GATHERED_WRITES)
+MODES = (FOR_CONVERTER, EXACT_UNCHUNKED)
 
 FUSABLE_CORE_SCOPE = "fusable_attention_core"
 

@@ -1,7 +1,9 @@
-"""keras-hub's Llama, Mistral and Gemma (Gemma 2's soft-cap, sliding windows
-and query scaling included) convert: their own attention classes become
-SelfAttention behind `KerasHubAttentionAdapter`. The references are the
-original keras-hub models: their outputs and their own greedy `generate`."""
+"""keras-hub's Llama, Mistral, Mixtral, Gemma (Gemma 2's soft-cap, sliding
+windows and query scaling included), Qwen 2, Qwen MoE, Phi-3 and SmolLM3
+convert: their own attention classes become SelfAttention behind
+`KerasHubAttentionAdapter`; the families that do not are refused by
+`convert_causal_lm` in one line. The references are the original keras-hub
+models: their outputs and their own greedy `generate`."""
 
 from __future__ import annotations
 
@@ -37,24 +39,78 @@ GEMMA_2 = dict(
     use_sliding_window_attention=True,
     sliding_window_size=3,
 )
+SMOLLM3 = dict(
+    attention_bias=True,
+    attention_dropout=0.0,
+    rope_layer_enabled_list=[True, False],
+    layer_types=["attention"] * 2,
+    mlp_bias=False,
+    layer_norm_epsilon=1e-5,
+    max_position_embeddings=64,
+    rope_theta=500.0,
+    partial_rotary_factor=1.0,
+)
 FAMILIES = {
     # name: (backbone class, causal LM class, extra backbone arguments)
     "Llama": ("LlamaBackbone", "LlamaCausalLM", {"rope_max_wavelength": 500}),
     "Mistral": ("MistralBackbone", "MistralCausalLM", {"sliding_window": 3}),
     "Gemma": ("GemmaBackbone", "GemmaCausalLM", {"head_dim": 8}),
     "Gemma 2": ("GemmaBackbone", "GemmaCausalLM", GEMMA_2),
+    # Query, key and value biases.
+    "Qwen 2": ("QwenBackbone", "QwenCausalLM", {}),
+    # Mistral's attention (its band: 3); keras-hub's MoE feed-forward.
+    "Mixtral": (
+        "MixtralBackbone",
+        "MixtralCausalLM",
+        {"sliding_window": 3, "num_experts": 4, "top_k": 2},
+    ),
+    "Qwen MoE": (
+        "QwenMoeBackbone",
+        "QwenMoeCausalLM",
+        {
+            "moe_intermediate_dim": 8,
+            "shared_expert_intermediate_dim": 16,
+            "num_experts": 4,
+            "top_k": 2,
+        },
+    ),
+    "Phi-3": ("Phi3Backbone", "Phi3CausalLM", {"rope_max_wavelength": 500}),
+    # Biases; its own rotary embedding, none on its second layer.
+    "SmolLM3": ("SmolLM3Backbone", "SmolLM3CausalLM", SMOLLM3),
 }
+# The families added since the first four: their causal LMs' greedy runs are
+# slow on every backend (2.5-4 s each on PyTorch), each row's tokens varied.
+ADDED = ("Qwen 2", "Mixtral", "Qwen MoE", "Phi-3", "SmolLM3")
+# Random weights whose greedy tokens vary (at least 4 distinct in each row).
+SEEDS = {"Qwen 2": 2, "SmolLM3": 1}
 jax_slow = pytest.mark.slow_on("jax", "JAX compiles every eager op of a new model")
 
 
 def _backbone(family: str, **changes):
     backbone, _, extra = FAMILIES[family]
-    return getattr(keras_hub.models, backbone)(**{**SMALL, **extra, **changes})
+    arguments = {**SMALL, **extra, **changes}
+    if family == "SmolLM3":  # its name of the query heads
+        arguments["num_attention_heads"] = arguments.pop("num_query_heads")
+    return getattr(keras_hub.models, backbone)(**arguments)
+
+
+def _randomized(model, seed: int = 0):
+    """`user_blocks.randomized`, SmolLM3's rotary frequencies (its weights)
+    set back to those of its `rope_theta`."""
+    model = user_blocks.randomized(model, seed=seed, scale=1.0)
+    for layer in model._flatten_layers():
+        if type(layer).__name__ == "SmolLM3RotaryEmbedding":
+            depth = layer.inv_freq.shape[0] * 2
+            frequencies = layer.rope_theta ** -(np.arange(0, depth, 2) / depth)
+            layer.inv_freq.assign(frequencies.astype("float32"))
+    return model
 
 
 def _causal_lm(family: str):
     lm = getattr(keras_hub.models, FAMILIES[family][1])
-    return user_blocks.randomized(lm(_backbone(family), preprocessor=None), scale=1.0)
+    return _randomized(
+        lm(_backbone(family), preprocessor=None), seed=SEEDS.get(family, 0)
+    )
 
 
 def _adapters(model) -> list:
@@ -66,11 +122,11 @@ def _adapters(model) -> list:
 
 
 @pytest.mark.slow_on(
-    "tensorflow", "jax", "four backbones converted and run: PyTorch checks them fast"
+    "tensorflow", "jax", "nine backbones converted and run: PyTorch checks them fast"
 )
 @pytest.mark.parametrize("family", FAMILIES)
 def test_keras_hub_backbone_converts_with_its_outputs(family):
-    model = user_blocks.randomized(_backbone(family), scale=1.0)
+    model = _randomized(_backbone(family))
     new = keras_selfattn.convert(model)
     report = new.conversion_report
     assert len(report.converted) == 2 and report.kept == [], str(report)
@@ -172,15 +228,84 @@ def test_adapter_refuses_keras_hub_s_cache_in_one_line():
 
 
 @pytest.mark.slow_on("tensorflow", "jax", "keras-hub's generate compiles its loop")
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param(family, marks=pytest.mark.slow) if family in ADDED else family
+        for family in FAMILIES
+    ],
+)
 def test_converted_causal_lm_generates_keras_hub_s_greedy_tokens(family):
     lm = _causal_lm(family)
     tokens_model = keras_selfattn.convert_causal_lm(lm)
     assert len(tokens_model.conversion_report.converted) == 2
     expected = _keras_hub_greedy(lm, PROMPTS, STEPS)
     assert len(np.unique(expected)) > 2, "a test of varied tokens"
+    if family in ADDED:
+        assert min(len(np.unique(row)) for row in expected) >= 4, expected
     result = keras_selfattn.generate(tokens_model, PROMPTS, STEPS)
     np.testing.assert_array_equal(result.tokens, expected)
+
+
+REFUSED = {
+    # name: (causal LM, backbone arguments, what the one line says)
+    "Qwen 3": (
+        "Qwen3CausalLM",
+        {**SMALL, "backbone": "Qwen3Backbone", "head_dim": 4},
+        "Qwen3Attention 'self_attention' does not become a SelfAttention: its "
+        "per-head query and key RMS norms",
+    ),
+    "GPT-NeoX": (
+        "GPTNeoXCausalLM",
+        {
+            "backbone": "GPTNeoXBackbone",
+            "vocabulary_size": 40,
+            "num_layers": 1,
+            "num_heads": 2,
+            "hidden_dim": 16,
+            "intermediate_dim": 32,
+        },
+        "GPTNeoXAttention 'self_attention' does not become a SelfAttention: its "
+        "rotary embedding turns part of each head",
+    ),
+    "Llama 3.1": (
+        "LlamaCausalLM",
+        {
+            **SMALL,
+            "backbone": "LlamaBackbone",
+            "rope_frequency_adjustment_factor": 8.0,
+            "rope_low_freq_factor": 1.0,
+            "rope_high_freq_factor": 4.0,
+            "rope_pretraining_sequence_length": 16,
+        },
+        "Cannot convert LlamaAttention 'self_attention' to SelfAttention: its "
+        "rotary embedding adjusts frequencies",
+    ),
+    "Qwen 2 window": (
+        "QwenCausalLM",
+        {
+            **SMALL,
+            "backbone": "QwenBackbone",
+            "use_sliding_window_attention": True,
+            "sliding_window_size": 3,
+        },
+        "Cannot convert QwenAttention 'self_attention' to SelfAttention: "
+        "keras-hub applies its sliding window on its unfused path only",
+    ),
+}
+
+
+@pytest.mark.slow_on("tensorflow", "jax", "four causal LMs built: PyTorch checks")
+@pytest.mark.parametrize("case", REFUSED)
+def test_convert_causal_lm_refuses_what_does_not_convert_in_one_line(case):
+    lm_class, arguments, why = REFUSED[case]
+    arguments = dict(arguments)
+    backbone = getattr(keras_hub.models, arguments.pop("backbone"))(**arguments)
+    lm = getattr(keras_hub.models, lm_class)(backbone, preprocessor=None)
+    with pytest.raises(ValueError, match="convert_causal_lm cannot convert") as error:
+        keras_selfattn.convert_causal_lm(lm)
+    assert why in str(error.value) and "\n" not in str(error.value)
+    assert len(str(error.value)) < 400, str(error.value)
 
 
 # The exports keras-hub's users report failing (keras-hub #2340: Llama to

@@ -210,3 +210,30 @@ def test_a_private_import_across_packages_is_found():
     assert not "keras_selfattn.export.generator._writer".startswith(f"{owner}.")
     assert "keras_selfattn.export.formats.onnx.format".startswith(f"{owner}.")
     assert _private_owner("keras_selfattn.export.forward.check") is None
+
+
+def _names_keras_src(path: Path) -> bool:
+    """Whether a module imports `keras.src` (an import statement, or a
+    module name given to `importlib`)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = [node.value]
+        else:
+            continue
+        if any(name == "keras.src" or name.startswith("keras.src.") for name in names):
+            return True
+    return False
+
+
+def test_keras_private_modules_are_imported_in_at_most_two_modules():
+    """Keras's private names go through `keras_selfattn._keras_private`
+    (CONTRIBUTING.md's "Keras's private names")."""
+    importing = sorted(
+        name for name, path in _modules().items() if _names_keras_src(path)
+    )
+    assert "keras_selfattn._keras_private" in importing
+    assert len(importing) <= 2, importing

@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_selfattn import SelfAttention, tracing
+from keras_selfattn import SelfAttention
 from tests.backend import BACKEND, compiled, to_numpy
 from tests.reference import for_layer
 
@@ -280,12 +280,13 @@ def test_one_new_token_in_mixed_precision(policy):
 @pytest.mark.parametrize("padded", [False, True])
 def test_time_major_caches_decode_as_the_reference(config, padded):
     """The generation loop's steps: one token a call in a `tf.function`,
-    within `checked_by_caller()` and `time_major()`, from a time-major cache
-    holding zeros where padded. Outputs match the numpy reference, and the
+    on a `TimeMajorCache` (checked by its caller) holding zeros where
+    padded. Outputs match the numpy reference, and the
     cache ends as the public-layout decoding's, transposed."""
     import tensorflow as tf
 
     from keras_selfattn.attention import cache as cache_lib
+    from keras_selfattn.generation import loop
 
     layer = _single_query_layer(config)
     masks = {"mask": LEFT_PADDED} if padded else {}
@@ -293,13 +294,15 @@ def test_time_major_caches_decode_as_the_reference(config, padded):
     prefix, public = layer(X[:, :5], cache=public, cache_update_index=0, **masks)
     slots = LEFT_PADDED if padded else np.ones((2, 9), bool)
     slots = slots[:, None, :, None, None].astype("float32")
-    cache = to_numpy(cache_lib.to_time_major(to_numpy(public) * slots))
+    time_major = cache_lib.TimeMajorCache.from_batch_major
+    cache = to_numpy(time_major(to_numpy(public) * slots).tensor)
 
     @tf.function
     def step(x, cache, index):
-        assert cache_lib.views_pay()
-        with tracing.traced_as(tracing.CHECKED_BY_CALLER, tracing.TIME_MAJOR):
-            return layer(x, cache=cache, cache_update_index=index, **masks)
+        assert loop.cache_classes().steps is cache_lib.TimeMajorCache
+        cache = cache_lib.TimeMajorCache(cache)
+        output, cache = layer(x, cache=cache, cache_update_index=index, **masks)
+        return output, cache.tensor
 
     outputs = [to_numpy(prefix)]
     for index in range(5, 9):
@@ -311,7 +314,7 @@ def test_time_major_caches_decode_as_the_reference(config, padded):
     np.testing.assert_allclose(
         np.concatenate(outputs, axis=1), reference[0], atol=2e-5, rtol=2e-5
     )
-    expected = to_numpy(cache_lib.to_time_major(to_numpy(public) * slots))
+    expected = to_numpy(time_major(to_numpy(public) * slots).tensor)
     np.testing.assert_allclose(to_numpy(cache), expected, atol=1e-6)
 
 
@@ -320,12 +323,14 @@ def test_time_major_caches_decode_as_the_reference(config, padded):
 )
 @pytest.mark.parametrize("padded", [False, True])
 def test_eager_torch_steps_write_their_caches_in_place(padded):
-    """The generation loop's steps on PyTorch: within `CHECKED_BY_CALLER`,
+    """The generation loop's steps on PyTorch: on a `TorchInPlaceCache`,
     one token a call writes into the cache it is given (the same tensor
     comes back, no copy of the cache per step), outputs match the numpy
     reference and the cache ends as the copying calls' do; outside that
     mode the cache passed in is left as it was."""
     import torch
+
+    from keras_selfattn.attention import cache as cache_lib
 
     layer = _single_query_layer("gqa")
     masks = {"mask": LEFT_PADDED} if padded else {}
@@ -339,10 +344,14 @@ def test_eager_torch_steps_write_their_caches_in_place(padded):
     slots = LEFT_PADDED if padded else np.ones((2, 9), bool)
     cache = public * torch.as_tensor(slots[:, None, :, None, None])
     outputs = [to_numpy(prefix)]
-    with torch.no_grad(), tracing.traced_as(tracing.CHECKED_BY_CALLER):
+    with torch.no_grad():
         for index in range(5, 9):
             x = X[:, index : index + 1]
-            output, returned = layer(x, cache=cache, cache_update_index=index, **masks)
+            in_place = cache_lib.TorchInPlaceCache(cache)
+            output, returned = layer(
+                x, cache=in_place, cache_update_index=index, **masks
+            )
+            returned = returned.tensor
             assert returned is cache
             _, public = layer(x, cache=public, cache_update_index=index, **masks)
             outputs.append(to_numpy(output))

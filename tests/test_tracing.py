@@ -10,12 +10,12 @@ from keras_selfattn import tracing
 
 def test_modes_nest_and_reset():
     assert not any(tracing.active(mode) for mode in tracing.MODES)
-    with tracing.traced_as(tracing.TIME_MAJOR, tracing.CHECKED_BY_CALLER):
-        with tracing.traced_as(tracing.TIME_MAJOR):
-            assert tracing.active(tracing.TIME_MAJOR)
-        assert tracing.active(tracing.TIME_MAJOR)
-        assert tracing.active(tracing.CHECKED_BY_CALLER)
-        assert not tracing.active(tracing.FOR_CONVERTER)
+    with tracing.traced_as(tracing.FOR_CONVERTER):
+        with tracing.traced_as(tracing.FOR_CONVERTER, tracing.EXACT_UNCHUNKED):
+            assert tracing.active(tracing.FOR_CONVERTER)
+            assert tracing.active(tracing.EXACT_UNCHUNKED)
+        assert tracing.active(tracing.FOR_CONVERTER)
+        assert not tracing.active(tracing.EXACT_UNCHUNKED)
     assert not any(tracing.active(mode) for mode in tracing.MODES)
 
 
@@ -33,8 +33,8 @@ def test_a_mode_holds_only_in_the_thread_that_set_it():
 
 def test_an_unknown_mode_is_refused_before_any_is_set():
     with pytest.raises(ValueError, match="mode='time_minor'"):
-        with tracing.traced_as(tracing.TIME_MAJOR, "time_minor"):
+        with tracing.traced_as(tracing.FOR_CONVERTER, "time_minor"):
             pass
-    assert not tracing.active(tracing.TIME_MAJOR)
+    assert not tracing.active(tracing.FOR_CONVERTER)
     with pytest.raises(ValueError, match="`mode` must be one of"):
         tracing.active("time_minor")

@@ -19,8 +19,9 @@ Its rooms (subpackages) and modules, one line each:
 - `chunked`: the chunked path, exact attention one block of queries at a
   time;
 - `explicit`: the explicit path, the full weights materialized;
-- `cache/`: the key/value cache for decoding: its layout, and the door to
-  its checks (`checks`), writes (`writes`) and tracing modes (`modes`);
+- `cache/`: the key/value cache for decoding: its classes, one per layout
+  (`layouts`), and the door to its checks (`checks`), writes (`writes`)
+  and where a call runs (`environment`);
 - `masks`: one description of what each query may attend (`Masks`), with
   the causal and sliding-window formulas written once, dense or per block;
 - `score_mods`: the score modifications (`ScoreMods`), their formulas per

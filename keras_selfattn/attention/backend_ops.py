@@ -3,11 +3,10 @@ decoding step runs them eagerly.
 
 `keras.ops.reshape(x, shape)` first flattens its arguments (the tensor and
 the shape's tuple) to look for symbolic tensors; on PyTorch that costs
-about 0.4 ms a call inside a decoding step (measured 2026-11-28, AMD EPYC,
-2 cores: `ops.reshape` 435 us against `torch.reshape` 4 us), where the
-reshape itself is microseconds. `keras.ops.slice` converts its starts
-and sizes to tensors and slices by them: 0.75 ms a call there (the mask's
-cut of the padding, once per layer and step). On PyTorch Keras's ops are
+far more than the reshape itself inside a decoding step.
+`keras.ops.slice` converts its starts and sizes to tensors and slices by
+them, as costly there (the mask's cut of the padding, once per layer and
+step). On PyTorch Keras's ops are
 `torch.reshape` and tensor slicing, so traced and exported graphs are the
 same; TensorFlow and JAX compile their decoding loops and keep Keras's ops.
 """

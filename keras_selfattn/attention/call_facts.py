@@ -14,7 +14,7 @@ from collections.abc import Callable
 import keras
 
 from keras_selfattn import tracing
-from keras_selfattn.attention.cache import modes as cache_modes
+from keras_selfattn.attention.cache import environment
 from keras_selfattn.attention.masks import Masks
 
 
@@ -67,7 +67,7 @@ def sizes_may_vary() -> bool:
         return False
     import tensorflow as tf
 
-    return tf.executing_eagerly() or cache_modes.outside_xla()
+    return tf.executing_eagerly() or environment.outside_xla()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +91,8 @@ class CallFacts:
         flash_attention: The layer's `flash_attention`, or where that is
             None, `keras.config.is_flash_attention_enabled()`: None
             (automatic), True (required) or False (never).
-        time_major_cache: Whether the call is traced within
-            `tracing.TIME_MAJOR` (its keys and values come time-major).
+        time_major_cache: Whether the call decodes with a time-major cache
+            (`cache.TimeMajorCache`: its keys and values come time-major).
         score_mods: The names of the call's score modifications
             (`score_mods.ScoreMods.names`).
         segments: Whether the call has `segment_ids`.
@@ -142,6 +142,7 @@ class CallFacts:
         score_mods: tuple[str, ...] = (),
         training: bool = False,
         time: int | None = None,
+        time_major_cache: bool = False,
     ) -> CallFacts:
         """The facts of a call with these masks and arguments.
 
@@ -163,6 +164,7 @@ class CallFacts:
             training: Whether the call is made in training.
             time: The call's number of positions, a Python int where it is
                 known while tracing, else None.
+            time_major_cache: Whether it decodes with a time-major cache.
         """
         if flash_attention is None:
             flash_attention = keras.config.is_flash_attention_enabled()
@@ -181,7 +183,7 @@ class CallFacts:
             unchunked=tracing.active(tracing.EXACT_UNCHUNKED),
             chunk_size=chunk_size,
             flash_attention=flash_attention,
-            time_major_cache=tracing.active(tracing.TIME_MAJOR),
+            time_major_cache=time_major_cache,
             score_mods=score_mods,
             segments=masks.segments is not None,
             training=training,

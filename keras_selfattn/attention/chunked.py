@@ -164,11 +164,9 @@ def block_bias(mods, masks, start, key_start, block, key_span):
 
     On TensorFlow, `bias_block` itself: its CPU allocator keeps what it frees
     for reuse, and the repetition's sizes (C + S, then C + S - 1 columns)
-    fragment it (T=16384, chunk 512, causal, 4 heads: a peak resident
-    memory of 814 MiB against `bias_block`'s 674, unmodified 534), while on
-    PyTorch and JAX it took ALiBi from 1.13x and 0.90x the unmodified
-    layer's peak to 0.94x and 0.90x, the relative bias from 1.25x and
-    1.00x to 1.04x and 0.93x.
+    fragment it (a higher peak resident memory than `bias_block`'s), while
+    on PyTorch and JAX it lowers the peak of ALiBi and the relative bias
+    (benchmarks/README.md, score modifications).
     """
     if keras.backend.backend() == "tensorflow":
         return score_mods.bias_block(mods, masks, start, key_start, block, key_span)

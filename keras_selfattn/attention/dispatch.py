@@ -25,8 +25,8 @@ Each room declares its own choices the same way, in tables of limits that
 read only `CallFacts`, the first entry that nothing rules out taken
 (`call_facts.first`): `packed.STRATEGIES` and `packed.GRADIENTS` (how
 packed rows are attended, and the loop's gradient), `fused.VARIANTS` and
-`fused.JAX_KERNELS` (which kernel call, with which masks), and the cache's
-`cache.writes.WRITES` (over its own `WriteFacts`). What only the tensors
+`fused.JAX_KERNELS` (which kernel call, with which masks); a cache's write
+is its class's (`cache.layouts`), built by the caller. What only the tensors
 tell (a batch's right-padding, a bias that requires grad, whether every
 segment id makes one run) is decided at run time, within the entry the
 table chose, which falls back to the next one.
@@ -229,9 +229,9 @@ IMPLEMENTATIONS = {
             ),
             (
                 # The packing benchmark's training step without chunk_size
-                # (docs/layer.md, "Packing short sequences"): on JAX 2.31x
-                # the padded batch's speed on the packed path, 0.55x on the
-                # fused one (rows of 2048, a 2-core Xeon).
+                # (docs/layer.md, "Packing short sequences"): on JAX faster
+                # than the padded batch on the packed path, slower on the
+                # fused one.
                 lambda f: (
                     f.flash_attention is None
                     and f.chunk_size is None
@@ -276,10 +276,9 @@ IMPLEMENTATIONS = {
             (lambda f: not f.segments, "the call has no segment_ids"),
             (lambda f: f.dropout, "it applies no dropout"),
             (
-                # Measured on the packing benchmark (benchmarks.score_mods):
-                # with the gradient through its loop, its training step took
-                # 5.5x (TensorFlow) and 1.9x (JAX) the padded batch's time,
-                # the chunked path's 1.4x.
+                # The packing benchmark (benchmarks.score_mods, its results
+                # file): with the gradient through its loop, its training
+                # step is slower than the chunked path's.
                 lambda f: f.training and not packed.trains_without_its_loop(f),
                 "in training its gradient would go through its loop over key "
                 "blocks, slower than the chunked path's, so training takes "

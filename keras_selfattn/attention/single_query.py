@@ -12,9 +12,8 @@ layout, with each key/value head shared by its group of query heads in
 place: no transpose, no repeat, no matmul. Grouped heads take one product
 per position in their group, each broadcasting the query over time only:
 with one product broadcasting both over time and over the group, the
-attention of one step took 1.7x as long on TensorFlow's CPU kernels (batch
-8, 288 keys, 2 key/value heads of 2 query heads each, timed in a loop).
-In `tracing.TIME_MAJOR` (the generation loop's steps in a TensorFlow
+attention of one step is slower on TensorFlow's CPU kernels.
+With a `cache.TimeMajorCache` (the generation loop's steps in a TensorFlow
 graph) keys and values come time-major, `(Tk, B, H_kv, D)`, views of the
 cache: the same products, reduced over the leading axis.
 
@@ -76,7 +75,7 @@ def _key_mask(masks: Masks, key_len, time_major: bool):
 def _sum_over_time(x, time_major: bool):
     """(B, Tk, ...) summed over Tk; time-major (Tk, B, ...) summed over Tk as
     a row of ones times x: TensorFlow's CPU reduction over a leading axis
-    took 1.4x as long (batch 8, 160 keys, 8 heads of 32)."""
+    is slower."""
     if not time_major:
         return ops.sum(x, axis=1)
     rest = tuple(x.shape[1:])  # (B, ...): a static batch stays static
@@ -112,8 +111,8 @@ def single_query_attention(
         return_weights: Must be False (the path returns no weights).
         grouped_key_value: True: key and value keep their H_kv heads (with
             H_kv == H when the caller repeated them).
-        time_major: Whether key and value come time-major (a cache read
-            in `tracing.TIME_MAJOR`).
+        time_major: Whether key and value come time-major (read from a
+            `cache.TimeMajorCache`).
         mods: None or a `score_mods.ScoreMods` without an `attention_bias`
             (the soft-cap, the position bias of the query at `query_offset`,
             the sinks).

@@ -185,9 +185,9 @@ def describe(layer) -> QuantizedDense | None:
             return None
         if mode == "awq" and not layer.is_awq_calibrated:
             return None
-        from keras.src.quantizers import gptq_core
+        from keras_selfattn._keras_private import gptq_weight_bits
 
-        bits = 4 if mode == "awq" else gptq_core.get_weight_bits_for_layer(layer, None)
+        bits = 4 if mode == "awq" else gptq_weight_bits(layer)
         codes = layer.quantized_kernel
         codes = _unpack(codes, layer.units, 0, "uint8") if bits == 4 else _numpy(codes)
         divisor = None

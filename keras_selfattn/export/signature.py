@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import keras
 import numpy as np
@@ -73,6 +73,9 @@ class Signature:
             other formats write this target alone. Called only when a LiteRT
             file is written, so a model whose extra targets cannot be built
             still exports elsewhere. None: this target alone.
+        cached_as: Builds this target with its decoding caches of another
+            class (`attention.cache`: a format's own write); None: a target
+            without caches (`with_caches`).
     """
 
     model: keras.Model
@@ -85,6 +88,14 @@ class Signature:
     embeddings: tuple[keras.layers.Embedding, ...] = ()
     examples: Callable[[int, int, int], dict] | None = None
     extra_signatures: Callable[[], tuple[Signature, ...]] | None = None
+    cached_as: Callable[[type], Signature] | None = None
+
+    def with_caches(self, cache_class: type) -> Signature:
+        """This target with its decoding caches of `cache_class`, the write
+        a format takes (`attention.cache.ConverterCache` for TensorFlow's
+        converters, `GatheredCache` for OpenVINO's); a target without
+        caches is returned as it is."""
+        return self if self.cached_as is None else self.cached_as(cache_class)
 
     @contextlib.contextmanager
     def traced(self, form: str) -> Iterator[None]:
@@ -153,12 +164,11 @@ class _TargetModel(keras.Model):
 _FALLBACK_VOCAB = 10
 
 
-def vocabulary_size(model: keras.Model) -> int:
-    """The smallest `input_dim` of the model's Embedding layers (nested too)."""
+def vocabulary_size(layers: Iterable[keras.layers.Layer]) -> int:
+    """The smallest `input_dim` of the Embedding layers among `layers` (a
+    model's, nested too: `every_layer`)."""
     sizes = [
-        layer.input_dim
-        for layer in every_layer(model)
-        if isinstance(layer, keras.layers.Embedding)
+        layer.input_dim for layer in layers if isinstance(layer, keras.layers.Embedding)
     ]
     return min(sizes) if sizes else _FALLBACK_VOCAB
 
@@ -194,7 +204,7 @@ def example_inputs(
     if target.examples is not None:
         return target.examples(batch, time, seed)
     rng = np.random.default_rng(seed)
-    vocab = vocabulary_size(target.model)
+    vocab = vocabulary_size(every_layer(target.model))
     lengths = np.concatenate([[time], rng.integers(1, time + 1, size=batch - 1)])
     result = {}
     for spec in target.inputs:

@@ -26,8 +26,8 @@ class Model:
     """A model `generate` can run, read once.
 
     Attributes:
-        model: The Keras model.
-        layers: Its SelfAttention layers, in call order.
+        reading: Its `cached_model.Reading` (the model decoding runs, its
+            SelfAttention layers and their names).
         tokens: Whether it is a token model (integer input, logits out);
             else a value model (float input, its output the next input).
         input_dtype: Its input's dtype.
@@ -35,27 +35,21 @@ class Model:
         vocabulary: A token model's logits width (None for value models).
     """
 
-    model: keras.Model
-    layers: tuple
+    reading: cached_model.Reading
     tokens: bool
     input_dtype: str
     features: int | None
     vocabulary: int | None
 
+    @property
+    def model(self) -> keras.Model:
+        """The model decoding runs (`Reading.model`)."""
+        return self.reading.model
 
-def read_model(model) -> Model:
-    """Checks that `model` can generate; reads what generation needs
-    (`read_structure`, then `check_decodes`).
-
-    Args:
-        model: The user's model.
-
-    Raises:
-        As `read_structure` and `check_decodes`.
-    """
-    read = read_structure(model)
-    check_decodes(read)
-    return read
+    @property
+    def layers(self) -> tuple:
+        """Its SelfAttention layers (`Reading.layers`)."""
+        return self.reading.layers
 
 
 def check_decodes(read: Model) -> None:
@@ -66,7 +60,7 @@ def check_decodes(read: Model) -> None:
     Raises:
         ValueError: one line naming the layer that mixes positions.
     """
-    decode_check.check(read.model, read.layers, probe(read), ACTION)
+    decode_check.check(read.reading, probe(read), ACTION)
 
 
 def read_structure(model) -> Model:
@@ -85,7 +79,7 @@ def read_structure(model) -> Model:
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model. Received: model={model!r}")
     model = cached_model.functional_view(model, ACTION)
-    layers = cached_model.cached_layers(model, ACTION)
+    reading = cached_model.read(model, ACTION)
     if len(model.inputs) != 1 or len(model.outputs) != 1:
         raise cached_model.refusal(
             model,
@@ -118,8 +112,7 @@ def read_structure(model) -> Model:
             ACTION,
         )
     return Model(
-        model,
-        layers,
+        reading,
         tokens,
         dtype,
         None if tokens else int(source.shape[-1]),

@@ -14,6 +14,7 @@ numerically, since it cannot be read from the code.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Sequence
 
@@ -22,6 +23,7 @@ from keras import ops
 
 from keras_selfattn import decoding
 from keras_selfattn._model_layers import every_layer
+from keras_selfattn.attention import cache as cache_lib
 from keras_selfattn.attention import masks, rotary
 from keras_selfattn.generation import position_layers
 from keras_selfattn.self_attention import SelfAttention
@@ -72,44 +74,92 @@ def functional_view(model: keras.Model, action: str) -> keras.Model:
     return _VIEWS[model]
 
 
-def cached_layers(model: keras.Model, action: str) -> tuple[SelfAttention, ...]:
-    """The model's SelfAttention layers at any depth, in the order the model
-    tracks them, each of which gets a cache (module docstring).
+@dataclasses.dataclass(frozen=True)
+class Reading:
+    """A model read once for one decoding call (`read`): what the loop, the
+    decode check and the exporters need, so that none walks it again.
+
+    Attributes:
+        model: The model decoding runs: the user's (its `functional_view`),
+            or the package's graph over its layers that hands keras-hub's
+            position layers their positions (`position_layers.positioned`).
+        layers: Its SelfAttention layers at any depth, in the order the
+            model tracks them, each of which gets a cache.
+        names: Each layer's stable name (`layer_names`).
+        every: Every layer of the user's model (`every_layer`), for the
+            readers of its dtypes, embeddings and classes.
+    """
+
+    model: keras.Model
+    layers: tuple[SelfAttention, ...]
+    names: tuple[str, ...]
+    every: tuple[keras.layers.Layer, ...]
+
+    @property
+    def compute_dtypes(self) -> set[str]:
+        """The compute dtypes of the model's layers."""
+        return {layer.compute_dtype for layer in self.every}
+
+
+# The latest reading of each decoding model, for `layer_names`.
+_READINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def read(model: keras.Model, action: str) -> Reading:
+    """Reads `model` (Sequential, Functional or a `functional_view`) for one
+    decoding call: one walk of its layers.
 
     Args:
         model: Any Keras model.
         action: How refusals name what was asked ("generate with").
 
     Raises:
-        ValueError: for a structure that cannot decode (one line).
+        ValueError: for a structure that cannot decode (one line:
+            `refusal_reason`), or SelfAttention names that clash.
     """
-    layers = every_layer(model)
-    found = tuple(layer for layer in layers if isinstance(layer, SelfAttention))
-    if not found:
-        raise refusal(model, "it has no SelfAttention layer", action)
-    for layer in found:
+    every = tuple(every_layer(model))
+    holders = {}
+    for holder in every:
+        for inner in holder._layers:
+            holders.setdefault(id(inner), holder)
+    layers = tuple(layer for layer in every if isinstance(layer, SelfAttention))
+    hub = position_layers.found(every, holders)
+    why = refusal_reason(model, every, layers, hub, holders)
+    if why is not None:
+        raise refusal(model, why, action)
+    decoded = position_layers.positioned(model, hub)
+    reading = Reading(decoded, layers, _stable_names(model, layers, holders), every)
+    _READINGS[decoded] = reading
+    return reading
+
+
+def refusal_reason(model, every, layers, hub, holders) -> str | None:
+    """Why the structure `read` found cannot decode, or None."""
+    if not layers:
+        return "it has no SelfAttention layer"
+    for layer in layers:
         if not layer.causal:
-            raise refusal(
-                model, f"SelfAttention {layer.name!r} has causal=False", action
-            )
+            return f"SelfAttention {layer.name!r} has causal=False"
     masking = [
         layer.name
-        for layer in layers
+        for layer in every
         if isinstance(layer, keras.layers.Masking) or getattr(layer, "mask_zero", 0)
     ]
     if masking:
-        raise refusal(
-            model,
+        return (
             f"layers {masking} make padding masks, which a step over the new "
-            "positions cannot apply to the cached ones",
-            action,
+            "positions cannot apply to the cached ones"
         )
-    position_layers.adapt(model)
-    return found
-
-
-# `layer_names` by model, for the layers it was asked about.
-_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    hidden = position_layers.unreachable(model, every, hub, holders)
+    if hidden:
+        return (
+            f"keras-hub position layers {hidden} sit where no Functional graph "
+            "calls them (inside a subclassed layer or model, or a Sequential "
+            "model), so they cannot be given the decoded positions: build the "
+            "model functionally, or use keras_selfattn's PositionEmbedding or "
+            "TokenAndPositionEmbedding"
+        )
+    return None
 
 
 def layer_names(model: keras.Model, layers: Sequence[SelfAttention]) -> list[str]:
@@ -119,16 +169,16 @@ def layer_names(model: keras.Model, layers: Sequence[SelfAttention]) -> list[str
     it (its config keeps that name); else, for a layer a subclassed layer
     creates in its code (named anew in each process), its holder's name
     and the attribute holding it, joined by "_" (`transformer_block_att`,
-    `mini_gpt_blocks_0_att`).
+    `mini_gpt_blocks_0_att`). Read from the model's `Reading` (`read`),
+    or read now for a model no decoding call has read.
 
     Raises:
-        ValueError: if two such names clash.
+        ValueError: if two such names clash, or as `read`.
     """
-    known = _NAMES.get(model)
-    if known is None or known[0] != tuple(map(id, layers)):
-        known = (tuple(map(id, layers)), _stable_names(model, layers))
-        _NAMES[model] = known
-    return list(known[1])
+    reading = _READINGS.get(model)
+    if reading is None or tuple(map(id, reading.layers)) != tuple(map(id, layers)):
+        reading = read(model, "name the layers of")
+    return list(reading.names)
 
 
 def _graph_model(layer) -> bool:
@@ -153,23 +203,18 @@ def _attribute(holder, layer) -> str:
     return layer.name
 
 
-def _stable_names(model: keras.Model, layers: Sequence[SelfAttention]) -> list[str]:
-    holders = {}
-    for holder in every_layer(model):
-        for inner in holder._layers:
-            holders.setdefault(id(inner), holder)
-
+def _stable_names(model, layers, holders) -> tuple[str, ...]:
     def name(layer) -> str:
         holder = holders.get(id(layer))
         if holder is None or _graph_model(holder):
             return layer.name
         return f"{name(holder)}_{_attribute(holder, layer)}"
 
-    names = [name(layer) for layer in layers]
+    names = tuple(name(layer) for layer in layers)
     if len(set(names)) != len(names):
         raise ValueError(
             f"Model {model.name!r} holds SelfAttention layers whose names and "
-            f"paths clash: {names}. Name them apart"
+            f"paths clash: {list(names)}. Name them apart"
         )
     return names
 
@@ -196,10 +241,12 @@ def run_cached(
     """Runs `model` on new positions with a cache per layer.
 
     Args:
-        model: The model `layers` came from (`cached_layers`).
+        model: The model `layers` came from (`Reading.model`).
         layers: Its SelfAttention layers.
         inputs: The new positions `(batch, new, ...)`.
-        caches: One cache per layer, in `layers` order.
+        caches: One cache per layer, in `layers` order: a cache object
+            (`attention.cache.Cache`, of the class the caller needs) or a
+            tensor (a `Cache`).
         index: The first new position's cache slot (int or int32 scalar).
         padding: Optional `(batch, max_length)` bool mask over the whole
             cached sequence, True where a slot holds a token; every
@@ -210,12 +257,12 @@ def run_cached(
 
     Returns:
         Tuple (the model's output for the new positions, the updated caches
-        in `layers` order).
+        in `layers` order, each in the form given).
     """
     names = layer_names(model, layers)
     scope = decoding.Scope(
-        caches={id(layer): c for layer, c in zip(layers, caches, strict=True)},
-        names={id(layer): n for layer, n in zip(layers, names, strict=True)},
+        caches={n: cache_lib.wrapped(c) for n, c in zip(names, caches, strict=True)},
+        keys=dict(zip(layers, names, strict=True)),
         index=index,
         padding=padding,
         make_positions=lambda: _positions(index, ops.shape(inputs)[1], starts),
@@ -230,6 +277,15 @@ def run_cached(
             raise refusal(model, scope.refusal, "decode") from None
     output = keras.tree.flatten(output)[0]
     updated = [
-        scope.updated.get(id(layer), c) for layer, c in zip(layers, caches, strict=True)
+        _like(given, scope.updated.get(name))
+        for name, given in zip(names, caches, strict=True)
     ]
     return output, updated
+
+
+def _like(given, updated):
+    """`updated` (a `cache_lib.Cache`, None where the layer was not called)
+    in the form the caller gave its cache: the object, or its tensor."""
+    if updated is None:
+        return given
+    return updated if isinstance(given, cache_lib.Cache) else updated.tensor

@@ -41,6 +41,9 @@ RTOL = 1e-4
 RTOL_16_BIT = 3e-2
 ATOL = 1e-5
 
+# The culprit where no layer's output could be compared.
+_UNTOLD = "a layer outside SelfAttention"
+
 _PASSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _WAIVED = contextvars.ContextVar("keras_selfattn_decode_check_waived", default=False)
 
@@ -69,28 +72,28 @@ def is_waived() -> bool:
 
 
 def check(
-    model: keras.Model,
-    layers: Sequence,
+    reading: cached_model.Reading,
     probe: np.ndarray,
     action: str,
 ) -> None:
-    """Refuses `model` (ValueError, one line) if its cached decode of
-    `probe` differs from its full forward pass (module docstring).
+    """Refuses the model of `reading` (ValueError, one line) if its cached
+    decode of `probe` differs from its full forward pass (module docstring).
 
     Args:
-        model, layers: The model and its SelfAttention layers
-            (`cached_model.cached_layers`).
+        reading: The model read for this decoding call (`cached_model.read`).
         probe: `(2, PROBE_LENGTH, ...)` inputs, no padding.
         action: How the refusal names what was asked ("generate with").
     """
+    model, layers = reading.model, reading.layers
     if _WAIVED.get() or model in _PASSED:
         return
     prompts, lengths = _prompts(probe)
     cached = _cached_run(model, layers, prompts, lengths)
     full = [_call(model, prompts[row : row + 1, :n]) for row, n in enumerate(lengths)]
     error = _error(_aligned(cached, lengths), full)
-    if error > _tolerance(model, full):
-        culprit = _culprit(model, layers, prompts, lengths)
+    dtypes = reading.compute_dtypes
+    if error > _tolerance(dtypes, full):
+        culprit = _culprit(model, layers, prompts, lengths, dtypes)
         raise cached_model.refusal(
             model,
             f"its cached decode differs from its full forward pass by {error:.3g}: "
@@ -148,17 +151,38 @@ def _error(cached: Sequence[np.ndarray], full: Sequence[np.ndarray]) -> float:
     )
 
 
-def _tolerance(model, full: Sequence[np.ndarray]) -> float:
-    dtypes = {layer.compute_dtype for layer in every_layer(model)}
+def _tolerance(dtypes: set[str], full: Sequence[np.ndarray]) -> float:
     rtol = RTOL_16_BIT if dtypes & {"float16", "bfloat16"} else RTOL
     scale = max(float(np.max(np.abs(f))) for f in full)
     return rtol * scale + ATOL
 
 
+def _own_copy(model, layers, prompts):
+    """A copy of `model` the check owns (`keras.models.clone_model`, then
+    the weights) with its layers in `every_layer` order paired with the
+    model's, and the copies of `layers`; None where the model does not
+    rebuild from its config."""
+    try:
+        copy = keras.models.clone_model(model)
+        if not copy.built:
+            copy(prompts[:1, :1])
+        copy.set_weights(model.get_weights())
+    except Exception:  # the user's classes' own code: any error
+        return None
+    originals, copies = every_layer(model), every_layer(copy)
+    if [type(a) for a in originals] != [type(b) for b in copies]:
+        return None
+    position = {id(layer): index for index, layer in enumerate(originals)}
+    own_layers = [copies[position[id(layer)]] for layer in layers]
+    return copy, dict(zip(map(id, copies), originals, strict=True)), own_layers
+
+
 @contextlib.contextmanager
-def _recording(model) -> Iterator[dict]:
+def _recording(copy) -> Iterator[dict]:
     """Records every layer's first output, in the order calls end:
-    {"order": [layer, ...], id(layer): [outputs]}."""
+    {"order": [layer, ...], id(layer): [outputs]}. `copy` is the check's
+    own copy of the model (`_own_copy`): its layers' `call` is wrapped
+    meanwhile, never a user's layer's."""
     records: dict = {"order": []}
 
     def recorder(layer, original):
@@ -172,23 +196,27 @@ def _recording(model) -> Iterator[dict]:
 
         return recorded
 
-    patched = []
-    for layer in every_layer(model)[1:]:
-        patched.append((layer, vars(layer).get("call")))
+    wrapped = [(layer, vars(layer).get("call")) for layer in every_layer(copy)[1:]]
+    for layer, _ in wrapped:
         object.__setattr__(layer, "call", recorder(layer, layer.call))
     try:
         yield records
     finally:
-        for layer, own in patched:
+        for layer, own in wrapped:
             if own is None:
                 object.__delattr__(layer, "call")
             else:
                 object.__setattr__(layer, "call", own)
 
 
-def _culprit(model, layers, prompts, lengths) -> str:
+def _culprit(model, layers, prompts, lengths, dtypes) -> str:
     """Names the first layer whose output differs between the cached run
-    and the full runs (module docstring), or says none could be told."""
+    and the full runs (module docstring), recorded on a copy of the model,
+    or says none could be told."""
+    owned = _own_copy(model, layers, prompts)
+    if owned is None:
+        return _UNTOLD
+    model, originals, layers = owned
     with _recording(model) as cached:
         _cached_run(model, layers, prompts, lengths)
     full = []
@@ -209,6 +237,7 @@ def _culprit(model, layers, prompts, lengths) -> str:
             error = _error(mine, theirs)
         except (ValueError, TypeError, IndexError):
             continue  # not a (batch, time, ...) output
-        if error > _tolerance(model, theirs):
+        if error > _tolerance(dtypes, theirs):
+            layer = originals[id(layer)]
             return f"layer {layer.name!r} ({type(layer).__name__})"
-    return "a layer outside SelfAttention"
+    return _UNTOLD

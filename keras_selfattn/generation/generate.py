@@ -130,5 +130,11 @@ def generate(
     # The request is checked before the model runs (the decode check).
     with decode_check.waived(not check):
         arguments.check_decodes(read)
+    return generated(read, request)
+
+
+def generated(read: arguments.Model, request: arguments.Request) -> Generated:
+    """`generate`'s result for a model already read and checked, and a
+    checked request (an exported generator's check runs it)."""
     values, lengths = compiled.run(read, request)
     return Generated(values, lengths)

@@ -19,10 +19,12 @@ generators carry into their graphs (a `tf.while_loop` on TensorFlow, a
    model runs on the newest token only (cache index P + t - 1) and chooses
    token t. A row that emitted `end_token` has ended: its later slots hold
    -1 (as do all slots from `steps` on) and its length counts the end token.
-   In a TensorFlow graph without XLA the steps carry the caches time-major
-   (`tracing.TIME_MAJOR`), where the keys and values written so far are
-   read as views of the cache instead of copies, and each step writes into
-   the caches' own buffers.
+   The steps' caches are checked by the loop (no guards, no zeroing), of
+   the class where the loop runs needs (`CacheClasses`, `cache_classes`):
+   in a TensorFlow graph without XLA time-major (`TimeMajorCache`), where
+   the keys and values written so far are read as views of the cache
+   instead of copies and each step writes into the caches' own buffers;
+   in eager PyTorch written in place (`TorchInPlaceCache`).
 
 Value models (a float input whose last output is the next input) run the
 same loop without sampling or ending: the output at the last position is
@@ -37,8 +39,9 @@ from collections.abc import Sequence
 import keras
 from keras import ops
 
-from keras_selfattn import tracing
-from keras_selfattn.attention import cache, nan_safe
+from keras_selfattn.attention import cache as cache_lib
+from keras_selfattn.attention import nan_safe
+from keras_selfattn.attention.cache import environment
 from keras_selfattn.generation import cached_model, random_stream, sampling
 
 # What `tokens` holds where nothing was generated.
@@ -109,6 +112,153 @@ def _empty_cache(layer, batch, max_length: int):
     return ops.zeros((batch, *shape), dtype=layer.compute_dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class CacheClasses:
+    """The cache classes of one generation (`attention.cache.layouts`).
+
+    Attributes:
+        prompt: The prompt's caches' (guarded, as a user's call is).
+        steps: The steps' caches', checked by the loop: every index is in
+            range, every slot no query may attend holds zeros and every fed
+            position is a real token.
+    """
+
+    prompt: type = cache_lib.Cache
+    steps: type = cache_lib.CheckedCache
+
+
+def cache_classes() -> CacheClasses:
+    """The classes a generation run where the loop runs now needs: its steps
+    written in place in eager PyTorch, time-major in a TensorFlow graph that
+    XLA does not compile (views instead of copies), else batch-major."""
+    if environment.torch_eager():
+        return CacheClasses(steps=cache_lib.TorchInPlaceCache)
+    if environment.outside_xla():
+        return CacheClasses(steps=cache_lib.TimeMajorCache)
+    return CacheClasses()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Generation:
+    """What one generation's steps read (`run`'s arguments, prepared)."""
+
+    model: keras.Model
+    layers: Sequence
+    width: object
+    padding: object
+    starts: object
+    steps: object
+    controls: Controls
+    tokens: bool
+    greedy: bool
+    uniforms: object
+    end: object
+    step_cache: type
+
+    def choose(self, output, t):
+        """The output at position t: its last position, or its token."""
+        last = output[:, -1]
+        if not self.tokens:
+            return last
+        if self.greedy:
+            return sampling.greedy_token(last)
+        uniform = ops.take(self.uniforms, ops.cast(t, "int32"), axis=1)
+        controls = self.controls
+        return sampling.next_token(
+            last, uniform, controls.temperature, controls.top_k, controls.top_p
+        )
+
+    def ends(self, chosen):
+        """Whether each row's `chosen` token is the end token."""
+        return ops.logical_and(
+            ops.greater_equal(self.end, 0), ops.equal(chosen, self.end)
+        )
+
+    def running(self, t, generated, produced, ended, newest, *caches):
+        """The loop's condition: steps left, and a row not ended."""
+        return ops.logical_and(ops.less(t, self.steps), ops.logical_not(ops.all(ended)))
+
+    def step(self, t, generated, produced, ended, newest, *caches):
+        """The loop's body: position t from the newest one."""
+        if self.tokens:  # an ended row feeds token 0 (any valid id; not emitted)
+            fed = ops.expand_dims(ops.where(ended, 0, newest), 1)
+        else:
+            fed = ops.expand_dims(newest, 1)
+        # Position width - 1 + t < width + steps <= max_length: in every
+        # cache (callers check steps), so the layers check nothing; the
+        # caches hold zeros in every slot no query may attend, and the fed
+        # position is never padding.
+        output, caches = cached_model.run_cached(
+            self.model,
+            self.layers,
+            fed,
+            [self.step_cache(c) for c in caches],
+            ops.add(self.width - 1, t),
+            self.padding,
+            self.starts,
+        )
+        chosen = self.choose(output, t)
+        if self.tokens:
+            emitted = ops.where(ended, NOT_GENERATED, chosen)
+            produced = ops.add(produced, ops.cast(ops.logical_not(ended), "int32"))
+            ended = ops.logical_or(ended, self.ends(chosen))
+        else:
+            emitted = chosen
+            produced = ops.add(produced, 1)
+        generated = _written(generated, t, emitted)
+        caches = [c.tensor for c in caches]
+        return (ops.add(t, 1), generated, produced, ended, chosen, *caches)
+
+
+def _uniforms(controls: Controls, batch, capacity: int):
+    """Every step's uniforms at once: (batch, capacity)."""
+    return random_stream.uniforms(
+        controls.seed,
+        ops.arange(batch, dtype="int32"),
+        ops.arange(capacity, dtype="int32"),
+    )
+
+
+def _prefill(generation: _Generation, moved, max_length: int, prompt_cache: type):
+    """The prompts run once into new caches: the output, and the caches
+    as the steps take them (tensors in the steps' layout)."""
+    batch = ops.shape(moved)[0]
+    caches = [
+        prompt_cache(_empty_cache(layer, batch, max_length))
+        for layer in generation.layers
+    ]
+    output, caches = cached_model.run_cached(
+        generation.model,
+        generation.layers,
+        moved,
+        caches,
+        0,
+        generation.padding,
+        generation.starts,
+    )
+    # Padded slots to zeros: the steps' caches then read zero wherever no
+    # query may attend, which a checked cache requires.
+    slots = ops.expand_dims(generation.padding, (1, 3, 4))
+    tensors = [nan_safe.zero_unless(slots, c.tensor) for c in caches]
+    return output, [generation.step_cache.from_batch_major(t).tensor for t in tensors]
+
+
+def _first(generation: _Generation, output, capacity: int):
+    """The loop's variables after the prompt: t, the generated buffer, the
+    lengths produced, which rows ended, the newest output."""
+    first = generation.choose(output, 0)
+    batch = ops.shape(first)[0]
+    if generation.tokens:
+        generated = ops.full((batch, capacity), NOT_GENERATED, dtype="int32")
+        ended = generation.ends(first)
+    else:
+        generated = ops.zeros((batch, capacity, ops.shape(first)[-1]), first.dtype)
+        ended = ops.zeros((batch,), dtype="bool")
+    generated = _written(generated, 0, first)
+    produced = ops.ones((batch,), dtype="int32")
+    return (ops.convert_to_tensor(1, "int32"), generated, produced, ended, first)
+
+
 def run(
     model: keras.Model,
     layers: Sequence,
@@ -121,12 +271,13 @@ def run(
     controls: Controls,
     tokens: bool,
     greedy: bool = False,
+    caches: CacheClasses | None = None,
 ):
     """Generates up to `steps` new positions per row (module docstring).
 
     Args:
         model, layers: The model and its SelfAttention layers
-            (`cached_model.cached_layers`).
+            (`cached_model.Reading`).
         prompts: Right-padded prompts `(batch, P)` (token models) or
             `(batch, P, features)` (value models).
         lengths: int32 `(batch,)`, each in [1, P].
@@ -138,100 +289,39 @@ def run(
         greedy: Whether the caller knows, as a Python fact, that
             `controls.temperature` is 0: then no uniforms are drawn and no
             sampling branch is traced (the same tokens).
+        caches: The cache classes the caller needs (an exporter's), or
+            None: `cache_classes()`.
 
     Returns:
         Tuple (int32 `(batch, capacity)` tokens, or `(batch, capacity,
         features)` values; int32 `(batch,)` lengths).
     """
     lengths = ops.cast(lengths, "int32")
-    steps = ops.cast(steps, "int32")
+    classes = caches or cache_classes()
     batch = ops.shape(prompts)[0]
     width = ops.shape(prompts)[1]
     moved, valid = left_aligned(prompts, lengths)
     padding = ops.concatenate(
         [valid, ops.ones((batch, max_length - width), dtype="bool")], axis=1
     )
-    caches = [_empty_cache(layer, batch, max_length) for layer in layers]
-    if tokens and not greedy:  # every step's uniforms at once: (batch, capacity)
-        uniforms = random_stream.uniforms(
-            controls.seed,
-            ops.arange(batch, dtype="int32"),
-            ops.arange(capacity, dtype="int32"),
-        )
-
-    def choose(output, t):
-        last = output[:, -1]
-        if not tokens:
-            return last
-        if greedy:
-            return sampling.greedy_token(last)
-        uniform = ops.take(uniforms, ops.cast(t, "int32"), axis=1)
-        return sampling.next_token(
-            last, uniform, controls.temperature, controls.top_k, controls.top_p
-        )
-
-    # Each row's first token's slot: position layers count from there.
-    starts = ops.subtract(width, lengths)
-    output, caches = cached_model.run_cached(
-        model, layers, moved, caches, 0, padding, starts
+    generation = _Generation(
+        model=model,
+        layers=layers,
+        width=width,
+        padding=padding,
+        # Each row's first token's slot: position layers count from there.
+        starts=ops.subtract(width, lengths),
+        steps=ops.cast(steps, "int32"),
+        controls=controls,
+        tokens=tokens,
+        greedy=greedy,
+        uniforms=_uniforms(controls, batch, capacity)
+        if tokens and not greedy
+        else None,
+        end=ops.cast(controls.end_token, "int32"),
+        step_cache=classes.steps,
     )
-    # Padded slots to zeros: the steps' caches then read zero wherever no
-    # query may attend, which `tracing.CHECKED_BY_CALLER` requires.
-    slots = ops.expand_dims(padding, (1, 3, 4))
-    caches = [nan_safe.zero_unless(slots, c) for c in caches]
-    # The steps read time-major caches where that saves copies.
-    time_major = cache.views_pay()
-    step_modes = (tracing.CHECKED_BY_CALLER,)
-    if time_major:
-        caches = [cache.to_time_major(c) for c in caches]
-        step_modes += (tracing.TIME_MAJOR,)
-    first = choose(output, 0)
-    if tokens:
-        generated = ops.full((batch, capacity), NOT_GENERATED, dtype="int32")
-        end = ops.cast(controls.end_token, "int32")
-        ended = ops.logical_and(ops.greater_equal(end, 0), ops.equal(first, end))
-    else:
-        generated = ops.zeros((batch, capacity, ops.shape(first)[-1]), first.dtype)
-        ended = ops.zeros((batch,), dtype="bool")
-    generated = _written(generated, 0, first)
-    produced = ops.ones((batch,), dtype="int32")
-
-    def cond(t, generated, produced, ended, newest, *caches):
-        return ops.logical_and(ops.less(t, steps), ops.logical_not(ops.all(ended)))
-
-    def body(t, generated, produced, ended, newest, *caches):
-        if tokens:  # an ended row feeds token 0 (any valid id; not emitted)
-            fed = ops.expand_dims(ops.where(ended, 0, newest), 1)
-        else:
-            fed = ops.expand_dims(newest, 1)
-        # Position width - 1 + t < width + steps <= max_length: in every
-        # cache (callers check steps), so the layers check nothing; the
-        # caches hold zeros in every slot no query may attend, and the fed
-        # position is never padding.
-        with tracing.traced_as(*step_modes):
-            output, caches = cached_model.run_cached(
-                model,
-                layers,
-                fed,
-                list(caches),
-                ops.add(width - 1, t),
-                padding,
-                starts,
-            )
-        chosen = choose(output, t)
-        if tokens:
-            emitted = ops.where(ended, NOT_GENERATED, chosen)
-            produced = ops.add(produced, ops.cast(ops.logical_not(ended), "int32"))
-            ended = ops.logical_or(
-                ended,
-                ops.logical_and(ops.greater_equal(end, 0), ops.equal(chosen, end)),
-            )
-        else:
-            emitted = chosen
-            produced = ops.add(produced, 1)
-        generated = _written(generated, t, emitted)
-        return (ops.add(t, 1), generated, produced, ended, chosen, *caches)
-
-    loop_vars = (ops.convert_to_tensor(1, "int32"), generated, produced, ended, first)
-    results = ops.while_loop(cond, body, (*loop_vars, *caches))
+    output, step_caches = _prefill(generation, moved, max_length, classes.prompt)
+    loop_vars = (*_first(generation, output, capacity), *step_caches)
+    results = ops.while_loop(generation.running, generation.step, loop_vars)
     return results[1], results[2]

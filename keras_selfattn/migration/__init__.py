@@ -1,6 +1,6 @@
 """From Keras's attention layers to SelfAttention: one layer
-(`SelfAttention.from_multi_head_attention`, in `layer`), a whole model
-(`convert`, in `model`), attention inside layers the package does not own
+(`SelfAttention.from_multi_head_attention`, in `keras_selfattn._from_keras`),
+a whole model (`convert`, in `model`), attention inside layers the package does not own
 (`blocks`, behind `adapter.MultiHeadAttentionAdapter`, or for keras-hub's own
 attention classes `hub_adapter.KerasHubAttentionAdapter` of
 `hub_attention`'s mapping), keras-hub's causal

@@ -6,8 +6,9 @@ block (keras.io's `TransformerBlock`), keras-hub's `TransformerEncoder`.
 GroupQueryAttention that the original model calls as self-attention: the
 block's own code keeps calling `self.att(x, x, ...)`. How each attention
 layer is called comes from one run of the original model on example inputs
-(`record_calls`). Sublayers are matched by their place in Keras's own
-tracking (`layer._layers`, the order `__init__` and `build` created them),
+(`record_calls`) of the package's own copy of the model, never on the
+user's layers. Sublayers are matched by their place in Keras's own tracking
+(`_keras_private.sublayers`, the order `__init__` and `build` created them),
 which a copy from the config repeats.
 
 A converted block saves as `keras_selfattn>ConvertedLayer`: the user's own
@@ -24,14 +25,18 @@ from collections.abc import Iterator
 
 import keras
 import numpy as np
-from keras.src.backend import get_keras_mask
-from keras.src.saving import object_registration, serialization_lib
 
+from keras_selfattn import _from_keras
+from keras_selfattn._keras_private import (
+    get_keras_mask,
+    serialized_as_class,
+    sublayers,
+    unlocked,
+)
 from keras_selfattn.migration import configs, hub_attention
-from keras_selfattn.migration import layer as layer_lib
 from keras_selfattn.migration.adapter import AttentionAdapter
 
-Place = tuple  # indices into `_layers`, from the block down
+Place = tuple  # indices into `sublayers`, from the block down
 # The query's Keras mask when a recorded call was made.
 KERAS_MASK = "keras_mask"
 
@@ -42,8 +47,8 @@ def attention_places(layer) -> Iterator[tuple[Place, keras.layers.Layer]]:
     whose graph holds its layers) with its place."""
 
     def walk(parent, place):
-        for index, child in enumerate(parent._layers):
-            if isinstance(child, layer_lib.CONVERTIBLE) or hub_attention.row(child):
+        for index, child in enumerate(sublayers(parent)):
+            if isinstance(child, _from_keras.CONVERTIBLE) or hub_attention.row(child):
                 yield (*place, index), child
             elif not isinstance(child, keras.Model):
                 yield from walk(child, (*place, index))
@@ -56,9 +61,9 @@ def other_attention(layer) -> list:
     `Gemma3Attention`, ...): named in the report."""
     return [
         child
-        for child in layer._layers
+        for child in sublayers(layer)
         if type(child).__name__.endswith("Attention")
-        and not isinstance(child, (*layer_lib.CONVERTIBLE, AttentionAdapter))
+        and not isinstance(child, (*_from_keras.CONVERTIBLE, AttentionAdapter))
         and hub_attention.row(child) is None
         and type(child).__name__ != "SelfAttention"
     ]
@@ -70,7 +75,7 @@ def holds_attention(layer) -> bool:
 
 def at(layer, place: Place):
     for index in place:
-        layer = layer._layers[index]
+        layer = sublayers(layer)[index]
     return layer
 
 
@@ -78,7 +83,12 @@ def at(layer, place: Place):
 def record_calls(layers) -> Iterator[dict]:
     """Within the context, each of `layers` records its calls' arguments
     (by name, by `id(layer)`) before Keras casts them, and the query's
-    Keras mask (`KERAS_MASK`)."""
+    Keras mask (`KERAS_MASK`).
+
+    Their class is swapped for a subclass recording the calls meanwhile:
+    `layers` are the package's own copies (`convert` records on the model it
+    builds), never layers a user holds.
+    """
     calls: dict = {}
     classes = {}
     for layer in layers:
@@ -119,16 +129,23 @@ def example_inputs(model: keras.Model):
     return keras.tree.map_structure(one, model.input)
 
 
-def why_not(calls: list[dict] | None) -> str | None:
-    """Why the recorded calls of one attention layer inside a block cannot
-    become an adapter's, or None."""
+def why_not(calls: list[dict] | None, in_block: bool = True) -> str | None:
+    """Why the calls of one attention layer cannot become one
+    SelfAttention's (`in_block`: behind an adapter, recorded on a run;
+    otherwise read off a Functional model's graph), or None."""
     if not calls:
         return "not called when the model ran on example inputs"
     for call in calls:
         query = call.get("query")
         if call.get("value") is not query or call.get("key") not in (None, query):
             return "a cross-attention call (query, key and value differ) stays"
-    if len({causal_of([call]) for call in calls}) > 1:
+        given = [m for m in ("query_mask", "value_mask", "key_mask") if m in call]
+        if given and not in_block:
+            return f"a call passes {given[0]} (SelfAttention takes the Keras mask)"
+    if not in_block:
+        if len({bool(call.get("use_causal_mask")) for call in calls}) > 1:
+            return "its calls differ in use_causal_mask"
+    elif len({causal_of([call]) for call in calls}) > 1:
         return "its calls differ in use_causal_mask (or causal attention_mask)"
     return None
 
@@ -140,16 +157,19 @@ def causal_of(calls: list[dict]) -> bool:
     return bool(calls[0].get("use_causal_mask")) or causal_mask_given(calls)
 
 
-def causal_mask_given(calls: list[dict]) -> bool:
+def causal_mask_given(calls: list[dict], window: int | None = None) -> bool:
     """Whether every call's `attention_mask` was the causal mask (keras-hub's
-    TransformerDecoder computes its own)."""
+    decoders compute their own), within `window` positions where given
+    (Mistral's band): the example run pads nothing."""
     for call in calls:
         mask = call.get("attention_mask")
         if mask is None or len(mask.shape) != 3 or mask.shape[-1] < 2:
             return False
         mask = keras.ops.convert_to_numpy(mask).astype(bool)
-        lower = np.tril(np.ones(mask.shape[-2:], bool))
-        if mask.shape[-2] != mask.shape[-1] or not (mask == lower).all():
+        queries, keys = mask.shape[-2:]
+        i, j = np.arange(queries)[:, None], np.arange(keys)[None, :]
+        expected = (j <= i) & ((i - j) < (window or keys + 1))
+        if queries != keys or not (mask == expected).all():
             return False
     return True
 
@@ -159,14 +179,12 @@ def install(block, adapters: dict[Place, keras.layers.Layer]) -> None:
     attribute (or list item) that holds it, and its place in `_layers`."""
     for place, adapter in adapters.items():
         parent = at(block, place[:-1])
-        old = parent._layers[place[-1]]
-        locked = parent._tracker.locked
-        parent._tracker.unlock()
-        _replace_attribute(parent, old, adapter)
-        parent._layers[:] = [layer for layer in parent._layers if layer is not adapter]
-        parent._layers[place[-1]] = adapter
-        if locked:
-            parent._tracker.lock()
+        tracked = sublayers(parent)
+        old = tracked[place[-1]]
+        with unlocked(parent):
+            _replace_attribute(parent, old, adapter)
+            tracked[:] = [layer for layer in tracked if layer is not adapter]
+            tracked[place[-1]] = adapter
     _mark_converted(block, sorted(adapters))
 
 
@@ -200,19 +218,20 @@ def copy_weights(original, new) -> None:
     the same place in `new`, adapters (which hold their own) left out."""
     if isinstance(new, AttentionAdapter):
         return
-    if len(original._layers) != len(new._layers):
+    old_children, new_children = sublayers(original), sublayers(new)
+    if len(old_children) != len(new_children):
         raise ValueError(
             f"Cannot copy the weights of {type(original).__name__} "
             f"'{original.name}': its copy from get_config() holds "
-            f"{len(new._layers)} sublayers where it holds "
-            f"{len(original._layers)}. Received: layer={original.name!r}"
+            f"{len(new_children)} sublayers where it holds "
+            f"{len(old_children)}. Received: layer={original.name!r}"
         )
     store: dict = {}
     original.save_own_variables(store)
     # Copies: on JAX an assigned array is shared, and Keras's compiled
     # `predict` of the original donates (deletes) its variables' arrays.
     new.load_own_variables({k: np.array(v) for k, v in store.items()})
-    for old_child, new_child in zip(original._layers, new._layers, strict=True):
+    for old_child, new_child in zip(old_children, new_children, strict=True):
         copy_weights(old_child, new_child)
 
 
@@ -237,22 +256,16 @@ def _mark_converted(block, places: list[Place]) -> None:
                 "__module__": base.__module__,
             },
         )
-        object_registration.GLOBAL_CUSTOM_NAMES[converted] = _REGISTERED
+        # Saved as ConvertedLayer, whose `from_config` it shares.
+        keras.saving.register_keras_serializable(*_REGISTERED.split(">"))(converted)
         _CONVERTED_CLASSES[base] = converted
     block.__class__ = _CONVERTED_CLASSES[base]
 
 
 def _converted_config(self) -> dict:
     base = type(self).__mro__[1]
-    inner = serialization_lib.serialize_dict(configs.config_of(self, base))
-    layer = serialization_lib.serialize_with_public_class(base, inner) or {
-        "module": base.__module__,
-        "class_name": base.__name__,
-        "config": inner,
-        "registered_name": object_registration.get_registered_name(base),
-    }
     return {
-        "layer": layer,
+        "layer": serialized_as_class(base, configs.config_of(self, base)),
         "build_config": self.get_build_config(),
         "adapters": [
             [list(place), keras.saving.serialize_keras_object(at(self, place))]

@@ -9,16 +9,17 @@ mask of ones.
 
 A task model holds its backbone as a nested model. The token model calls
 their layers directly (`_inlined`): through the nested models, each
-decoding step ran Keras's call of both graphs, and a converted Llama's
-`generate` took 1.9 times as long on PyTorch (AMD EPYC, 2 cores,
-2026-11-28); the layers, weights and outputs are the same.
+decoding step would run Keras's call of both graphs, markedly slower on
+PyTorch (benchmarks.keras_hub measures it); the layers, weights and outputs
+are the same.
 """
 
 from __future__ import annotations
 
 import keras
-from keras.src.models.functional import Functional
 
+from keras_selfattn._keras_private import is_functional, run_through_graph
+from keras_selfattn.migration import hub_families
 from keras_selfattn.migration.model import convert
 
 _INPUTS = ("padding_mask", "token_ids")
@@ -41,8 +42,10 @@ def convert_causal_lm(causal_lm: keras.Model) -> keras.Model:
         `export_generator`.
 
     Raises:
-        ValueError: for a model without those two inputs (one line), and
-            whatever `convert` refuses.
+        ValueError: one line, for a model without those two inputs, one
+            holding an attention class of keras-hub's with no mapping (named
+            with why: `hub_families`), or one where `convert` keeps an
+            attention layer or converts none, and whatever `convert` refuses.
 
     Example:
 
@@ -61,7 +64,9 @@ def convert_causal_lm(causal_lm: keras.Model) -> keras.Model:
             "convert_causal_lm takes a keras-hub causal LM, inputs token_ids "
             f"and padding_mask. Received: inputs={list(names)}"
         )
+    hub_families.refuse_unmapped(causal_lm)
     converted = convert(causal_lm)
+    hub_families.refuse_unconverted(causal_lm, converted.conversion_report)
     tokens = keras.Input((None,), dtype="int32", name="tokens")
     logits = _inlined(
         converted,
@@ -72,14 +77,14 @@ def convert_causal_lm(causal_lm: keras.Model) -> keras.Model:
     return model
 
 
-def _inlined(model: Functional, inputs):
+def _inlined(model: keras.Model, inputs):
     """`model(inputs)` on symbolic `inputs` as the calls of its layers, the
     Functional models it holds inlined the same way (one called with
     arguments besides its inputs stays a call of the model)."""
 
     def call(operation, *args, **kwargs):
-        if isinstance(operation, Functional) and len(args) == 1 and not kwargs:
+        if is_functional(operation) and len(args) == 1 and not kwargs:
             return _inlined(operation, args[0])
         return operation(*args, **kwargs)
 
-    return model._run_through_graph(inputs, call_fn=call)
+    return run_through_graph(model, inputs, call)

@@ -1,5 +1,7 @@
-"""keras-hub's own attention classes (Llama's, Mistral's, Gemma's) as a
-SelfAttention with the same configuration and weights.
+"""keras-hub's own attention classes (Llama's, Mistral's, Mixtral's,
+Gemma's, Qwen 2's, Qwen MoE's, Phi-3's and SmolLM3's) as a SelfAttention
+with the same configuration and weights (Qwen's query, key and value biases
+included).
 
 Each class is a row of `CLASSES`: where its settings are (heads, rotary
 embedding, scale, soft-cap, sliding window) and where its `EinsumDense`
@@ -22,6 +24,9 @@ from collections.abc import Callable
 import keras
 import numpy as np
 
+from keras_selfattn._from_keras import refuse
+from keras_selfattn._keras_private import hub_attribute
+
 
 @dataclasses.dataclass(frozen=True)
 class HubAttention:
@@ -33,7 +38,8 @@ class HubAttention:
         heads_first: Whether the query, key and value kernels are
             `(heads, features, head_dim)` (Gemma's) rather than `(features,
             heads, head_dim)`.
-        rotary: The attribute of its rotary embedding layer.
+        rotary: The attribute of its keras-hub `RotaryEmbedding`; None where
+            `arguments` gives the rotary settings (SmolLM3's own embedding).
         arguments: `(layer, block) -> dict` of SelfAttention's arguments
             other than the sizes, read off the layer and the block holding
             it (Mistral's block holds its sliding window).
@@ -44,7 +50,7 @@ class HubAttention:
 
     projections: dict
     heads_first: bool
-    rotary: str
+    rotary: str | None
     arguments: Callable
     band_in_mask: bool = False
 
@@ -52,7 +58,7 @@ class HubAttention:
 def _no_output_dropout(layer, rate: float) -> None:
     """Llama's and Mistral's dropout is on the attention output."""
     if rate:
-        _refuse(
+        refuse(
             layer,
             "its dropout applies to the attention output, SelfAttention's to "
             "the attention weights",
@@ -65,8 +71,53 @@ def _llama(layer, block) -> dict:
 
 
 def _mistral(layer, block) -> dict:
-    _no_output_dropout(layer, layer._dropout)
+    _no_output_dropout(layer, layer.get_config()["dropout"])
     return {"sliding_window": getattr(block, "sliding_window", None)}
+
+
+def _qwen(layer, block) -> dict:
+    """Qwen 2's (and Qwen MoE's): Llama's, with query, key and value biases
+    (the output projection's, absent, is zero)."""
+    _no_output_dropout(layer, layer.dropout)
+    if layer.use_sliding_window_attention:
+        refuse(
+            layer,
+            "keras-hub applies its sliding window on its unfused path only "
+            "(its fused attention drops it: Qwen 2's on JAX and PyTorch, Qwen "
+            "MoE's on GPUs)",
+        )
+    return {"use_bias": True}
+
+
+def _phi3(layer, block) -> dict:
+    _no_output_dropout(layer, layer.dropout)
+    if layer.rope_scaling_type is not None:
+        refuse(
+            layer,
+            f"its rotary embedding scales frequencies (rope_scaling_type="
+            f"{layer.rope_scaling_type!r}); SelfAttention's scales positions only",
+        )
+    return {}
+
+
+def _smollm3(layer, block) -> dict:
+    """SmolLM3's: Llama's with its own rotary embedding (the same rotation),
+    none on the layers `rope_layer_enabled_list` leaves out."""
+    rope = hub_attribute(layer, "rotary_embedding")
+    if rope.partial_rotary_factor != 1 or rope.attention_scaling != 1:
+        refuse(
+            layer,
+            "its rotary embedding turns part of each head (partial_rotary_factor="
+            f"{rope.partial_rotary_factor}); SelfAttention's turns whole heads",
+        )
+    depth = rope.inv_freq.shape[0] * 2
+    expected = rope.rope_theta ** -(np.arange(0, depth, 2) / depth)
+    if not np.allclose(keras.ops.convert_to_numpy(rope.inv_freq), expected):
+        refuse(layer, "its rotary embedding's inv_freq weights are not rope_theta's")
+    return {
+        "use_bias": bool(layer.attention_bias),
+        "rope_max_wavelength": float(rope.rope_theta) if layer.use_rope else None,
+    }
 
 
 def _gemma(layer, block) -> dict:
@@ -89,6 +140,7 @@ _UNDERSCORED = {
     "value": "_value_dense",
     "output": "_output_dense",
 }
+_PUBLIC = {name: attribute[1:] for name, attribute in _UNDERSCORED.items()}
 CLASSES = {
     "LlamaAttention": HubAttention(
         _UNDERSCORED, False, "rotary_embedding_layer", _llama
@@ -97,15 +149,24 @@ CLASSES = {
         _UNDERSCORED, False, "rotary_embedding_layer", _mistral, band_in_mask=True
     ),
     "CachedGemmaAttention": HubAttention(
-        {
-            "query": "query_dense",
-            "key": "key_dense",
-            "value": "value_dense",
-            "output": "output_dense",
-        },
+        _PUBLIC,
         True,
         "rope_layer",
         _gemma,
+    ),
+    "QwenAttention": HubAttention(_UNDERSCORED, False, "rotary_embedding_layer", _qwen),
+    "QwenMoeAttention": HubAttention(
+        {**_PUBLIC, "output": "_output_dense"}, False, "rotary_embedding_layer", _qwen
+    ),
+    "CachedMixtralAttention": HubAttention(
+        _PUBLIC, False, "rotary_embedding_layer", _mistral, band_in_mask=True
+    ),
+    "Phi3Attention": HubAttention(_PUBLIC, False, "rotary_embedding_layer", _phi3),
+    "SmolLM3Attention": HubAttention(
+        {"query": "q_proj", "key": "k_proj", "value": "v_proj", "output": "o_proj"},
+        False,
+        None,
+        _smollm3,
     ),
 }
 
@@ -118,19 +179,12 @@ def row(layer) -> HubAttention | None:
     return CLASSES.get(cls.__name__)
 
 
-def _refuse(layer, why: str) -> None:
-    raise ValueError(
-        f"Cannot convert {type(layer).__name__} '{layer.name}' to SelfAttention: "
-        f"{why}. Received: layer={layer.name!r}"
-    )
-
-
 def _kernels(layer, spec: HubAttention) -> dict:
     """The kernels in SelfAttention's layout: `(features, heads * head_dim)`
     and `(heads * head_dim, output)`."""
     kernels = {}
     for name, attribute in spec.projections.items():
-        value = keras.ops.convert_to_numpy(getattr(layer, attribute).kernel)
+        value = keras.ops.convert_to_numpy(hub_attribute(layer, attribute).kernel)
         if name == "output":
             kernels[name] = value.reshape(-1, value.shape[-1])
             continue
@@ -141,16 +195,18 @@ def _kernels(layer, spec: HubAttention) -> dict:
 
 
 def _rotary(layer, spec: HubAttention) -> dict:
-    rope = getattr(layer, spec.rotary)
+    if spec.rotary is None:
+        return {}  # `spec.arguments` gives it
+    rope = hub_attribute(layer, spec.rotary)
     for name in ("frequency_adjustment_factor", "low_freq_factor"):
         if getattr(rope, name, None) is not None:
-            _refuse(
+            refuse(
                 layer,
                 f"its rotary embedding adjusts frequencies (Llama 3.1's {name}="
                 f"{getattr(rope, name)}); SelfAttention's scales positions only",
             )
     if (rope.sequence_axis, rope.feature_axis) not in ((1, -1), (1, 3)):
-        _refuse(layer, "its rotary embedding rotates other axes than time and depth")
+        refuse(layer, "its rotary embedding rotates other axes than time and depth")
     return {
         "rope_max_wavelength": float(rope.max_wavelength),
         "rope_scaling_factor": float(rope.scaling_factor),
@@ -171,18 +227,19 @@ def from_keras_hub(cls, layer, block):
     """
     spec = row(layer)
     if spec is None:
-        _refuse(layer, "it is not one of keras-hub's " + ", ".join(sorted(CLASSES)))
+        refuse(layer, "it is not one of keras-hub's " + ", ".join(sorted(CLASSES)))
     if not layer.built:
-        _refuse(layer, "it is not built")
+        refuse(layer, "it is not built")
     if any(
-        getattr(getattr(layer, attribute), "quantization_mode", None)
+        getattr(hub_attribute(layer, attribute), "quantization_mode", None)
         for attribute in spec.projections.values()
     ):
-        _refuse(layer, "it is quantized: convert the float model, then quantize")
+        refuse(layer, "it is quantized: convert the float model, then quantize")
     kernels = _kernels(layer, spec)
     features, heads_width = kernels["query"].shape
-    query = getattr(layer, spec.projections["query"]).kernel
-    head_dim = int(query.shape[-1])
+    # Every output kernel is `(heads, head_dim, output)`.
+    output = hub_attribute(layer, spec.projections["output"]).kernel
+    head_dim = int(output.shape[-2])
     heads = heads_width // head_dim
     key_value_heads = kernels["key"].shape[1] // head_dim
     arguments = spec.arguments(layer, block)
@@ -201,23 +258,11 @@ def from_keras_hub(cls, layer, block):
     sa.build((None, None, features))
     for name, kernel in kernels.items():
         getattr(sa, f"{name}_dense").kernel.assign(kernel)
+    if sa.use_bias:
+        for name, attribute in spec.projections.items():
+            bias = hub_attribute(layer, attribute).bias
+            if bias is not None:
+                getattr(sa, f"{name}_dense").bias.assign(
+                    np.reshape(keras.ops.convert_to_numpy(bias), (-1,))
+                )
     return sa
-
-
-def mask_is_causal(calls: list[dict], layer, window: int | None) -> bool:
-    """Whether every recorded call of `layer` was given the causal mask as
-    its `attention_mask` (within `window` where its block puts the band
-    there): the example run pads nothing."""
-    if not row(layer).band_in_mask:
-        window = None
-    for call in calls:
-        mask = call.get("attention_mask")
-        if mask is None or len(mask.shape) != 3:
-            return False
-        mask = keras.ops.convert_to_numpy(mask).astype(bool)
-        queries, keys = mask.shape[-2:]
-        i, j = np.arange(queries)[:, None], np.arange(keys)[None, :]
-        expected = (j <= i) & ((i - j) < (window or keys + 1))
-        if queries != keys or not (mask == expected).all():
-            return False
-    return True

@@ -2,24 +2,32 @@
 place of every self-attention call of Keras's attention layers, at the top
 level (here) or inside other layers (`blocks`, behind an adapter).
 
-The graph is rerun node by node (`Function._run_through_graph`, what
+The graph is rerun node by node (`_keras_private.run_through_graph`, what
 `keras.models.clone_model` runs): each layer is copied (its config, then its
 weights), nested models are converted in turn, and each layer of
-`layer.CONVERTIBLE` whose every call in the model is a self-attention call
-becomes the SelfAttention of `layer.from_multi_head_attention`.
+`_from_keras.CONVERTIBLE` whose every call in the model is a self-attention
+call becomes the SelfAttention of `_from_keras.from_multi_head_attention`.
+The attention inside other layers is then recorded on one run of that new
+model and put behind adapters: the user's model is only read.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 
 import keras
-from keras.src import backend as keras_backend
-from keras.src.models.functional import Functional
 
+from keras_selfattn import _from_keras
+from keras_selfattn._keras_private import (
+    get_keras_mask,
+    input_layer_name,
+    is_functional,
+    nodes,
+    run_through_graph,
+)
 from keras_selfattn.migration import blocks, configs, hub_attention
-from keras_selfattn.migration import layer as layer_lib
 from keras_selfattn.migration.adapter import MultiHeadAttentionAdapter
 from keras_selfattn.migration.hub_adapter import KerasHubAttentionAdapter
 from keras_selfattn.self_attention import SelfAttention
@@ -64,20 +72,6 @@ def _bound(node) -> dict:
     return {k: v for k, v in bound.arguments.items() if k != "self"}
 
 
-def _why_not(calls: list[dict]) -> str | None:
-    """Why calls of one layer cannot become one SelfAttention's, or None."""
-    for call in calls:
-        query = call["query"]
-        if call["value"] is not query or call.get("key", query) not in (None, query):
-            return "a cross-attention call (query, key and value differ) stays"
-        given = [m for m in ("query_mask", "value_mask", "key_mask") if m in call]
-        if given:
-            return f"a call passes {given[0]} (SelfAttention takes the Keras mask)"
-    if len({bool(call.get("use_causal_mask")) for call in calls}) > 1:
-        return "its calls differ in use_causal_mask"
-    return None
-
-
 def _described(sa: SelfAttention) -> str:
     """How the report names a converted layer's SelfAttention."""
     extras = "".join(
@@ -95,17 +89,16 @@ def _described(sa: SelfAttention) -> str:
 def _known(attention) -> bool:
     """keras-hub's CachedMultiHeadAttention: its own call adds only its
     cache, which the adapter passes on in the same layout."""
-    cls = type(attention)
-    return cls.__name__ == "CachedMultiHeadAttention" and cls.__module__.startswith(
-        "keras_hub."
+    keras_hub = sys.modules.get("keras_hub")  # imported where a layer is its
+    return keras_hub is not None and type(attention) is getattr(
+        getattr(keras_hub, "layers", None), "CachedMultiHeadAttention", None
     )
 
 
 def _input_like(x) -> keras.KerasTensor:
     """A new `keras.Input` like the model input `x`, its layer's name kept
     (exports name their inputs after it)."""
-    name = x._keras_history.operation.name
-    return keras.Input(batch_shape=x.shape, dtype=x.dtype, name=name)
+    return keras.Input(batch_shape=x.shape, dtype=x.dtype, name=input_layer_name(x))
 
 
 def _keras_adapter(attention, calls):
@@ -134,7 +127,8 @@ def _hub_adapter(attention, parent, calls):
         sa = hub_attention.from_keras_hub(SelfAttention, attention, parent)
     except ValueError as error:
         return None, str(error).split(". Received")[0]
-    if not hub_attention.mask_is_causal(calls, attention, sa.sliding_window):
+    window = sa.sliding_window if hub_attention.row(attention).band_in_mask else None
+    if not blocks.causal_mask_given(calls, window):
         return None, (
             "its attention_mask on the example run was not its decoder's causal mask"
         )
@@ -146,16 +140,17 @@ def _hub_adapter(attention, parent, calls):
 
 
 class _Converter:
-    def __init__(self, report: ConversionReport, calls: dict):
+    def __init__(self, report: ConversionReport):
         self.report = report
-        self.calls = calls  # id(attention inside a layer) -> its calls
+        self.calls = {}  # id(attention inside an original layer) -> its calls
         self.copies = {}  # id(original) -> (original, new layer)
         self.adapters = {}  # id(attention inside a layer) -> its adapter
+        self.blocks = []  # (original, its copy, name): attention inside
 
     def model(self, model: keras.Model, path: str) -> keras.Model:
         if isinstance(model, keras.Sequential):
             return self._sequential(model, path)
-        if not isinstance(model, Functional):
+        if not is_functional(model):
             raise ValueError(
                 f"convert rebuilds Functional and Sequential models; "
                 f"'{model.name}' is a subclassed {type(model).__name__}: convert "
@@ -174,9 +169,9 @@ class _Converter:
         name = f"{path}{layer.name}"
         if isinstance(layer, keras.Model):
             new = self.model(layer, f"{name}/")
-        elif type(layer) in layer_lib.CONVERTIBLE and calls is not None:
+        elif type(layer) in _from_keras.CONVERTIBLE and calls is not None:
             new = self._attention(layer, name, calls)
-        elif isinstance(layer, layer_lib.CONVERTIBLE):
+        elif isinstance(layer, _from_keras.CONVERTIBLE):
             self.report.kept.append(
                 f"{name}: a subclass, {type(layer).__name__}, whose call may "
                 "differ (SelfAttention.from_multi_head_attention converts it "
@@ -185,19 +180,13 @@ class _Converter:
             new = configs.copy(layer)
         else:
             new = configs.copy(layer)
-            if blocks.holds_attention(layer):
-                self._block(layer, new, name)
-            for inner in blocks.other_attention(layer):
-                self.report.kept.append(
-                    f"{name}/{inner.name}: {type(inner).__name__} is its own "
-                    "attention class, not a MultiHeadAttention: it does not "
-                    "convert yet"
-                )
+            self._build_like(layer, new)
+            self.blocks.append((layer, new, name))
         self.copies[id(layer)] = (layer, new)
         return new
 
     def _attention(self, layer, name: str, calls: list[dict]):
-        why = _why_not(calls)
+        why = blocks.why_not(calls, in_block=False)
         if why is not None:
             self.report.kept.append(f"{name}: {why}")
             return configs.copy(layer)
@@ -208,13 +197,50 @@ class _Converter:
         )
         return sa
 
-    def _block(self, layer, new, name: str) -> None:
-        """Puts an adapter in `new` (the copy of `layer`) for each attention
-        layer inside that the model calls as self-attention."""
-        # keras-hub's layers create their sublayers in `build`.
+    @staticmethod
+    def _build_like(layer, new) -> None:
+        """Builds the copy `new` of a layer holding attention as `layer` is
+        built: keras-hub's layers create their sublayers in `build`."""
+        if not blocks.holds_attention(layer):
+            return
         own_build = not getattr(type(layer).build, "_is_default", False)
         if own_build and layer.built and not new.built and layer.get_build_config():
             new.build_from_config(layer.get_build_config())
+
+    def record(self, new_model: keras.Model) -> None:
+        """Records how each attention layer inside a block is called, on one
+        run of `new_model` (the package's own copy, its weights copied) on
+        example inputs: the calls of each copy's attention are its
+        original's."""
+        pairs = [
+            (attention, blocks.at(new, place))
+            for layer, new, _ in self.blocks
+            for place, attention in blocks.attention_places(layer)
+        ]
+        if not pairs:
+            return
+        copies = {id(copy): copy for _, copy in pairs}
+        with blocks.record_calls(list(copies.values())) as calls:
+            new_model(blocks.example_inputs(new_model), training=False)
+        for attention, copy in pairs:
+            self.calls.setdefault(id(attention), []).extend(calls.get(id(copy), ()))
+
+    def adapt_blocks(self) -> None:
+        """Puts the adapters in the copies of the layers holding attention,
+        and names in the report the attention classes that do not convert."""
+        for layer, new, name in self.blocks:
+            if blocks.holds_attention(layer):
+                self._block(layer, new, name)
+            for inner in blocks.other_attention(layer):
+                self.report.kept.append(
+                    f"{name}/{inner.name}: {type(inner).__name__} is its own "
+                    "attention class, not a MultiHeadAttention: it does not "
+                    "convert yet"
+                )
+
+    def _block(self, layer, new, name: str) -> None:
+        """Puts an adapter in `new` (the copy of `layer`) for each attention
+        layer inside that the model calls as self-attention."""
         adapters = {}
         for place, attention in blocks.attention_places(layer):
             label = f"{name}/{attention.name}"
@@ -242,7 +268,7 @@ class _Converter:
         calls = self.calls.get(id(attention))
         if hub_attention.row(attention) is not None:
             adapter, why = _hub_adapter(attention, parent, calls)
-        elif type(attention) not in layer_lib.CONVERTIBLE and not _known(attention):
+        elif type(attention) not in _from_keras.CONVERTIBLE and not _known(attention):
             return None, (
                 f"a subclass, {type(attention).__name__}, whose call may differ "
                 "(SelfAttention.from_multi_head_attention converts it where it "
@@ -269,10 +295,9 @@ class _Converter:
 
     def _functional(self, model, path: str) -> keras.Model:
         calls = {}
-        for nodes in model._nodes_by_depth.values():
-            for node in nodes:
-                if type(node.operation) in layer_lib.CONVERTIBLE:
-                    calls.setdefault(id(node.operation), []).append(_bound(node))
+        for node in nodes(model):
+            if type(node.operation) in _from_keras.CONVERTIBLE:
+                calls.setdefault(id(node.operation), []).append(_bound(node))
         inputs = keras.tree.map_structure(_input_like, model.input)
 
         def call(layer, *args, **kwargs):
@@ -282,7 +307,7 @@ class _Converter:
             call = _CALL.bind(None, *args, **kwargs).arguments
             query = call["query"]
             kept = {k: call[k] for k in _KEPT if k in call}
-            mask = keras_backend.get_keras_mask(query)
+            mask = get_keras_mask(query)
             if mask is not None:
                 self.report.padded = True
                 if "attention_mask" in kept:
@@ -290,7 +315,7 @@ class _Converter:
                     kept["mask"] = mask
             return new(query, **kept)
 
-        outputs = model._run_through_graph(inputs, call_fn=call)
+        outputs = run_through_graph(model, inputs, call)
         return keras.Model(inputs, outputs, name=model.name)
 
     def copy_weights(self) -> None:
@@ -352,18 +377,10 @@ def convert(model: keras.Model) -> keras.Model:
             f"convert takes a keras.Model. Received: model={type(model).__name__}"
         )
     report = ConversionReport()
-    inside = {
-        id(attention): attention
-        for layer in model._flatten_layers(include_self=False)
-        if not isinstance(layer, keras.Model)
-        for _, attention in blocks.attention_places(layer)
-    }
-    calls = {}
-    if inside:
-        with blocks.record_calls(list(inside.values())) as calls:
-            model(blocks.example_inputs(model), training=False)
-    converter = _Converter(report, calls)
+    converter = _Converter(report)
     new = converter.model(model, "")
     converter.copy_weights()
+    converter.record(new)
+    converter.adapt_blocks()
     new.conversion_report = report
     return new

@@ -1,6 +1,7 @@
-"""The key/value cache for decoding: its layout, and the one door callers
-use to its checks (`checks`), its writes (`writes`) and its
-layout under the modes of `keras_selfattn.tracing` (`modes`).
+"""The key/value cache for decoding: its layout, its classes (`layouts`:
+one per layout, each with its write and read, built by the caller), and
+the one door callers use to its checks (`checks`), its writes (`writes`)
+and where a call runs (`environment`).
 
 A cache holds the keys and values of every position decoded so far, in one
 tensor of shape `(batch, 2, max_length, num_key_value_heads, key_dim)`:
@@ -23,26 +24,32 @@ from keras_selfattn.attention.cache.checks import (
     check_no_index,
     index_of,
 )
-from keras_selfattn.attention.cache.modes import (
-    max_length,
-    to_time_major,
-    views_pay,
+from keras_selfattn.attention.cache.layouts import (
+    Cache,
+    CheckedCache,
+    ConverterCache,
+    GatheredCache,
+    TimeMajorCache,
+    TorchInPlaceCache,
+    wrapped,
 )
-from keras_selfattn.attention.cache.writes import update
 
 # What callers reach through this module besides the layout.
 __all__ = [
+    "Cache",
+    "CheckedCache",
+    "ConverterCache",
+    "GatheredCache",
     "Guard",
+    "TimeMajorCache",
+    "TorchInPlaceCache",
     "check_call",
     "check_dtype",
     "check_no_index",
     "empty",
     "index_of",
-    "max_length",
     "shape",
-    "to_time_major",
-    "update",
-    "views_pay",
+    "wrapped",
 ]
 
 

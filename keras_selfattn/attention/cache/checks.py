@@ -18,17 +18,12 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_selfattn import tracing
-from keras_selfattn.attention.cache import modes
-
 
 def check(cache, num_heads: int, head_dim: int, dtype: str, layer_name: str) -> None:
-    """Raises ValueError unless `cache` has the layout above (where known) and
-    the layer's compute dtype `dtype`."""
-    cache_shape = tuple(cache.shape)
-    expected = (None, 2, None, num_heads, head_dim)
-    if tracing.active(tracing.TIME_MAJOR):
-        expected = (2, None, None, num_heads, head_dim)
+    """Raises ValueError unless the `layouts.Cache` `cache` has its layout's
+    shape (where known) and the layer's compute dtype `dtype`."""
+    cache_shape = cache.shape
+    expected = cache.expected_shape(num_heads, head_dim)
     if len(cache_shape) != 5 or any(
         want is not None and isinstance(have, int) and have != want
         for have, want in zip(cache_shape, expected, strict=False)
@@ -134,11 +129,9 @@ def check_fit(index: int, new, max_length, layer_name: str) -> None:
 
 
 def check_batch(inputs, cache, layer_name: str) -> None:
-    """Raises ValueError if `inputs` and `cache` have known, different batches."""
-    batch, cache_batch = (
-        tuple(inputs.shape)[0],
-        tuple(cache.shape)[modes.batch_axis()],
-    )
+    """Raises ValueError if `inputs` and the `layouts.Cache` `cache` have
+    known, different batches."""
+    batch, cache_batch = tuple(inputs.shape)[0], cache.batch_size
     if isinstance(batch, int) and isinstance(cache_batch, int) and batch != cache_batch:
         raise ValueError(
             f"SelfAttention '{layer_name}': `cache` must have the batch size of "
@@ -184,10 +177,8 @@ class Guard:
     @classmethod
     def of(cls, inputs, cache, index, layer_name: str) -> Guard:
         """The checks of `index` (a Python int already range-checked, or an
-        int32 tensor), the inputs' batch and time, and the cache's shape;
-        none in `tracing.CHECKED_BY_CALLER`."""
-        if tracing.active(tracing.CHECKED_BY_CALLER):
-            return cls(inputs, cache, None)
+        int32 tensor), the inputs' batch and time, and the batch-major cache
+        tensor's shape."""
         batch, new = tuple(inputs.shape)[:2]
         cache_shape = tuple(cache.shape)
         max_length = cache_shape[2]
@@ -254,10 +245,10 @@ def _tf_assert(inputs, cache, index, valid, layer_name: str):
 def check_call(
     layer, inputs, cache, index, attention_mask, return_attention_scores: bool
 ):
-    """Checks a call of the built SelfAttention `layer` with a `cache` (not
-    None), and converts its `cache_update_index` `index` once: the call reads
-    the value this returns, never `index` again (reading an eager tensor's
-    value waits for the device).
+    """Checks a call of the built SelfAttention `layer` with a
+    `layouts.Cache` `cache`, and converts its `cache_update_index` `index`
+    once: the call reads the value this returns, never `index` again
+    (reading an eager tensor's value waits for the device).
 
     Returns:
         `index` as `index_of` converts it: a Python int when its value is
@@ -296,7 +287,7 @@ def check_call(
     check_batch(inputs, cache, layer_name)
     index = index_of(index, layer_name)
     if isinstance(index, int):
-        check_fit(index, tuple(inputs.shape)[1], modes.max_length(cache), layer_name)
+        check_fit(index, tuple(inputs.shape)[1], cache.max_length, layer_name)
     return index
 
 

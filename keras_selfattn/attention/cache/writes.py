@@ -1,100 +1,24 @@
 """The writes of a cached call's new keys and values into its cache, and
-the keys and values the call then attends.
+the keys and values the call then attends (`attended`).
 
-How a call writes is chosen by one table, `WRITES`, from the static facts
-of the call (`WriteFacts`: backend, layout, flags, whether a `Guard` may
-refuse it), as `dispatch` chooses attention: each write declares what it
-cannot do, and `choose` takes the first that nothing rules out, in the
-order in_place, torch_in_place, gathered, strided, sliced, selected.
+Each cache class (`layouts`) writes with the one function its layout
+needs: `in_place` (time-major, TensorFlow's InplaceUpdate),
+`torch_in_place` (eager PyTorch tensors), `gathered` (one gather, for
+converters without a dynamic update slice and JAX's shape-polymorphic
+export), `strided` (TensorFlow's TensorStridedSliceUpdate, for graphs
+that XLA does not compile), `sliced` (Keras's `slice_update`) and
+`selected` (the whole updated cache selected, for torch.export); each
+takes `(cache, key, value, index, valid)` and returns the cache.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-
 import keras
 from keras import ops
 
-from keras_selfattn import tracing
 from keras_selfattn.attention import masks, nan_safe
-from keras_selfattn.attention.cache import modes
+from keras_selfattn.attention.cache import environment
 from keras_selfattn.attention.cache.checks import is_static, size
-
-
-@dataclasses.dataclass(frozen=True)
-class WriteFacts:
-    """The static facts of one cached call that decide how it writes.
-
-    Attributes:
-        backend: The Keras backend.
-        time_major: Whether the call is traced in `tracing.TIME_MAJOR`.
-        symbolic_length: Whether JAX traces the number of new positions as
-            a symbol (shape-polymorphic export).
-        gathered: Whether the call is traced in `tracing.GATHERED_WRITES`.
-        guarded: Whether a run-time check may refuse the write (`valid`).
-        converter: Whether TensorFlow traces it for a converter.
-        outside_xla: Whether it is traced into a TensorFlow graph that XLA
-            does not compile.
-        torch_eager: Whether PyTorch runs it eagerly (not tracing,
-            exporting or compiling it).
-        checked_by_caller: Whether it is traced in `tracing.CHECKED_BY_CALLER`.
-    """
-
-    backend: str
-    time_major: bool
-    symbolic_length: bool
-    gathered: bool
-    guarded: bool
-    converter: bool
-    outside_xla: bool
-    torch_eager: bool
-    checked_by_caller: bool
-
-    @classmethod
-    def of(cls, key, valid) -> WriteFacts:
-        """The facts of a call writing `key` (and its values) under `valid`."""
-        backend = keras.backend.backend()
-        return cls(
-            backend=backend,
-            time_major=tracing.active(tracing.TIME_MAJOR),
-            symbolic_length=backend == "jax" and not is_static(ops.shape(key)[1]),
-            gathered=tracing.active(tracing.GATHERED_WRITES),
-            guarded=valid is not None,
-            converter=tracing.active(tracing.FOR_CONVERTER),
-            outside_xla=modes.outside_xla(),
-            torch_eager=modes.torch_eager(),
-            checked_by_caller=tracing.active(tracing.CHECKED_BY_CALLER),
-        )
-
-
-# What a write cannot do: a predicate over the facts, and the reason (a
-# `str.format` template over the facts' fields).
-Limit = tuple[Callable[[WriteFacts], bool], str]
-
-
-@dataclasses.dataclass(frozen=True)
-class Write:
-    """One way to write a call's keys and values, and what it cannot do.
-
-    Attributes:
-        name: Its name.
-        fn: `fn(cache, key, value, index, valid) -> cache`, the cache in the
-            layout the facts give it.
-        cannot: The `Limit`s that rule it out for a call.
-    """
-
-    name: str
-    fn: Callable
-    cannot: tuple[Limit, ...] = ()
-
-    def reasons(self, facts: WriteFacts) -> list[str]:
-        """Why it cannot serve a call with these facts (empty: it can)."""
-        return [
-            reason.format(**vars(facts))
-            for rules_out, reason in self.cannot
-            if rules_out(facts)
-        ]
 
 
 def _index_dtype() -> str:
@@ -133,12 +57,12 @@ def _kept(cache, new, start, valid):
     return nan_safe.where(valid, new, old)
 
 
-def _write_in_place(cache, key, value, index, valid):
+def in_place(cache, key, value, index, valid):
     """The time-major cache `(2, L, B, G, K)` with one new position written
     at `index`, in the cache's own buffer (`_tf_write_in_place`)."""
     if key.shape[1] != 1:
         raise ValueError(
-            "A time-major cache (tracing.TIME_MAJOR) decodes one position per "
+            "A time-major cache (TimeMajorCache) decodes one position per "
             "call. Received: "
             f"key.shape={tuple(key.shape)}"
         )
@@ -146,12 +70,12 @@ def _write_in_place(cache, key, value, index, valid):
     return _tf_write_in_place(cache, new, index)
 
 
-def _write_torch_in_place(cache, key, value, index, valid):
+def torch_in_place(cache, key, value, index, valid):
     """The cache with the new positions written at `index` into its own
     tensor, where Keras's `slice_update` clones the whole cache first (a
-    copy of every layer's cache on every step). For eager PyTorch calls in
-    `tracing.CHECKED_BY_CALLER`: the generation loop's steps, whose caches
-    only these writes read (the keys and values attended are views of the
+    copy of every layer's cache on every step). For eager PyTorch calls on
+    a `TorchInPlaceCache`: the generation loop's steps, whose caches only
+    these writes read (the keys and values attended are views of the
     cache up to the new positions; the next step writes after them)."""
     start = int(index)
     end = start + key.shape[1]
@@ -161,24 +85,24 @@ def _write_torch_in_place(cache, key, value, index, valid):
     return cache
 
 
-def _write_gathered(cache, key, value, index, valid):
+def gathered(cache, key, value, index, valid):
     start = ops.cast(index, _index_dtype())
     return _gather_write(cache, _stacked(cache, key, value), start, valid)
 
 
-def _write_strided(cache, key, value, index, valid):
+def strided(cache, key, value, index, valid):
     new = _stacked(cache, key, value)
     start = _clamped(cache, new, index, valid)
     return _tf_strided_write(cache, _kept(cache, new, start, valid), start)
 
 
-def _write_sliced(cache, key, value, index, valid):
+def sliced(cache, key, value, index, valid):
     new = _stacked(cache, key, value)
     start = _clamped(cache, new, index, valid)
     return ops.slice_update(cache, _starts(start), _kept(cache, new, start, valid))
 
 
-def _write_selected(cache, key, value, index, valid):
+def selected(cache, key, value, index, valid):
     """Keras's torch slice narrows by tensor sizes, which torch.export
     cannot trace (data-dependent shapes): the whole updated cache is
     selected instead (the update copies it anyway)."""
@@ -186,75 +110,6 @@ def _write_selected(cache, key, value, index, valid):
     start = _clamped(cache, new, index, valid)
     updated = ops.slice_update(cache, _starts(start), new)
     return nan_safe.where(valid, updated, cache)
-
-
-# In the order `choose` prefers them; the last serves every call.
-WRITES = {
-    "in_place": Write(
-        "in_place",
-        _write_in_place,
-        cannot=((lambda f: not f.time_major, "the cache is not time-major"),),
-    ),
-    "torch_in_place": Write(
-        "torch_in_place",
-        _write_torch_in_place,
-        cannot=(
-            (lambda f: not f.torch_eager, "it writes into eager PyTorch tensors"),
-            (
-                lambda f: not f.checked_by_caller or f.guarded,
-                "only a caller that owns the cache and checked the index "
-                "(tracing.CHECKED_BY_CALLER) may have it written in place",
-            ),
-        ),
-    ),
-    "gathered": Write(
-        "gathered",
-        _write_gathered,
-        cannot=(
-            (
-                lambda f: not (f.symbolic_length or f.gathered),
-                "a slice fits a known number of new positions, and no "
-                "converter asked for gathers (tracing.GATHERED_WRITES)",
-            ),
-        ),
-    ),
-    "strided": Write(
-        "strided",
-        _write_strided,
-        cannot=(
-            (
-                lambda f: f.backend != "tensorflow",
-                "TensorStridedSliceUpdate is TensorFlow's",
-            ),
-            (
-                # TensorFlow's converters take XlaDynamicUpdateSlice, not
-                # TensorStridedSliceUpdate (`tracing.FOR_CONVERTER`).
-                lambda f: f.converter,
-                "TensorFlow's converters take no TensorStridedSliceUpdate",
-            ),
-            (
-                lambda f: not f.outside_xla,
-                "XlaDynamicUpdateSlice runs where XLA compiles or eagerly",
-            ),
-        ),
-    ),
-    "sliced": Write(
-        "sliced",
-        _write_sliced,
-        cannot=(
-            (
-                lambda f: f.guarded and f.backend == "torch",
-                "torch.export cannot trace a guarded torch slice's sizes",
-            ),
-        ),
-    ),
-    "selected": Write("selected", _write_selected),
-}
-
-
-def choose(facts: WriteFacts) -> Write:
-    """The first write in `WRITES` that nothing rules out for `facts`."""
-    return next(write for write in WRITES.values() if not write.reasons(facts))
 
 
 def _gather_write(cache, new, start, valid):
@@ -301,34 +156,46 @@ def _tf_strided_write(cache, new, start):
     )
 
 
-def update(cache, key, value, index, valid=None, padding=None):
-    """Writes the new positions' keys and values into the cache.
+def portable(cache, key, value, index, valid):
+    """The write that every runtime and converter takes: a gather where JAX
+    traces the number of new positions as a symbol (shape-polymorphic
+    export: a slice cannot be proven to fit), a selected update where
+    torch.export traces a guarded call, else Keras's `slice_update`."""
+    if keras.backend.backend() == "jax" and not is_static(ops.shape(key)[1]):
+        return gathered(cache, key, value, index, valid)
+    if valid is not None and keras.backend.backend() == "torch":
+        return selected(cache, key, value, index, valid)
+    return sliced(cache, key, value, index, valid)
+
+
+def time_major_attended(cache, index):
+    """The keys and values of positions `0 .. index` of a time-major cache
+    `(2, L, B, G, K)`, `(index + 1, B, G, K)` each: views of its buffer
+    where TensorFlow reads a leading slice."""
+    end = ops.add(index, 1)
+    return cache[0][:end], cache[1][:end]
+
+
+def attended(cache, key, index, padding=None, checked: bool = False):
+    """The keys and values a call attends after writing `key` at `index`.
 
     Args:
-        cache: `(B, 2, L, G, K)`, or in `tracing.TIME_MAJOR` `(2, L, B, G,
-            K)` (then one new position, and the keys and values returned
-            are those of positions `0 .. index`, `(index + 1, B, G, K)`).
-        key: `(B, Tn, G, K)`, the keys of positions `index .. index + Tn - 1`.
-        value: `(B, Tn, G, K)`, their values.
+        cache: `(B, 2, L, G, K)`, written.
+        key: `(B, Tn, G, K)`, the keys written at `index .. index + Tn - 1`.
         index: The first new position (an int or a scalar int32 tensor).
-        valid: None, or a bool scalar: where False the cache is left as it
-            was (the write is clamped into range and writes the old values,
-            or on torch is not selected).
         padding: None, or bool `(B, L)`, False at padded positions.
+        checked: Whether the caller checked the call and keeps zeros in
+            every slot no query may attend (then nothing is clamped or
+            zeroed).
 
     Returns:
-        Tuple (the updated cache, keys `(B, Lk, G, K)`, values): the keys and
-        values of positions `0 .. Lk - 1` for attention, with `Lk = index +
-        Tn` where sizes may depend on `index` (eager calls, TensorFlow graphs
-        without XLA) and else `L`. Positions no query of the call may attend
-        (padded ones, and those >= index + Tn) read zero, whatever the cache
-        holds there, so their values (NaN, inf) change no output.
+        Tuple (keys `(B, Lk, G, K)`, values): those of positions `0 .. Lk
+        - 1`, with `Lk = index + Tn` where sizes may depend on `index`
+        (eager calls, TensorFlow graphs without XLA) and else `L`.
+        Positions no query of the call may attend (padded ones, and those
+        >= index + Tn) read zero, whatever the cache holds there, so their
+        values (NaN, inf) change no output.
     """
-    cache = choose(WriteFacts.of(key, valid)).fn(cache, key, value, index, valid)
-    if tracing.active(tracing.TIME_MAJOR):
-        # The keys and values of positions 0 .. index, (index + 1, B, G, K).
-        end = ops.add(index, 1)
-        return cache, cache[0][:end], cache[1][:end]
     max_length = ops.shape(cache)[2]
     new_length = ops.shape(key)[1]
     if is_static(index) and is_static(new_length):
@@ -338,24 +205,24 @@ def update(cache, key, value, index, valid=None, padding=None):
     length, visible = None, None
     if all(is_static(n) for n in (end, max_length)):
         length = end if end < max_length else None
-    elif modes.torch_eager():
+    elif environment.torch_eager():
         # Eager PyTorch reads the index now: the keys written so far are a
         # view, and no later slot is attended (or masked). At least one key,
         # as below.
         length = int(end)
-        if not tracing.active(tracing.CHECKED_BY_CALLER):
+        if not checked:
             length = min(max(length, 1), max_length)
-    elif modes.outside_xla():
+    elif environment.outside_xla():
         # At least one key: an index out of range returns NaN (`Guard`);
-        # in `tracing.CHECKED_BY_CALLER` none is.
+        # a checked caller passes none.
         length = end
-        if not tracing.active(tracing.CHECKED_BY_CALLER):
+        if not checked:
             length = ops.minimum(ops.maximum(end, 1), max_length)
     else:
         positions = masks.positions(max_length)
         visible = ops.expand_dims(ops.less(positions, end), 0)
     keys, values = cache[:, 0, :length], cache[:, 1, :length]
-    if tracing.active(tracing.CHECKED_BY_CALLER):
+    if checked:
         # The caller's caches read zero wherever no query may attend.
         padding, visible = None, None
     if padding is not None:
@@ -364,7 +231,7 @@ def update(cache, key, value, index, valid=None, padding=None):
     if visible is not None:
         visible = ops.expand_dims(visible, (2, 3))
         keys, values = (nan_safe.zero_unless(visible, x) for x in (keys, values))
-    return cache, keys, values
+    return keys, values
 
 
 def _tf_write_in_place(cache, new, index):
@@ -374,7 +241,7 @@ def _tf_write_in_place(cache, new, index):
     which also writes in place when it may, took about 100 (batch 8, 8
     heads of 32; either way whatever `L` is). InplaceUpdate writes into
     its input even where other ops still read it, so it is for caches that
-    only this write reads: in `tracing.TIME_MAJOR`, each step's cache goes
+    only this write reads: a `TimeMajorCache`, each step's cache going
     from the loop into one layer's write, which the step's reads follow
     (the views end at `index`; the next step writes after them)."""
     import tensorflow as tf

@@ -4,8 +4,8 @@
 kernel for a float `attn_mask`, unless the mask requires grad (a learned
 bias: T5's relative bias, an `attention_bias` computed from weights, called
 with gradients recorded): its flash kernel has no gradient for the mask, so
-it falls back to its math kernel, 2.4x the unmodified layer's forward at
-B8·T512 on a 2-core AMD EPYC. `attention` runs the flash kernel forward
+it falls back to its math kernel, much slower (docs/performance.md).
+`attention` runs the flash kernel forward
 (inside an autograd Function, with the mask detached) and computes every
 gradient by hand in the backward pass, from weights recomputed there:
 

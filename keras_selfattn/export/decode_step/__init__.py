@@ -56,6 +56,7 @@ from keras_selfattn.export.decode_step.graph import (
     INDEX_NAME,
     DecodeStep,
     build_decode_step,
+    read_model,
     refuse_quantized,
 )
 from keras_selfattn.export.parity.engine import (
@@ -66,7 +67,7 @@ from keras_selfattn.export.parity.engine import (
 from keras_selfattn.export.parity.report import ParityReport
 from keras_selfattn.export.parity.rules import DEFAULT_ATOL, DEFAULT_RTOL
 from keras_selfattn.export.signature import Signature
-from keras_selfattn.generation import decode_check
+from keras_selfattn.generation import cached_model, decode_check
 from keras_selfattn_runtimes import table
 
 # What importers of the exporters find here besides them: the step and its
@@ -162,6 +163,13 @@ class DecodeStepExport(pipeline.Target):
     options: Mapping[str, object]
     checks: Mapping[str, float]
     _step: DecodeStep | None = None
+    _reading: cached_model.Reading | None = None
+
+    def _read(self) -> cached_model.Reading:
+        """The model's one reading for this export (`read_model`)."""
+        if self._reading is None:
+            self._reading = read_model(self.model)
+        return self._reading
 
     def refuse(self, export_format: str) -> None:
         row = table.BY_NAME.get(export_format)
@@ -171,7 +179,7 @@ class DecodeStepExport(pipeline.Target):
                 f"{row.decoding_refused[backend]} Received: "
                 f"export_format={export_format!r} on the {backend} backend"
             )
-        refuse_quantized(self.model, export_format, "decoding step")
+        refuse_quantized(self._read, export_format, "decoding step")
 
     def destination(
         self, export_format: str, path: str | os.PathLike
@@ -182,7 +190,7 @@ class DecodeStepExport(pipeline.Target):
 
     def build(self, export_format: str) -> Signature:
         if self._step is None:
-            self._step = build_decode_step(self.model, self.max_length)
+            self._step = build_decode_step(self.model, self.max_length, self._reading)
         return self._step.target()
 
     def check(self, staged: Mapping[str, str]) -> ParityReport:

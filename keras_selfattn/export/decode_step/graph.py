@@ -6,12 +6,13 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import keras
 import numpy as np
 
 from keras_selfattn import _checks
+from keras_selfattn.attention import cache as cache_lib
 from keras_selfattn.export import quantization
 from keras_selfattn.export.forward.graph import model_inputs, model_output_names
 from keras_selfattn.export.signature import NamedInput, Signature, vocabulary_size
@@ -35,30 +36,36 @@ class DecodeStep:
     """A model's decoding step: what it takes and returns, and how to run it.
 
     Attributes:
-        model: The user's model.
+        reading: The model read for decoding (`cached_model.read`).
         input: The model's input, with dynamic batch and time axes.
         output_name: Name of the model's output.
-        layers: The SelfAttention layers, in call order.
         max_length: The caches' length: positions 0 .. max_length - 1.
     """
 
-    model: keras.Model
+    reading: cached_model.Reading
     input: NamedInput
     output_name: str
-    layers: tuple[SelfAttention, ...]
     max_length: int
+
+    @property
+    def model(self) -> keras.Model:
+        """The model decoding runs (`Reading.model`)."""
+        return self.reading.model
+
+    @property
+    def layers(self) -> tuple[SelfAttention, ...]:
+        """The SelfAttention layers, in call order."""
+        return self.reading.layers
 
     @property
     def cache_names(self) -> tuple[str, ...]:
         """Input names of the caches, one per layer."""
-        names = cached_model.layer_names(self.model, self.layers)
-        return tuple(CACHE_PREFIX + name for name in names)
+        return tuple(CACHE_PREFIX + name for name in self.reading.names)
 
     @property
     def updated_cache_names(self) -> tuple[str, ...]:
         """Output names of the updated caches, one per layer."""
-        names = cached_model.layer_names(self.model, self.layers)
-        return tuple(UPDATED_CACHE_PREFIX + name for name in names)
+        return tuple(UPDATED_CACHE_PREFIX + name for name in self.reading.names)
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -75,12 +82,26 @@ class DecodeStep:
             for name, layer in zip(self.cache_names, self.layers, strict=True)
         }
 
-    def call(self, inputs, caches: Sequence, index):
-        """Runs the step with Keras; returns (output, [updated caches])."""
-        return cached_model.run_cached(self.model, self.layers, inputs, caches, index)
+    def call(self, inputs, caches: Sequence, index, cache_class: type | None = None):
+        """Runs the step with Keras on cache tensors; returns (output,
+        [updated cache tensors]).
+
+        Args:
+            inputs, caches, index: The step's inputs.
+            cache_class: The class of its caches (`attention.cache`), None:
+                `Cache` (a format asks for its own: `Signature.with_caches`).
+        """
+        cache_class = cache_class or cache_lib.Cache
+        output, updated = cached_model.run_cached(
+            self.model, self.layers, inputs, [cache_class(c) for c in caches], index
+        )
+        return output, [cache.tensor for cache in updated]
 
     def target(
-        self, signature_name: str = STEP_SIGNATURE, new: int | None = None
+        self,
+        signature_name: str = STEP_SIGNATURE,
+        new: int | None = None,
+        cache_class: type | None = None,
     ) -> Signature:
         """The step as a `Signature`.
 
@@ -88,6 +109,8 @@ class DecodeStep:
             signature_name: Its signature. Defaults to "decode_step".
             new: The new positions a call takes, fixed (a generator's
                 LiteRT "decode": 1), or None for any number.
+            cache_class: The class of its caches, None: `Cache`
+                (`Signature.with_caches` builds it with a format's own).
         """
         caches = tuple(
             NamedInput(
@@ -101,31 +124,55 @@ class DecodeStep:
             self.input.name, (None, new, *self.input.shape[2:]), self.input.dtype
         )
 
-        def function(tensors):
-            inputs, *caches_in, index = tensors
-            output, caches_out = self.call(inputs, caches_in, index)
-            return [output, *caches_out]
-
         return Signature(
             self.model,
             (step_input, *caches, NamedInput(INDEX_NAME, (), "int32")),
             self.output_names,
-            function,
+            StepFunction(self, cache_class),
             signature_name=signature_name,
             what="decode step",
+            cached_as=lambda cls: self.target(signature_name, new, cls),
         )
 
 
-def refuse_quantized(model: keras.Model, export_format: str, what: str) -> None:
-    """Raises ValueError (one line) for a quantized `model`'s decoding step or
+@dataclasses.dataclass(frozen=True)
+class StepFunction:
+    """A `DecodeStep` as a `Signature`'s function: its inputs as a list in,
+    its outputs as a list out.
+
+    Attributes:
+        step: The step.
+        cache_class: The class of its caches, None: `Cache`.
+    """
+
+    step: DecodeStep
+    cache_class: type | None = None
+
+    def __call__(self, tensors: Sequence) -> list:
+        inputs, *caches_in, index = tensors
+        output, caches_out = self.step.call(inputs, caches_in, index, self.cache_class)
+        return [output, *caches_out]
+
+
+def refuse_quantized(
+    read: Callable[[], cached_model.Reading], export_format: str, what: str
+) -> None:
+    """Raises ValueError (one line) for a quantized model's decoding step or
     generator (`what`) in a format that cannot compute its quantized layers
-    as Keras does (its row's `no_quantized_decoding`)."""
+    as Keras does (its row's `no_quantized_decoding`); `read` reads the
+    model, only for such a format."""
     row = table.BY_NAME.get(export_format)
     why = None if row is None else row.no_quantized_decoding
     if why is None:
         return
-    layers = [q.layer.path for q in quantization.quantized_layers(model)]
-    layers += [layer.path for layer in quantization.quantized_embeddings(model)]
+    every = read().every
+    layers = [q.layer.path for q in map(quantization.describe, every) if q]
+    layers += [
+        layer.path
+        for layer in every
+        if isinstance(layer, keras.layers.Embedding)
+        and layer.quantization_mode == "int8"
+    ]
     if not layers:
         return
     raise ValueError(
@@ -137,13 +184,19 @@ def refuse_quantized(model: keras.Model, export_format: str, what: str) -> None:
     )
 
 
-def build_decode_step(model: keras.Model, max_length: int) -> DecodeStep:
+def build_decode_step(
+    model: keras.Model,
+    max_length: int,
+    reading: cached_model.Reading | None = None,
+) -> DecodeStep:
     """Checks the model's structure (module docstring) and builds its step.
 
     Args:
         model: The user's model (a subclassed one through its
             `cached_model.functional_view`: input "tokens").
         max_length: The caches' length.
+        reading: The model's reading where the caller has one (a
+            generator's), else read here (`cached_model.read`).
 
     The cached decode is checked against the full forward pass on a probe
     first (`decode_check`, unless the caller waived it).
@@ -154,7 +207,9 @@ def build_decode_step(model: keras.Model, max_length: int) -> DecodeStep:
             whose cached decode differs from its full forward pass.
     """
     max_length = _checks.positive_int("max_length", max_length)
-    if isinstance(model, keras.Model):
+    if reading is not None:
+        model = reading.model
+    elif isinstance(model, keras.Model):
         model = cached_model.functional_view(model, _ACTION)
     inputs = model_inputs(model)  # named
     if len(inputs) != 1:
@@ -164,17 +219,27 @@ def build_decode_step(model: keras.Model, max_length: int) -> DecodeStep:
         raise _refuse(model, f"it has {len(outputs)} outputs")
     if len(inputs[0].shape) < 2:
         raise _refuse(model, "its input has no time axis (batch, time, ...)")
-    layers = cached_model.cached_layers(model, _ACTION)
-    layer_names = cached_model.layer_names(model, layers)
+    if reading is None:
+        reading = read_model(model)
     names = [inputs[0].name, outputs[0], INDEX_NAME]
-    names += [CACHE_PREFIX + name for name in layer_names]
-    names += [UPDATED_CACHE_PREFIX + name for name in layer_names]
+    names += [CACHE_PREFIX + name for name in reading.names]
+    names += [UPDATED_CACHE_PREFIX + name for name in reading.names]
     if len(set(names)) != len(names):
         raise _refuse(model, f"its input/output names clash: {names}")
-    step = DecodeStep(model, inputs[0], outputs[0], layers, max_length)
+    step = DecodeStep(reading, inputs[0], outputs[0], max_length)
     probe = teacher_probe(step, decode_check.PROBE_LENGTH)
-    decode_check.check(model, layers, probe, _ACTION)
+    decode_check.check(reading, probe, _ACTION)
     return step
+
+
+def read_model(model: keras.Model) -> cached_model.Reading:
+    """`model` read for its decoding step (`cached_model.read`; a
+    subclassed one through its `cached_model.functional_view`).
+
+    Raises:
+        ValueError: for a structure that cannot decode (one line).
+    """
+    return cached_model.read(cached_model.functional_view(model, _ACTION), _ACTION)
 
 
 def teacher_probe(step: DecodeStep, length: int, batch: int = 2, seed: int = 0):
@@ -184,7 +249,8 @@ def teacher_probe(step: DecodeStep, length: int, batch: int = 2, seed: int = 0):
     rng = np.random.default_rng(seed)
     shape = (batch, length, *step.input.shape[2:])
     if "int" in step.input.dtype:
-        values = rng.integers(1, max(vocabulary_size(step.model), 2), size=shape)
+        vocabulary = vocabulary_size(step.reading.every)
+        values = rng.integers(1, max(vocabulary, 2), size=shape)
     elif step.input.dtype == "bool":
         values = np.ones(shape, bool)
     else:

@@ -33,6 +33,7 @@ import keras
 import numpy as np
 
 from keras_selfattn import tracing
+from keras_selfattn.attention.cache import ConverterCache
 from keras_selfattn.export import quantization
 from keras_selfattn.export.formats import litert_signatures
 from keras_selfattn.export.formats._base import ExportError, Format, converting
@@ -165,6 +166,9 @@ class LiteRTFormat(Format):
         shape = options["shape"]
         # Extra targets are built before the conversion: a model they refuse
         # gets their own one-line ValueError, not a failed conversion.
+        # A decoding step's cache write as XlaDynamicUpdateSlice, which the
+        # converter takes.
+        target = target.with_caches(ConverterCache)
         targets = (target,)
         if target.extra_signatures is not None:
             targets += target.extra_signatures()

@@ -43,7 +43,7 @@ from collections.abc import Mapping
 import keras
 import numpy as np
 
-from keras_selfattn import tracing
+from keras_selfattn.attention.cache import GatheredCache
 from keras_selfattn.export import quantization
 from keras_selfattn.export.formats._base import Format, converting
 from keras_selfattn.export.signature import Signature
@@ -274,8 +274,8 @@ class OpenVINOFormat(Format):
             if keras.backend.backend() == "tensorflow":
                 # A decoding step's cache write as a gather: OpenVINO has no
                 # conversion for TensorFlow's XlaDynamicUpdateSlice.
-                with tracing.traced_as(tracing.GATHERED_WRITES):
-                    function = target.tf_function().get_concrete_function()
+                gathered = target.with_caches(GatheredCache)
+                function = gathered.tf_function().get_concrete_function()
                 model = openvino.convert_model(function)
                 # The function returns a dict: its outputs come in the order
                 # of tf.nest.flatten, which sorts the keys.

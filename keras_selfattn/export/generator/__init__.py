@@ -78,7 +78,7 @@ from keras_selfattn.export.generator.graph import Generator, build_generator
 from keras_selfattn.export.parity.engine import artifact_paths, collect_artifacts
 from keras_selfattn.export.parity.report import ParityReport
 from keras_selfattn.export.signature import Signature
-from keras_selfattn.generation import decode_check
+from keras_selfattn.generation import arguments, decode_check
 from keras_selfattn_runtimes import table
 
 # What importers of `export_generator` find here besides it: its check.
@@ -184,6 +184,14 @@ class GeneratorExport(pipeline.Target):
     options: Mapping[str, object]
     keras_path: str | None = None
     _generator: Generator | None = None
+    _structure: arguments.Model | None = None
+
+    def _read(self) -> arguments.Model:
+        """The model's one reading for this export
+        (`arguments.read_structure`)."""
+        if self._structure is None:
+            self._structure = arguments.read_structure(self.model)
+        return self._structure
 
     def refuse(self, export_format: str) -> None:
         if export_format in table.NAMES and export_format not in FORMATS:
@@ -193,7 +201,7 @@ class GeneratorExport(pipeline.Target):
                 "export_decode_step). Received: export_format="
                 f"{export_format!r}"
             )
-        refuse_quantized(self.model, export_format, "generator")
+        refuse_quantized(lambda: self._read().reading, export_format, "generator")
         row = table.BY_NAME.get(export_format)
         if self.jit_compile and (row is None or not row.jit_compile):
             raise ValueError(
@@ -212,7 +220,7 @@ class GeneratorExport(pipeline.Target):
     def build(self, export_format: str) -> Signature:
         if self._generator is None:
             self._generator = build_generator(
-                self.model, self.max_length, self.jit_compile
+                self.model, self.max_length, self.jit_compile, self._structure
             )
         return self._generator.target()
 
@@ -249,7 +257,7 @@ def writer(
         export_format,
         generator.max_length,
         generator.jit_compile,
-        _writer.class_modules(generator.read.model),
+        _writer.class_modules(generator.read.reading.every),
     )
 
 

@@ -20,12 +20,11 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import keras
 
 from keras_selfattn import _tensorflow_extra
-from keras_selfattn._model_layers import every_layer
 from keras_selfattn.export.formats import ExportError, Writer, one_line
 from keras_selfattn.export.signature import Signature
 from keras_selfattn.generation import decode_check
@@ -60,14 +59,15 @@ def keras_file(model: keras.Model) -> Iterator[str]:
         yield path
 
 
-def class_modules(model: keras.Model) -> dict[str, str]:
-    """The modules defining the model's layer classes that the TensorFlow
-    process must import before it loads the .keras file (their classes
-    register themselves there: the user's, keras-hub's), each with the
-    folder it is imported from. Keras's and this package's are left out,
-    and so is `__main__`, which another process cannot import."""
+def class_modules(layers: Iterable[keras.layers.Layer]) -> dict[str, str]:
+    """The modules defining the classes of `layers` (a model's: its
+    `Reading.every`) that the TensorFlow process must import before it
+    loads the .keras file (their classes register themselves there: the
+    user's, keras-hub's), each with the folder it is imported from.
+    Keras's and this package's are left out, and so is `__main__`, which
+    another process cannot import."""
     found = {}
-    for layer in every_layer(model):
+    for layer in layers:
         name = type(layer).__module__
         if name.split(".")[0] in ("keras", "keras_selfattn", "builtins", "__main__"):
             continue

@@ -33,7 +33,8 @@ from keras_selfattn.export.parity.engine import (
 from keras_selfattn.export.parity.report import ParityReport, finish_report
 from keras_selfattn.export.parity.rules import ParityRow, parity_row
 from keras_selfattn.export.parity.runner import Artifact, Run
-from keras_selfattn.generation import generate
+from keras_selfattn.generation import arguments
+from keras_selfattn.generation.generate import generated
 from keras_selfattn_runtimes import table
 
 # Formats a generator can be written in (by TensorFlow, from every backend).
@@ -89,14 +90,15 @@ def keras_generate(generator: Generator, request: dict) -> dict[str, np.ndarray]
             if int(request["end_token"]) < 0
             else int(request["end_token"]),
         }
-    result = generate(
-        read.model,
+    checked = arguments.request(
+        read,
         request[generator.prompt_name],
         int(request["max_new_tokens"]),
         prompt_lengths=request["prompt_lengths"],
         max_length=generator.max_length,
         **options,
     )
+    result = generated(read, checked)
     return dict(
         zip(generator.output_names, (result.tokens, result.lengths), strict=True)
     )
@@ -148,7 +150,8 @@ def _pair_row(
 ) -> ParityRow:
     """The artifact's "prefill" and "decode" generating `pair_run` in a
     fresh process, against `keras_selfattn.generate`."""
-    step = build_decode_step(generator.read.model, generator.max_length)
+    read = generator.read
+    step = build_decode_step(read.model, generator.max_length, read.reading)
     label, run, request = pair_run(generator, step, seed)
     runtime = pair_runtime(artifact.format)
     outcome = run_checked(

@@ -12,8 +12,11 @@ import numpy as np
 from keras import ops
 
 from keras_selfattn import _checks
+from keras_selfattn.attention import cache as cache_lib
 from keras_selfattn.attention import nan_safe
-from keras_selfattn.export.decode_step.graph import build_decode_step
+from keras_selfattn.export.decode_step.graph import (
+    build_decode_step,
+)
 from keras_selfattn.export.signature import NamedInput, Signature
 from keras_selfattn.generation import arguments, loop
 
@@ -30,14 +33,20 @@ class Generator:
     """A model's generation as an export target.
 
     Attributes:
-        read: The model, read by `generation.arguments.read_model`.
+        read: The model, read by `generation.arguments.read_structure`
+            (and its decode checked).
         max_length: The caches' length: prompt and new tokens together.
         jit_compile: Whether the loop is compiled by XLA (SavedModel only).
+        cache_class: The class of the prompt's caches (`attention.cache`)
+            where a format asks for its own (`Signature.with_caches`: the
+            steps' then `CheckedCache`); None: the loop's own
+            (`loop.cache_classes`).
     """
 
     read: arguments.Model
     max_length: int
     jit_compile: bool = False
+    cache_class: type | None = None
 
     @property
     def prompt_name(self) -> str:
@@ -173,11 +182,17 @@ class Generator:
 
     def _loop(self):
         """`loop.run` on (prompts, lengths, steps, *controls), its outputs
-        `max_length` wide; compiled by XLA in one piece when `jit_compile`
-        (the slice to `max_new_tokens` columns, a shape XLA cannot know
-        before it runs, stays outside)."""
+        `max_length` wide, its caches of `cache_class` where a format asked
+        for its own; compiled by XLA in
+        one piece when `jit_compile` (the slice to `max_new_tokens` columns,
+        a shape XLA cannot know before it runs, stays outside)."""
 
         def run(prompts, lengths, steps, *controls):
+            caches = None
+            if self.cache_class is not None:
+                caches = loop.CacheClasses(
+                    prompt=self.cache_class, steps=cache_lib.CheckedCache
+                )
             return loop.run(
                 self.read.model,
                 self.read.layers,
@@ -188,6 +203,7 @@ class Generator:
                 steps=steps,
                 controls=loop.Controls(*controls),
                 tokens=self.read.tokens,
+                caches=caches,
             )
 
         if not self.jit_compile:
@@ -208,6 +224,7 @@ class Generator:
             what="generator",
             examples=self.example,
             extra_signatures=self.pair,
+            cached_as=lambda cls: dataclasses.replace(self, cache_class=cls).target(),
         )
 
     def pair(self) -> tuple[Signature, Signature]:
@@ -218,8 +235,11 @@ class Generator:
             ValueError: for a model whose decoding step cannot be exported
                 (`decode_step.build_decode_step`: an input named by Keras).
         """
-        step = build_decode_step(self.read.model, self.max_length)
-        return (step.target(PREFILL_SIGNATURE), step.target(DECODE_SIGNATURE, new=1))
+        step = build_decode_step(self.read.model, self.max_length, self.read.reading)
+        return (
+            step.target(PREFILL_SIGNATURE, cache_class=self.cache_class),
+            step.target(DECODE_SIGNATURE, new=1, cache_class=self.cache_class),
+        )
 
     def example(self, batch: int, time: int, seed: int = 0) -> dict[str, np.ndarray]:
         """A valid greedy request (warmup): `batch` prompts of up to `time`
@@ -289,9 +309,15 @@ def control_inputs(values: dict, read: arguments.Model) -> dict[str, np.ndarray]
 
 
 def build_generator(
-    model: keras.Model, max_length: int, jit_compile: bool = False
+    model: keras.Model,
+    max_length: int,
+    jit_compile: bool = False,
+    structure: arguments.Model | None = None,
 ) -> Generator:
     """Checks that `model` can generate and describes its generator.
+
+    `structure` is the model's `arguments.read_structure` where the caller
+    has read it; else it is read here.
 
     Raises:
         TypeError: if `model` is not a keras.Model.
@@ -303,5 +329,6 @@ def build_generator(
             "`max_length` must leave room for a prompt and a new token (>= 2). "
             f"Received: max_length={max_length}"
         )
-    read = arguments.read_model(model)
+    read = arguments.read_structure(model) if structure is None else structure
+    arguments.check_decodes(read)
     return Generator(read, max_length, _checks.boolean("jit_compile", jit_compile))

@@ -49,8 +49,9 @@ def _float64_arithmetic() -> Iterator[None]:
     if backend == "tensorflow":
         yield
         return
-    from keras.src.backend.common import dtypes
+    from keras_selfattn._keras_private import dtypes_module
 
+    dtypes = dtypes_module()
     narrowing = dtypes.BIT64_TO_BIT32_DTYPE
     dtypes.BIT64_TO_BIT32_DTYPE = {
         wide: narrow for wide, narrow in narrowing.items() if wide != "float64"

@@ -19,6 +19,7 @@ import keras
 import numpy as np
 
 from keras_selfattn import _checks, tracing
+from keras_selfattn.attention.cache import ConverterCache
 from keras_selfattn.export import quantization
 from keras_selfattn.export.formats._base import Format, converting
 from keras_selfattn.export.signature import BATCH_AXIS, TIME_AXIS, Signature
@@ -298,7 +299,7 @@ class OnnxFormat(Format):
                 # Ops tf2onnx converts (a decoding step's cache write as
                 # XlaDynamicUpdateSlice, for `dynamic_update_slice`).
                 with tracing.traced_as(tracing.FOR_CONVERTER):
-                    proto = convert_to_onnx(target, opset)
+                    proto = convert_to_onnx(target.with_caches(ConverterCache), opset)
             else:
                 keras_export(target, path, opset)
                 proto = name_outputs(onnx.load(path), target.output_names)

@@ -1,5 +1,7 @@
-"""One built `MultiHeadAttention` or `GroupedQueryAttention` as a SelfAttention
-with the same configuration and weights.
+"""A built `MultiHeadAttention` or `GroupedQueryAttention` as the arguments
+and weights of a SelfAttention (`SelfAttention.from_multi_head_attention`;
+`convert` builds on it), read through their public properties and
+`get_config()`.
 
 Keras's layers project with `EinsumDense` kernels `(features, heads,
 head_dim)` and an output kernel `(heads, value_dim, output)`; SelfAttention's
@@ -12,6 +14,8 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from keras_selfattn._keras_private import attention_sublayer, flash_attention
+
 MultiHeadAttention = keras.layers.MultiHeadAttention
 GroupedQueryAttention = keras.layers.GroupQueryAttention
 CONVERTIBLE = (MultiHeadAttention, GroupedQueryAttention)
@@ -19,109 +23,90 @@ CONVERTIBLE = (MultiHeadAttention, GroupedQueryAttention)
 # may compute otherwise (keras-hub's CachedMultiHeadAttention overrides only
 # `call`, to add its cache).
 _COMPUTING = ("build", "_compute_attention", "_masked_softmax")
-
-# Keras's sublayer attribute of each SelfAttention projection.
-_SUBLAYERS = {
-    "query": "_query_dense",
-    "key": "_key_dense",
-    "value": "_value_dense",
-    "gate": "_gate_dense",
-    "output": "_output_dense",
-}
+_PROJECTIONS = ("query", "key", "value", "gate", "output")
+_OBJECTS = tuple(
+    f"{kind}_{what}"
+    for kind in ("kernel", "bias")
+    for what in ("initializer", "regularizer", "constraint")
+)
 
 
-def _refuse(layer, why: str) -> None:
+def refuse(layer, why: str) -> None:
+    """Raises the one-line ValueError of an attention `layer` that does not
+    convert to SelfAttention, and `why`."""
     raise ValueError(
         f"Cannot convert {type(layer).__name__} '{layer.name}' to SelfAttention: "
         f"{why}. Received: layer={layer.name!r}"
     )
 
 
-def _check(layer) -> None:
+def _check(layer, config: dict) -> None:
     """Raises ValueError for what SelfAttention does not compute alike."""
     base = next((base for base in CONVERTIBLE if isinstance(layer, base)), None)
     if base is None:
-        _refuse(layer, "it is not a MultiHeadAttention or GroupQueryAttention")
+        refuse(layer, "it is not a MultiHeadAttention or GroupQueryAttention")
     for method in _COMPUTING:
         if getattr(type(layer), method) is not getattr(base, method):
-            _refuse(layer, f"its class overrides {method}: it may compute otherwise")
+            refuse(layer, f"its class overrides {method}: it may compute otherwise")
     if not layer.built:
-        _refuse(layer, "it is not built (call it once, or load its weights)")
+        refuse(layer, "it is not built (call it once, or load its weights)")
+    dense = {name: attention_sublayer(layer, name) for name in _PROJECTIONS}
     if base is MultiHeadAttention:
-        if layer._query_dense.equation != "abc,cde->abde" or layer._attention_axes != (
-            1,
-        ):
-            _refuse(
+        axes = layer.attention_axes
+        if dense["query"].equation != "abc,cde->abde" or axes != (1,):
+            refuse(
                 layer,
                 "it attends over axes other than time of (batch, time, "
-                f"features) inputs (attention_axes={layer._attention_axes})",
+                f"features) inputs (attention_axes={axes})",
             )
-        if len(layer._output_dense.kernel.shape) != 3:
-            _refuse(
+        if len(dense["output"].kernel.shape) != 3:
+            refuse(
                 layer,
-                f"its output_shape={layer._output_shape} has several axes; "
+                f"its output_shape={config['output_shape']} has several axes; "
                 "SelfAttention's output_dim is one width",
             )
-    features = {
-        layer._query_dense.kernel.shape[0],
-        layer._key_dense.kernel.shape[0],
-        layer._value_dense.kernel.shape[0],
-    }
+    features = {dense[name].kernel.shape[0] for name in ("query", "key", "value")}
     if len(features) != 1:
-        _refuse(
+        refuse(
             layer,
             f"its query, key and value were built for {sorted(features)} "
             "features (a cross-attention layer); self-attention has one input",
         )
-    if any(
-        getattr(getattr(layer, attribute, None), "quantization_mode", None)
-        for attribute in _SUBLAYERS.values()
-    ):
-        _refuse(layer, "it is quantized: convert the float model, then quantize")
-    regularizer = getattr(layer, "_activity_regularizer", None) or getattr(
-        layer, "activity_regularizer", None
-    )
-    if regularizer is not None:
-        _refuse(
+    if any(getattr(d, "quantization_mode", None) for d in dense.values()):
+        refuse(layer, "it is quantized: convert the float model, then quantize")
+    if config.get("activity_regularizer") is not None:
+        refuse(
             layer,
             "its activity_regularizer applies to every projection's output, "
             "SelfAttention's to the layer's output",
         )
 
 
-def _arguments(layer, causal: bool) -> dict:
-    """SelfAttention's constructor arguments for `layer`."""
+def _arguments(layer, config: dict, causal: bool) -> dict:
+    """SelfAttention's constructor arguments for `layer` (`config`: its
+    `get_config()`)."""
     if isinstance(layer, MultiHeadAttention):
-        heads, key_dim, value_dim = layer.num_heads, layer.key_dim, layer.value_dim
-        kv_heads, private = None, "_"
+        heads, key_dim = config["num_heads"], config["key_dim"]
+        value_dim = config["value_dim"] or key_dim
+        kv_heads = None
     else:
-        heads, kv_heads = layer.num_query_heads, layer.num_key_value_heads
-        key_dim = value_dim = layer.head_dim
-        private = ""
-    objects = {
-        f"{kind}_{what}": getattr(layer, f"{private}{kind}_{what}")
-        for kind in ("kernel", "bias")
-        for what in ("initializer", "regularizer", "constraint")
-    }
+        heads, kv_heads = config["num_query_heads"], config["num_key_value_heads"]
+        key_dim = value_dim = config["head_dim"]
     return {
         "num_heads": heads,
         "key_dim": key_dim,
         "value_dim": value_dim,
         # Keras's layers always project the heads' concatenation.
-        "output_dim": layer._output_dense.kernel.shape[-1],
-        "use_bias": bool(layer.use_bias),
+        "output_dim": attention_sublayer(layer, "output").kernel.shape[-1],
+        "use_bias": bool(config["use_bias"]),
         "causal": causal,
-        "sliding_window": (
-            layer._sliding_window
-            if isinstance(layer, MultiHeadAttention)
-            else layer.sliding_window
-        ),
-        "dropout": float(layer.dropout),
-        "seed": layer.seed,
-        "flash_attention": layer._flash_attention,
+        "sliding_window": config.get("sliding_window"),
+        "dropout": float(config["dropout"]),
+        "seed": config.get("seed"),
+        "flash_attention": flash_attention(layer),
         "num_key_value_heads": kv_heads,
-        "use_gate": bool(getattr(layer, "_use_gate", getattr(layer, "use_gate", 0))),
-        **objects,
+        "use_gate": bool(config.get("use_gate")),
+        **{name: config[name] for name in _OBJECTS},
         "dtype": layer.dtype_policy,
         "name": layer.name,
     }
@@ -141,7 +126,7 @@ def _flat(variable, rows: int) -> np.ndarray:
 def from_multi_head_attention(cls, layer: keras.layers.Layer, causal: bool = False):
     """A `cls` (SelfAttention) with the configuration and weights of `layer`:
     `SelfAttention.from_multi_head_attention(layer, causal)`, its one home
-    (the class passed in: this module does not import the layer's).
+    (the class passed in: this module does not import the layer's module).
 
     `layer` is a built `keras.layers.MultiHeadAttention` or
     `keras.layers.GroupedQueryAttention` on `(batch, time, features)` inputs.
@@ -178,11 +163,12 @@ def from_multi_head_attention(cls, layer: keras.layers.Layer, causal: bool = Fal
     >>> bool(np.allclose(sa(x), mha(x, x), atol=1e-5))
     True
     """
-    _check(layer)
-    sa = cls(**_arguments(layer, causal))
-    sa.build((None, None, layer._query_dense.kernel.shape[0]))
-    for name, attribute in _SUBLAYERS.items():
-        source = getattr(layer, attribute, None)
+    config = layer.get_config()
+    _check(layer, config)
+    sa = cls(**_arguments(layer, config, causal))
+    sa.build((None, None, attention_sublayer(layer, "query").kernel.shape[0]))
+    for name in _PROJECTIONS:
+        source = attention_sublayer(layer, name)
         target = getattr(sa, f"{name}_dense")
         if target is None:
             continue
