@@ -118,19 +118,44 @@ def read(model: keras.Model, action: str) -> Reading:
             `refusal_reason`), or SelfAttention names that clash.
     """
     every = tuple(every_layer(model))
-    holders = {}
-    for holder in every:
-        for inner in holder._layers:
-            holders.setdefault(id(inner), holder)
+    holders, names = _structure(model, every)
     layers = tuple(layer for layer in every if isinstance(layer, SelfAttention))
     hub = position_layers.found(every, holders)
     why = refusal_reason(model, every, layers, hub, holders)
     if why is not None:
         raise refusal(model, why, action)
+    if isinstance(names, str):
+        raise ValueError(names)
     decoded = position_layers.positioned(model, hub)
-    reading = Reading(decoded, layers, _stable_names(model, layers, holders), every)
+    reading = Reading(decoded, layers, names, every)
     _READINGS[decoded] = reading
     return reading
+
+
+# Each model's holders and stable names (`_structure`), for the layers it
+# held when they were worked out.
+_STRUCTURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _structure(model: keras.Model, every: tuple) -> tuple[dict, object]:
+    """Each layer's holder `{id(layer): holder}` and the SelfAttention
+    layers' stable names (or, where they clash, the message of the
+    ValueError), worked out again only when the model's layers changed."""
+    ids = tuple(map(id, every))
+    known = _STRUCTURES.get(model)
+    if known is None or known[0] != ids:
+        holders = {}
+        for holder in every:
+            for inner in holder._layers:
+                holders.setdefault(id(inner), holder)
+        layers = [layer for layer in every if isinstance(layer, SelfAttention)]
+        try:
+            names = _stable_names(model, layers, holders)
+        except ValueError as error:
+            names = str(error)
+        known = (ids, holders, names)
+        _STRUCTURES[model] = known
+    return known[1], known[2]
 
 
 def refusal_reason(model, every, layers, hub, holders) -> str | None:
