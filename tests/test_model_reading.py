@@ -144,10 +144,14 @@ def test_hub_position_layer_inside_a_subclassed_layer_is_refused():
     assert all("call" not in vars(layer) for layer in _hub_layers(model))
 
 
-@pytest.mark.skipif(
+# The exports' counts: on TensorFlow, which writes every format.
+counted_on_tensorflow = pytest.mark.skipif(
     keras.backend.backend() != "tensorflow",
     reason="counted on TensorFlow, which writes every format",
 )
+
+
+@counted_on_tensorflow
 def test_export_decode_step_reads_the_model_once(tmp_path, monkeypatch):
     model = _hub_model("hub_step")
     counts = Counts(monkeypatch)
@@ -158,10 +162,7 @@ def test_export_decode_step_reads_the_model_once(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    keras.backend.backend() != "tensorflow",
-    reason="counted on TensorFlow, which writes every format",
-)
+@counted_on_tensorflow
 def test_checked_exports_read_the_model_once(tmp_path, monkeypatch):
     """With their checks (the decode check, the runtimes' against Keras)."""
     model = _hub_model("hub_exports")
