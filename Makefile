@@ -15,7 +15,7 @@ PIP_TOOLS := pip-tools==7.6.2
 BACKENDS := tensorflow jax torch
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: install demo test test-slow lint bench clean lock test-latest gpu-wheels \
+.PHONY: install demo test test-slow lint bench bench-peers clean lock test-latest gpu-wheels \
 	$(BACKENDS:%=test-%) $(BACKENDS:%=test-slow-%)
 
 # A new virtualenv, git-ignored from the inside (Python < 3.13 does not).
@@ -94,6 +94,17 @@ bench: install
 		&& $(foreach b,$(BACKENDS),KERAS_BACKEND=$(b) $(PY) -m benchmarks.keras_hub &&) \
 		$(PY) -m benchmarks.score_mods \
 		&& $(PY) -m benchmarks.overhead
+
+# The generators against onnxruntime-genai's own loop on one transformers
+# checkpoint (benchmarks/peers.py). onnxruntime-genai, transformers and
+# torch's CPU build live in their own virtualenv: not dependencies of the
+# package, not part of `make bench` or CI.
+PEERS_VENV ?= .venv-peers
+bench-peers: install
+	$(call new_venv,$(PEERS_VENV))
+	$(PEERS_VENV)/bin/python -m pip install --quiet -c $(CONSTRAINTS) \
+		"onnxruntime-genai==0.18.*" onnx-ir transformers torch tokenizers
+	$(PY) -m benchmarks.peers --peers-python $(PEERS_VENV)/bin/python
 
 # Keras and the packages it needs that the GPU machine's image lacks, for
 # benchmarks/gpu_session.sh (that machine runs Python 3.12 and fetches

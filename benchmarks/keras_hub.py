@@ -1,10 +1,14 @@
-"""A keras-hub `LlamaCausalLM` converted (`keras_selfattn.convert_causal_lm`)
-against keras-hub's own, the same weights: `generate` and the forward pass.
+"""keras-hub causal LMs (Llama, Qwen 3, Gemma 3) converted
+(`keras_selfattn.convert_causal_lm`) against keras-hub's own, the same
+weights: `generate` and the forward pass.
 
 keras-hub's side is its own API: `lm.compile(sampler="greedy")` then
 `lm.generate({"token_ids", "padding_mask"}, max_length=prompt + new,
 stop_token_ids=None)` (its compiled loop and cache), and `lm.predict_on_batch`
-for the forward pass. The converted side is `keras_selfattn.generate(tokens_model,
+for the forward pass. Gemma 3's `generate` cannot concatenate its own
+outputs in keras-hub 0.32 (it keeps `images: None`): its side is the
+function `generate` calls, `lm.make_generate_function()`, on the same
+request. The converted side is `keras_selfattn.generate(tokens_model,
 prompts, new)` and `tokens_model.predict_on_batch`. Both are timed on the
 backend the benchmark runs on, interleaved, as medians of per-round ratios
 (`benchmarks.timing`); the generated tokens are compared.
@@ -24,10 +28,33 @@ from keras_selfattn import convert_causal_lm, generate
 VOCABULARY = 1024
 PROMPT = 16
 NEW_TOKENS = 32
-# (hidden, query heads, key/value heads, layers, batch)
-CASES = ((128, 4, 2, 2, 4), (256, 8, 2, 4, 1))
+# (family, hidden, query heads, key/value heads, layers, batch)
+CASES = (
+    ("Llama", 128, 4, 2, 2, 4),
+    ("Llama", 256, 8, 2, 4, 1),
+    ("Qwen 3", 256, 8, 2, 4, 1),
+    ("Gemma 3", 256, 8, 2, 4, 1),
+)
+# Each family's keras-hub classes and arguments beyond the sizes: Qwen 3's
+# query and key norms; Gemma 3's too, with its sliding windows (every layer
+# but the last of each 6) shorter than the sequence.
+FAMILIES = {
+    "Llama": ("LlamaBackbone", "LlamaCausalLM", {}),
+    "Qwen 3": ("Qwen3Backbone", "Qwen3CausalLM", {"head_dim": 32}),
+    "Gemma 3": (
+        "Gemma3Backbone",
+        "Gemma3CausalLM",
+        {
+            "head_dim": 32,
+            "use_sliding_window_attention": True,
+            "sliding_window_size": 16,
+            "vision_encoder": None,
+            "image_size": 16,
+        },
+    ),
+}
 # The Markdown's heading, the setting on its machine line, its targets.
-TITLE = "keras-hub's Llama converted vs keras-hub's own"
+TITLE = "keras-hub's causal LMs converted vs keras-hub's own"
 SETTING = f"prompt {PROMPT}, {NEW_TOKENS} new tokens, greedy, float32."
 TARGETS = (
     "Targets: generate speedup (keras-hub time / converted time) at least "
@@ -42,20 +69,23 @@ COLUMNS = [
 ]
 
 
-def causal_lm(hidden: int, heads: int, kv_heads: int, layers: int):
-    """A random-weight Llama of this size (keras-hub's classes)."""
+def causal_lm(family: str, hidden: int, heads: int, kv_heads: int, layers: int):
+    """A random-weight causal LM of `family` and this size (keras-hub's
+    classes)."""
     import keras_hub
 
+    backbone_class, lm_class, extra = FAMILIES[family]
     keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.LlamaBackbone(
+    backbone = getattr(keras_hub.models, backbone_class)(
         vocabulary_size=VOCABULARY,
         num_layers=layers,
         num_query_heads=heads,
         num_key_value_heads=kv_heads,
         hidden_dim=hidden,
         intermediate_dim=2 * hidden,
+        **extra,
     )
-    lm = keras_hub.models.LlamaCausalLM(backbone, preprocessor=None)
+    lm = getattr(keras_hub.models, lm_class)(backbone=backbone, preprocessor=None)
     lm.compile(sampler="greedy")
     return lm
 
@@ -67,10 +97,20 @@ def _keras_hub_generate(lm, prompts: np.ndarray, outputs: dict):
     padding = np.zeros(ids.shape, bool)
     padding[:, : prompts.shape[1]] = True
     request = {"token_ids": ids, "padding_mask": padding}
+    if type(lm).__name__ == "Gemma3CausalLM":
+        function = lm.make_generate_function()
+
+        def run():
+            out = function(request, stop_token_ids=None)
+            return keras.ops.convert_to_numpy(out["token_ids"])
+    else:
+
+        def run():
+            out = lm.generate(request, max_length=length, stop_token_ids=None)
+            return np.asarray(out["token_ids"])
 
     def call():
-        out = lm.generate(request, max_length=length, stop_token_ids=None)
-        outputs["keras_hub"] = np.asarray(out["token_ids"])[:, prompts.shape[1] :]
+        outputs["keras_hub"] = run()[:, prompts.shape[1] :]
 
     return call
 
@@ -82,8 +122,10 @@ def _converted_generate(model, prompts: np.ndarray, outputs: dict):
     return call
 
 
-def _row(hidden: int, heads: int, kv_heads: int, layers: int, batch: int, rounds):
-    lm = causal_lm(hidden, heads, kv_heads, layers)
+def _row(
+    family: str, hidden: int, heads: int, kv_heads: int, layers: int, batch: int, rounds
+):
+    lm = causal_lm(family, hidden, heads, kv_heads, layers)
     tokens_model = convert_causal_lm(lm)
     rng = np.random.default_rng(0)
     prompts = rng.integers(1, VOCABULARY, (batch, PROMPT)).astype("int32")
@@ -107,7 +149,7 @@ def _row(hidden: int, heads: int, kv_heads: int, layers: int, batch: int, rounds
         warmup=1,
     )
     return {
-        "model": f"Llama {layers} layers, D={hidden}, {heads}/{kv_heads} heads, "
+        "model": f"{family} {layers} layers, D={hidden}, {heads}/{kv_heads} heads, "
         f"batch {batch}",
         "generate_speedup": generation.speedup("keras_hub", "converted"),
         "forward_time_ratio": 1 / forward.speedup("keras_hub", "converted"),

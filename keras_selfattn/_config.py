@@ -15,7 +15,7 @@ from keras import constraints, initializers, regularizers
 
 from keras_selfattn import _checks
 from keras_selfattn import projections as projections_lib
-from keras_selfattn.attention import score_mods
+from keras_selfattn.attention import rope_frequencies, score_mods
 
 _optional_int = functools.partial(_checks.positive_int, allow_none=True)
 _optional_float = functools.partial(_checks.positive_float, allow_none=True)
@@ -61,12 +61,17 @@ _CHECKS = {
     "use_gate": _checks.boolean,
     "rope_max_wavelength": _optional_float,
     "rope_scaling_factor": _checks.positive_float,
+    "rope_partial_fraction": rope_frequencies.check_fraction,
+    "rope_frequency_scaling": rope_frequencies.check_scaling,
     "position_bias": _position_bias,
     "alibi_bias_max": _checks.positive_float,
+    "alibi_before_scale": _checks.boolean,
     "relative_attention_num_buckets": _num_buckets,
     "relative_attention_max_distance": _checks.positive_int,
     "use_sinks": _checks.boolean,
     "logit_soft_cap": _optional_float,
+    "use_query_key_norm": _checks.boolean,
+    "query_key_norm_epsilon": _checks.positive_float,
 }
 # Keras objects, fetched with `module.get` and written with `module.serialize`.
 _OBJECTS = {
@@ -102,6 +107,11 @@ def arguments(**arguments) -> dict:
         )
     if config["key_dim"] is not None:
         check_rope_key_dim(config["rope_max_wavelength"], config["key_dim"])
+        rope_frequencies.check_rotary_dim(
+            config["rope_max_wavelength"],
+            config["key_dim"],
+            config["rope_partial_fraction"],
+        )
     if config["position_bias"] == "relative":
         _check_relative_buckets(config)
     for name, module in _OBJECTS.items():
@@ -167,6 +177,9 @@ def dims(layer, input_dim: int) -> Dims:
             )
         key_dim = input_dim // layer.num_heads
     check_rope_key_dim(layer.rope_max_wavelength, key_dim)
+    rope_frequencies.check_rotary_dim(
+        layer.rope_max_wavelength, key_dim, layer.rope_partial_fraction
+    )
     value_dim = layer.value_dim if layer.value_dim is not None else key_dim
     width = layer.output_dim or layer.num_heads * value_dim
     scale = layer.scale if layer.scale is not None else 1.0 / math.sqrt(key_dim)

@@ -21,7 +21,7 @@ import math
 import keras
 from keras import initializers, ops
 
-from keras_selfattn import _checks, _score_weights, tracing
+from keras_selfattn import _checks, _qk_norm, _score_weights, tracing
 from keras_selfattn import projections as projections_lib
 from keras_selfattn.attention import heads as heads_lib
 
@@ -137,8 +137,8 @@ class ProjectionMethods:
         """Loads a file saved before the projections were layers, whose
         weights were this layer's own (`get_weights()` order); files of this
         version keep them in the projections' entries."""
-        if not len(store.keys()) or _score_weights.names(self):
-            # This version's file (a layer with score weights is of it).
+        if not len(store.keys()) or _own_weights(self):
+            # This version's file (a layer with own weights is of it).
             return super().load_own_variables(store)
         projections = list(of(self).values())
         targets = [weight for p in projections for weight in p.weights]
@@ -219,8 +219,13 @@ class ProjectionMethods:
             projection.enable_lora(rank, lora_alpha=lora_alpha)
             if projection.bias is not None:
                 projection.bias.trainable = False
-        for name in _score_weights.names(self):
+        for name in _own_weights(self):
             getattr(self, name).trainable = False
+
+
+def _own_weights(layer) -> tuple[str, ...]:
+    """The names of the layer's own weights (not its projections')."""
+    return _score_weights.names(layer) + _qk_norm.names(layer)
 
 
 def _eager(x) -> bool:

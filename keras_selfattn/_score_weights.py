@@ -54,6 +54,8 @@ def for_call(layer, attention_bias=None) -> score_mods.ScoreMods | None:
     alibi = None
     if layer.position_bias == "alibi":
         alibi = score_mods.alibi_slopes(layer.num_heads, layer.alibi_bias_max)
+        if layer.alibi_before_scale:
+            alibi = tuple(slope * layer.effective_scale for slope in alibi)
     return score_mods.ScoreMods(
         soft_cap=layer.logit_soft_cap,
         alibi_slopes=alibi,

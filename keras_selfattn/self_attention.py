@@ -12,6 +12,7 @@ from keras_selfattn import (
     _inputs,
     _outputs,
     _projection_ops,
+    _qk_norm,
     _score_weights,
     decoding,
 )
@@ -19,6 +20,7 @@ from keras_selfattn import projections as projections_lib
 from keras_selfattn._keras_private import get_keras_mask
 from keras_selfattn.attention import (
     SeededDropout,
+    rope_frequencies,
     rotary,
 )
 from keras_selfattn.attention import cache as cache_lib
@@ -65,12 +67,23 @@ class SelfAttention(
             queries and keys (keras-hub's rotation); `key_dim` must be even.
         rope_scaling_factor: Positions are divided by it before the
             rotation. Defaults to 1.0.
+        rope_partial_fraction: Only the first `int(key_dim * fraction)`
+            features of each query and key head rotate (GPT-NeoX's
+            `rotary_percentage`); the rest pass. Defaults to 1.0.
+        rope_frequency_scaling: None, or Llama 3.1's per-frequency
+            adjustment: `{"rope_type": "llama3", "factor",
+            "low_freq_factor", "high_freq_factor",
+            "original_max_position_embeddings"}` (docs/layer.md).
         position_bias: None, "alibi" (head h adds `-slope_h * |i - j|` to
             the scores, keras-hub's `AlibiBias` slopes) or "relative" (T5's
             learned bias of the bucket of `j - i`, weight
             `relative_attention_bias` of shape `(buckets, num_heads)`).
         alibi_bias_max: ALiBi's slopes are a geometric sequence from
             `2 ** (-alibi_bias_max / num_heads)`. Defaults to 8.
+        alibi_before_scale: Whether the ALiBi bias is added to the scores
+            before they are scaled (Falcon's): each slope is multiplied by
+            the scale. Defaults to False (added after, Bloom's and
+            keras-hub's `AlibiBias`).
         relative_attention_num_buckets: T5's buckets. Defaults to 32.
         relative_attention_max_distance: T5's longest bucketed distance.
             Defaults to 128.
@@ -78,6 +91,12 @@ class SelfAttention(
             each softmax's denominator and adds no value (gpt-oss).
         logit_soft_cap: If set (> 0), scores become `cap * tanh(scores /
             cap)` (Gemma 2), before the biases.
+        use_query_key_norm: If True, each query and key head is RMS
+            normalized before the rotary embedding, `x / sqrt(mean(x ** 2) +
+            query_key_norm_epsilon) * scale`, in float32, with learned
+            `query_norm_scale` and `key_norm_scale` of shape `(key_dim,)`
+            (Qwen 3, Gemma 3).
+        query_key_norm_epsilon: The norms' epsilon (> 0). Defaults to 1e-6.
         quantized_projections: Written by `get_config` for quantized
             projections, so that loading rebuilds them quantized.
         kernel_initializer, bias_initializer: Initializers.
@@ -136,12 +155,17 @@ class SelfAttention(
         use_gate: bool = False,
         rope_max_wavelength: float | None = None,
         rope_scaling_factor: float = 1.0,
+        rope_partial_fraction: float = 1.0,
+        rope_frequency_scaling: dict | None = None,
         position_bias: str | None = None,
         alibi_bias_max: float = 8.0,
+        alibi_before_scale: bool = False,
         relative_attention_num_buckets: int = 32,
         relative_attention_max_distance: int = 128,
         use_sinks: bool = False,
         logit_soft_cap: float | None = None,
+        use_query_key_norm: bool = False,
+        query_key_norm_epsilon: float = 1e-6,
         quantized_projections: dict | None = None,
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
@@ -174,12 +198,17 @@ class SelfAttention(
             use_gate=use_gate,
             rope_max_wavelength=rope_max_wavelength,
             rope_scaling_factor=rope_scaling_factor,
+            rope_partial_fraction=rope_partial_fraction,
+            rope_frequency_scaling=rope_frequency_scaling,
             position_bias=position_bias,
             alibi_bias_max=alibi_bias_max,
+            alibi_before_scale=alibi_before_scale,
             relative_attention_num_buckets=relative_attention_num_buckets,
             relative_attention_max_distance=relative_attention_max_distance,
             use_sinks=use_sinks,
             logit_soft_cap=logit_soft_cap,
+            use_query_key_norm=use_query_key_norm,
+            query_key_norm_epsilon=query_key_norm_epsilon,
             quantized_projections=quantized_projections,
             kernel_initializer=kernel_initializer,
             bias_initializer=bias_initializer,
@@ -198,6 +227,7 @@ class SelfAttention(
         )
         self._dims = None  # _config.Dims, set by build
         self.relative_attention_bias = self.sinks = None  # set by build if used
+        self.query_norm_scale = self.key_norm_scale = None  # likewise
         for name in projections_lib.NAMES:
             setattr(self, f"{name}_dense", None)
 
@@ -206,6 +236,7 @@ class SelfAttention(
         dims = _config.dims(self, input_dim)
         _projection_ops.add_all(self, dims)
         _score_weights.add(self)
+        _qk_norm.add(self, dims.key_dim)
         self._dims = dims
 
     def __call__(self, *args, **kwargs):
@@ -296,16 +327,23 @@ class SelfAttention(
             _projection_ops.heads(self, inputs, name, self._kv_heads, kv_layout, plain)
             for name in ("key", "value")
         )
+        query = _qk_norm.normalize(self, query, "query")
+        key = _qk_norm.normalize(self, key, "key")
         if self.rope_max_wavelength is not None:
+            turned = rope_frequencies.rotary_dim(
+                self._dims.key_dim, self.rope_partial_fraction
+            )
             table = rotary.table(
                 ops.shape(inputs)[1],
                 self._dims.key_dim,
                 self.rope_max_wavelength,
                 self.rope_scaling_factor,
                 0 if offset is None else offset,
+                turned,
+                self.rope_frequency_scaling,
             )
-            query = rotary.rotate(query, layout, table)
-            key = rotary.rotate(key, kv_layout, table)
+            query = rotary.rotate(query, layout, table, turned)
+            key = rotary.rotate(key, kv_layout, table, turned)
         if cached:
             cache, key, value = cache.update(key, value, offset, guard.valid, mask)
             if layout != kv_layout:

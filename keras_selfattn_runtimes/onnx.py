@@ -42,7 +42,8 @@ class OnnxSession(Loaded):
             return {"scheme": "; ".join(schemes), "exact": stated["exact"]}
         import onnx  # the ONNX runtime's own package, no Keras
 
-        ops = {node.op_type for node in onnx.load(path).graph.node}
+        graph = onnx.load(path, load_external_data=False).graph  # no weights
+        ops = {node.op_type for node in graph.node}
         if ops & _ONNX_RUNTIME_QUANTIZER:
             scheme = "int8 activations per tensor, asymmetric (quantize_dynamic)"
             return {"scheme": scheme, "exact": False}

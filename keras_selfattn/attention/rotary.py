@@ -10,6 +10,11 @@ for a head of size D, position p and i < D/2, the pair
 with `x1 = x[..., :D/2]`, `x2 = x[..., D/2:]` and the (T, D/2) angle table
 tiled to D by concatenating it with itself. Positions are offset .. offset
 + T - 1 along the time axis of the layout (`heads.HEADS_FIRST` or `heads.TIME_FIRST`).
+With partial rotary only the first R features rotate, in halves of R/2:
+the pass-through features get the angle 0 (cos exactly 1, sin exactly 0)
+and `rotate_half(x) = concat(-x2, x1, x3)`, `x3 = x[..., R:]`, so they come
+out unchanged; `rope_frequencies` gives the wavelengths (Llama 3.1's
+per-frequency adjustment included).
 
 The cosines and sines come from constants, never from a runtime's own
 `sin` and `cos`: a position p is written in base 256, p = sum_l d_l 256^l,
@@ -49,7 +54,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_selfattn.attention import backend_ops, heads, masks
+from keras_selfattn.attention import backend_ops, heads, masks, rope_frequencies
 
 # A position is written in base `BASE` with at most `DIGITS` digits: enough
 # for every int32 position (256 ** 4 = 2 ** 32).
@@ -69,13 +74,25 @@ def _rows_of(table, rows):
 
 
 @functools.lru_cache(maxsize=64)
-def digit_table(depth: int, max_wavelength: float, scaling_factor: float) -> np.ndarray:
-    """The float32 (DIGITS * BASE, D) table of the rotations by d * BASE**l,
-    computed in float64: row l * BASE + d holds the cosines (its first D/2
-    entries), then the sines, of the angles (d * BASE**l / scaling_factor) /
-    max_wavelength ** (2i / D), i < D/2."""
-    exponents = np.arange(0, depth, 2, dtype=np.float64) / depth
-    wavelengths = np.power(np.float64(max_wavelength), exponents)
+def digit_table(
+    depth: int,
+    max_wavelength: float,
+    scaling_factor: float,
+    rotary_dim: int | None = None,
+    frequency_scaling: tuple | None = None,
+) -> np.ndarray:
+    """The float32 (DIGITS * BASE, 2 * W) table of the rotations by d * BASE**l,
+    computed in float64, W = D - R/2 (R: `rotary_dim`, D by default): row
+    l * BASE + d holds the cosines (its first W entries), then the sines, of
+    the angles (d * BASE**l / scaling_factor) / wavelength_i, the R/2
+    wavelengths of `rope_frequencies.wavelengths` (max_wavelength ** (2i /
+    R) unless `frequency_scaling`, its `freeze`d dict, adjusts them), then
+    D - R angles 0 (the features that pass)."""
+    rotary_dim = depth if rotary_dim is None else rotary_dim
+    wavelengths = rope_frequencies.wavelengths(
+        rotary_dim, max_wavelength, frequency_scaling
+    )
+    wavelengths = np.concatenate([wavelengths, np.full(depth - rotary_dim, np.inf)])
     steps = (
         np.arange(DIGITS * BASE)
         % BASE
@@ -139,44 +156,67 @@ def _key(value):
 
 
 def table(
-    time, depth: int, max_wavelength: float, scaling_factor: float = 1.0, offset=0
+    time,
+    depth: int,
+    max_wavelength: float,
+    scaling_factor: float = 1.0,
+    offset=0,
+    rotary_dim: int | None = None,
+    frequency_scaling: dict | None = None,
 ):
     """`_table` (its docstring), computed once per arguments within
     `shared_tables()`."""
+    arguments = (
+        depth,
+        float(max_wavelength),
+        float(scaling_factor),
+        depth if rotary_dim is None else rotary_dim,
+        rope_frequencies.freeze(frequency_scaling),
+    )
     shared = _SHARED.get()
     if shared is None:
-        return _table(time, depth, max_wavelength, scaling_factor, offset)
+        return _table(time, offset, *arguments)
     size = time if isinstance(time, int) else None
-    key = (size, _key(offset), depth, float(max_wavelength), scaling_factor)
+    key = (size, _key(offset), *arguments)
     if key not in shared:
         # The offset is kept with the table: its id stays its own.
-        computed = _table(time, depth, max_wavelength, scaling_factor, offset)
-        shared[key] = (time, offset, computed)
+        shared[key] = (time, offset, _table(time, offset, *arguments))
     return shared[key][2]
 
 
 def _table(
-    time, depth: int, max_wavelength: float, scaling_factor: float = 1.0, offset=0
+    time,
+    offset,
+    depth: int,
+    max_wavelength: float,
+    scaling_factor: float,
+    rotary_dim: int,
+    frequency_scaling: tuple | None,
 ):
     """The (T, D) cosines and sines of positions offset .. offset + T - 1, once
     per call for both queries and keys.
 
     Args:
         time: T, the number of positions (an int or a scalar int tensor).
-        depth: D, the head size (even).
-        max_wavelength: The longest wavelength (keras-hub's `max_wavelength`).
-        scaling_factor: Positions are divided by it (keras-hub's
-            `scaling_factor`).
         offset: The position of the first step (an int or a scalar int
             tensor; positions must stay below 2**31): the cache index when
             decoding.
+        depth: D, the head size.
+        max_wavelength: The longest wavelength (keras-hub's `max_wavelength`).
+        scaling_factor: Positions are divided by it (keras-hub's
+            `scaling_factor`).
+        rotary_dim: R, how many of the D features rotate (even).
+        frequency_scaling: `rope_frequencies.freeze` of the layer's
+            `rope_frequency_scaling`.
 
     Returns:
         A tuple `(cos, sin)` of float32 tensors of shape (T, D), the same to
         the bit however many digits are used, in Keras on each backend (on a
         CPU) and in the exported runtimes.
     """
-    rotations = digit_table(depth, float(max_wavelength), float(scaling_factor))
+    rotations = digit_table(
+        depth, max_wavelength, scaling_factor, rotary_dim, frequency_scaling
+    )
     positions = masks.positions(time, "int32")
     if not (isinstance(offset, int) and offset == 0):
         positions = positions + ops.cast(offset, "int32")
@@ -205,16 +245,24 @@ def _table(
             cos * digit_cos - sin * digit_sin,
             sin * digit_cos + cos * digit_sin,
         )
-    return ops.concatenate([cos, cos], axis=-1), ops.concatenate([sin, sin], axis=-1)
+    if rotary_dim == depth:
+        return ops.concatenate([cos, cos], axis=-1), ops.concatenate(
+            [sin, sin], axis=-1
+        )
+    # (the R/2 angles, the R/2 angles again, the D - R angles 0)
+    half = rotary_dim // 2
+    return tuple(ops.concatenate([t[:, :half], t], axis=-1) for t in (cos, sin))
 
 
-def rotate(x, layout: str, cos_sin):
+def rotate(x, layout: str, cos_sin, rotary_dim: int | None = None):
     """`x` (B, H, T, D) or (B, T, H, D), as `layout` says, rotated by position.
 
     Args:
-        x: Projected queries or keys, split into heads; D must be even.
+        x: Projected queries or keys, split into heads.
         layout: `heads.HEADS_FIRST` or `heads.TIME_FIRST`.
         cos_sin: `table(T, D, ...)` for x's positions.
+        rotary_dim: R, how many of the D features rotate (even): the first
+            R; D (all) by default.
 
     Returns:
         The rotated tensor, of x's shape and dtype.
@@ -226,9 +274,14 @@ def rotate(x, layout: str, cos_sin):
     shape = (1, 1, -1, depth) if layout == heads.HEADS_FIRST else (1, -1, 1, depth)
     cos, sin = (backend_ops.reshape(t, shape) for t in cos_sin)
     x = ops.cast(x, "float32")
-    x1, x2 = ops.split(x, 2, axis=-1)
     # `-x2`, not ops.negative: traced on torch inside the export pipeline the
     # latter is aten::negative, which OpenVINO's converter lacks (aten::neg).
-    rotated_half = ops.concatenate([-x2, x1], axis=-1)
+    if rotary_dim is None or rotary_dim == depth:
+        x1, x2 = ops.split(x, 2, axis=-1)
+        rotated_half = ops.concatenate([-x2, x1], axis=-1)
+    else:  # the table's sines of the passing features are 0
+        half = rotary_dim // 2
+        x1, x2, x3 = ops.split(x, [half, rotary_dim], axis=-1)
+        rotated_half = ops.concatenate([-x2, x1, x3], axis=-1)
     out = ops.add(ops.multiply(x, cos), ops.multiply(rotated_half, sin))
     return ops.cast(out, keras.backend.standardize_dtype(dtype))

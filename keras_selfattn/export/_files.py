@@ -159,7 +159,10 @@ def atomic_files(targets: Sequence[str]) -> Iterator[str]:
     base name (so files that refer to each other by name, such as OpenVINO's
     `.xml` and `.bin`, stay together); after the block each is linked into
     place with `os.link`, which fails instead of replacing a file created
-    meanwhile, and the folder is removed. On any exception nothing is left:
+    meanwhile, the first target last (the files it refers to are in place
+    when it appears), and the folder is removed. A target after the first
+    that was not written is skipped (an ONNX file's external data, written
+    only past 2 GiB of weights). On any exception nothing is left:
     neither the folder nor the targets linked so far.
 
     Args:
@@ -179,10 +182,13 @@ def atomic_files(targets: Sequence[str]) -> Iterator[str]:
         _make_dirs(parent, created)
         _make_temporary(parent, os.path.basename(targets[0]), temporary)
         yield temporary[0]
-        for target in targets:
+        for target in [*targets[1:], targets[0]]:
+            staged = os.path.join(temporary[0], os.path.basename(target))
+            if target != targets[0] and not os.path.exists(staged):
+                continue
             linked.append(target)
             try:
-                os.link(os.path.join(temporary[0], os.path.basename(target)), target)
+                os.link(staged, target)
             except FileExistsError:
                 linked.pop()
                 refuse_existing(target, "Output file")

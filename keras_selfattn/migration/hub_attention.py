@@ -1,7 +1,8 @@
 """keras-hub's own attention classes (Llama's, Mistral's, Mixtral's,
 Gemma's, Qwen 2's, Qwen MoE's, Phi-3's and SmolLM3's) as a SelfAttention
 with the same configuration and weights (Qwen's query, key and value biases
-included).
+included; Qwen 3's, Qwen 3 MoE's and Gemma 3's query and key norms from
+`hub_qk_norm`).
 
 Each class is a row of `CLASSES`: where its settings are (heads, rotary
 embedding, scale, soft-cap, sliding window) and where its `EinsumDense`
@@ -26,6 +27,7 @@ import numpy as np
 
 from keras_selfattn._from_keras import refuse
 from keras_selfattn._keras_private import hub_attribute
+from keras_selfattn.migration import hub_alibi_sinks, hub_neox, hub_qk_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,13 +48,19 @@ class HubAttention:
         band_in_mask: Whether the block puts the sliding window in the
             `attention_mask` it passes (Mistral's) rather than the layer
             applying it (Gemma's).
+        convert: `(cls, layer, block) -> SelfAttention` where the class's
+            own module maps it (GPT-NeoX's fused projection), else None.
+        adapter: The adapter class its block calls, where not
+            `KerasHubAttentionAdapter`.
     """
 
     projections: dict
     heads_first: bool
     rotary: str | None
-    arguments: Callable
+    arguments: Callable | None
     band_in_mask: bool = False
+    convert: Callable | None = None
+    adapter: type | None = None
 
 
 def _no_output_dropout(layer, rate: float) -> None:
@@ -94,8 +102,9 @@ def _phi3(layer, block) -> dict:
     if layer.rope_scaling_type is not None:
         refuse(
             layer,
-            f"its rotary embedding scales frequencies (rope_scaling_type="
-            f"{layer.rope_scaling_type!r}); SelfAttention's scales positions only",
+            f"its rotary embedding switches between short and long frequency "
+            f"factors by each call's length (rope_scaling_type="
+            f"{layer.rope_scaling_type!r}), SelfAttention's frequencies are fixed",
         )
     return {}
 
@@ -134,6 +143,17 @@ def _gemma(layer, block) -> dict:
     }
 
 
+def _qwen3(layer, block) -> dict:
+    """Qwen 3's (and Qwen 3 MoE's): Llama's, with query and key norms."""
+    _no_output_dropout(layer, layer.dropout)
+    return hub_qk_norm.qwen3(layer)
+
+
+def _gemma3(layer, block) -> dict:
+    """Gemma 3's: Gemma's, with query and key norms."""
+    return {**_gemma(layer, block), **hub_qk_norm.gemma3(layer)}
+
+
 _UNDERSCORED = {
     "query": "_query_dense",
     "key": "_key_dense",
@@ -162,11 +182,37 @@ CLASSES = {
         _PUBLIC, False, "rotary_embedding_layer", _mistral, band_in_mask=True
     ),
     "Phi3Attention": HubAttention(_PUBLIC, False, "rotary_embedding_layer", _phi3),
+    "Qwen3Attention": HubAttention(
+        _UNDERSCORED, False, "rotary_embedding_layer", _qwen3
+    ),
+    "Qwen3MoeAttention": HubAttention(
+        _UNDERSCORED, False, "rotary_embedding_layer", _qwen3
+    ),
+    "CachedGemma3Attention": HubAttention(_PUBLIC, True, "rope_layer", _gemma3),
     "SmolLM3Attention": HubAttention(
         {"query": "q_proj", "key": "k_proj", "value": "v_proj", "output": "o_proj"},
         False,
         None,
         _smollm3,
+    ),
+    "BloomAttention": HubAttention(_UNDERSCORED, False, None, hub_alibi_sinks.bloom),
+    "FalconAttention": HubAttention(
+        _PUBLIC,
+        False,
+        None,
+        hub_alibi_sinks.falcon,
+        adapter=hub_alibi_sinks.KerasHubFalconAttentionAdapter,
+    ),
+    "GptOssAttention": HubAttention(
+        _PUBLIC, False, "rotary_embedding_layer", hub_alibi_sinks.gpt_oss
+    ),
+    "GPTNeoXAttention": HubAttention(
+        {},
+        False,
+        None,
+        None,
+        convert=hub_neox.from_keras_hub,
+        adapter=hub_neox.KerasHubPairAttentionAdapter,
     ),
 }
 
@@ -198,19 +244,25 @@ def _rotary(layer, spec: HubAttention) -> dict:
     if spec.rotary is None:
         return {}  # `spec.arguments` gives it
     rope = hub_attribute(layer, spec.rotary)
-    for name in ("frequency_adjustment_factor", "low_freq_factor"):
-        if getattr(rope, name, None) is not None:
-            refuse(
-                layer,
-                f"its rotary embedding adjusts frequencies (Llama 3.1's {name}="
-                f"{getattr(rope, name)}); SelfAttention's scales positions only",
-            )
     if (rope.sequence_axis, rope.feature_axis) not in ((1, -1), (1, 3)):
         refuse(layer, "its rotary embedding rotates other axes than time and depth")
-    return {
+    # keras-hub 0.32's `LlamaRotaryEmbedding` computes its frequencies
+    # without its `position_scaling_factor` (its own `_get_inverse_freq`), so
+    # Llama's and Llama 3's rotation is the unscaled one.
+    unscaled = type(rope).__name__ == "LlamaRotaryEmbedding"
+    arguments = {
         "rope_max_wavelength": float(rope.max_wavelength),
-        "rope_scaling_factor": float(rope.scaling_factor),
+        "rope_scaling_factor": 1.0 if unscaled else float(rope.scaling_factor),
     }
+    if getattr(rope, "frequency_adjustment_factor", None) is not None:
+        arguments["rope_frequency_scaling"] = {  # Llama 3.1's
+            "rope_type": "llama3",
+            "factor": rope.frequency_adjustment_factor,
+            "low_freq_factor": rope.low_freq_factor,
+            "high_freq_factor": rope.high_freq_factor,
+            "original_max_position_embeddings": rope.pretraining_sequence_length,
+        }
+    return arguments
 
 
 def from_keras_hub(cls, layer, block):
@@ -221,15 +273,16 @@ def from_keras_hub(cls, layer, block):
 
     Raises:
         ValueError: one line, for a class without a row, an unbuilt or
-            quantized layer, Llama 3.1's frequency adjustment, or Llama's and Mistral's
-            dropout (on the attention output; SelfAttention's is on the
-            weights).
+            quantized layer, or Llama's and Mistral's dropout (on the
+            attention output; SelfAttention's is on the weights).
     """
     spec = row(layer)
     if spec is None:
         refuse(layer, "it is not one of keras-hub's " + ", ".join(sorted(CLASSES)))
     if not layer.built:
         refuse(layer, "it is not built")
+    if spec.convert is not None:
+        return spec.convert(cls, layer, block)
     if any(
         getattr(hub_attribute(layer, attribute), "quantization_mode", None)
         for attribute in spec.projections.values()
@@ -237,9 +290,13 @@ def from_keras_hub(cls, layer, block):
         refuse(layer, "it is quantized: convert the float model, then quantize")
     kernels = _kernels(layer, spec)
     features, heads_width = kernels["query"].shape
-    # Every output kernel is `(heads, head_dim, output)`.
+    # Every output kernel is `(heads, head_dim, output)` but Bloom's (a Dense's:
+    # its query kernel is `(features, heads, head_dim)`).
     output = hub_attribute(layer, spec.projections["output"]).kernel
-    head_dim = int(output.shape[-2])
+    if len(output.shape) == 3:
+        head_dim = int(output.shape[-2])
+    else:
+        head_dim = int(hub_attribute(layer, spec.projections["query"]).kernel.shape[-1])
     heads = heads_width // head_dim
     key_value_heads = kernels["key"].shape[1] // head_dim
     arguments = spec.arguments(layer, block)
@@ -258,6 +315,12 @@ def from_keras_hub(cls, layer, block):
     sa.build((None, None, features))
     for name, kernel in kernels.items():
         getattr(sa, f"{name}_dense").kernel.assign(kernel)
+    if sa.use_sinks:  # GPT-OSS's
+        sa.sinks.assign(keras.ops.convert_to_numpy(layer.sinks))
+    if sa.use_query_key_norm:  # Qwen 3's, Gemma 3's
+        query_scale, key_scale = hub_qk_norm.scales(layer)
+        sa.query_norm_scale.assign(query_scale)
+        sa.key_norm_scale.assign(key_scale)
     if sa.use_bias:
         for name, attribute in spec.projections.items():
             bias = hub_attribute(layer, attribute).bias

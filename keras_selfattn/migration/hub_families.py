@@ -4,10 +4,9 @@ refusal for the others.
 A model holding an attention class of keras-hub's that has no row in
 `hub_attention.CLASSES` (and is not a Keras `MultiHeadAttention`, as GPT-2's
 and OPT's `CachedMultiHeadAttention` are) is refused before any layer is
-copied: keras-hub 0.32's Qwen 3 and GPT-NeoX decoders do not rebuild from
-their own `get_config()`, and the error of that copy would hold the whole
-config. An attention layer `convert` keeps (Llama 3.1's frequency
-adjustment, Llama's dropout, ...) refuses the model after it, and so does
+copied: the error of a decoder that does not rebuild from its own
+`get_config()` would hold the whole config. An attention layer `convert`
+keeps (Llama's dropout, ...) refuses the model after it, and so does
 a model with none converted: a token model with an attention layer
 `generate` cannot cache, or none, is never returned.
 """
@@ -22,17 +21,8 @@ from keras_selfattn import _from_keras
 from keras_selfattn._keras_private import sublayers
 from keras_selfattn.migration import hub_attention
 
-_QK_NORM = "query and key RMS norms, which SelfAttention does not have"
 # Why each of keras-hub 0.32's other decoder attention classes is refused.
-WHY = {
-    "Qwen3Attention": f"its per-head {_QK_NORM}",
-    "Qwen3MoeAttention": f"its per-head {_QK_NORM}",
-    "CachedGemma3Attention": f"its {_QK_NORM}",
-    "GPTNeoXAttention": (
-        "its rotary embedding turns part of each head (rotary_percentage); "
-        "SelfAttention's turns whole heads"
-    ),
-}
+WHY: dict[str, str] = {}
 
 
 def _hub_attention_layers(layer) -> Iterator[keras.layers.Layer]:

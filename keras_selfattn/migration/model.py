@@ -127,12 +127,13 @@ def _hub_adapter(attention, parent, calls):
         sa = hub_attention.from_keras_hub(SelfAttention, attention, parent)
     except ValueError as error:
         return None, str(error).split(". Received")[0]
-    window = sa.sliding_window if hub_attention.row(attention).band_in_mask else None
+    spec = hub_attention.row(attention)
+    window = sa.sliding_window if spec.band_in_mask else None
     if not blocks.causal_mask_given(calls, window):
         return None, (
             "its attention_mask on the example run was not its decoder's causal mask"
         )
-    adapter = KerasHubAttentionAdapter(
+    adapter = (spec.adapter or KerasHubAttentionAdapter)(
         sa, name=attention.name, dtype=attention.dtype_policy
     )
     adapter.built = True

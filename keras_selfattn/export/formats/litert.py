@@ -35,7 +35,7 @@ import numpy as np
 from keras_selfattn import tracing
 from keras_selfattn.attention.cache import ConverterCache
 from keras_selfattn.export import quantization
-from keras_selfattn.export.formats import litert_signatures
+from keras_selfattn.export.formats import _limits, litert_signatures
 from keras_selfattn.export.formats._base import ExportError, Format, converting
 from keras_selfattn.export.signature import Signature
 from keras_selfattn_runtimes import table
@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 # ai_edge_quantizer's recipe for models whose every quantized layer is int8,
 # by whether Keras quantizes their activations.
 RECIPES = {True: "dynamic_wi8_afp32", False: "weight_only_wi8_afp32"}
+# The weights from which a file keeps them after the flatbuffer.
+BUFFER_OFFSET_BYTES = _limits.APART_BYTES
 
 
 def recipe_name(quantized: Sequence[quantization.QuantizedDense]) -> str | None:
@@ -181,6 +183,16 @@ class LiteRTFormat(Format):
             )
             for each in targets
         ]
+        size = _limits.weight_bytes(target)
+        large = size >= BUFFER_OFFSET_BYTES
+        if large and len(entries) == 1:
+            raise ValueError(
+                f"LiteRT export of {size / 2**30:.2f} GiB of "
+                "weights: a flatbuffer holds at most 2 GiB, and Keras's LiteRT "
+                "export cannot write weights past it; quantize the model to "
+                "int8 first, or export its generator (weights after the "
+                "flatbuffer), ONNX (external data) or a SavedModel"
+            )
         recipe = recipe_name(target.quantized)
         if target.quantized and recipe is None:
             modes = sorted({q.mode for q in target.quantized})
@@ -202,7 +214,7 @@ class LiteRTFormat(Format):
         ):
             warnings.simplefilter("ignore")
             if len(entries) > 1:
-                litert_signatures.convert(entries, path)
+                litert_signatures.convert(entries, path, large)
             else:
                 target.keras_model().export(
                     path, format="litert", verbose=False, input_signature=entries[0][1]

@@ -31,7 +31,9 @@ def _named(target: Signature) -> Callable:
     return serve
 
 
-def convert(entries: Sequence[tuple[Signature, list]], path: str) -> None:
+def convert(
+    entries: Sequence[tuple[Signature, list]], path: str, large: bool = False
+) -> None:
     """Writes the targets into the .tflite file `path`, one signature each.
 
     Run it inside the LiteRT format's contexts (quantized layers traced,
@@ -42,6 +44,9 @@ def convert(entries: Sequence[tuple[Signature, list]], path: str) -> None:
             signature `target.signature_name`, its inputs as given
             (`model.export`'s `input_signature`: one list of
             `keras.InputSpec`).
+        large: Write the weights after the flatbuffer, at offsets it records
+            (TensorFlow's `_experimental_use_buffer_offset`: a flatbuffer
+            holds at most 2 GiB), without conversion metadata.
     """
     import tensorflow as tf
 
@@ -66,6 +71,9 @@ def convert(entries: Sequence[tuple[Signature, list]], path: str) -> None:
             tf.lite.OpsSet.SELECT_TF_OPS,
         ]
         converter.experimental_enable_resource_variables = True
+        if large:
+            converter._experimental_use_buffer_offset = True
+            converter.exclude_conversion_metadata = True
         flatbuffer = converter.convert()
     with open(path, "wb") as file:
         file.write(flatbuffer)

@@ -6,11 +6,19 @@ each SelfAttention core becomes one ONNX `Attention` node) -> quantized
 layers stored as Keras's integers on ONNX Runtime's integer kernels
 (`integer`) -> `onnx.checker` -> the file. TensorFlow and tf2onnx are
 imported on use.
+
+Large models: protobuf serializes at most 2 GiB, so a model whose weights
+come near it (`LARGE_MODEL_BYTES`) is converted in tf2onnx's large-model
+mode (its constants kept out of the TensorFlow GraphDef) and written with
+its weights as ONNX external data: `model.onnx` beside one file
+`model.onnx.data` (`external_data_file`), which ONNX Runtime reads from the
+.onnx file's path alone. Smaller models stay one file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -21,6 +29,7 @@ import numpy as np
 from keras_selfattn import _checks, tracing
 from keras_selfattn.attention.cache import ConverterCache
 from keras_selfattn.export import quantization
+from keras_selfattn.export.formats import _limits
 from keras_selfattn.export.formats._base import Format, converting
 from keras_selfattn.export.signature import BATCH_AXIS, TIME_AXIS, Signature
 from keras_selfattn_runtimes import table
@@ -37,6 +46,14 @@ MIN_OPSET = 13
 MAX_OPSET = 18
 # The backend whose graph the fused-Attention rewrite reads (tf2onnx's names).
 FUSED_BACKEND = "tensorflow"
+# Weights from which a model converts in tf2onnx's large-model mode: a
+# generator's frozen GraphDef holds its weights once per function reading
+# them (the prompt's pass and the loop's body) before tf2onnx merges them.
+LARGE_MODEL_BYTES = _limits.MESSAGE_LIMIT // 4
+# Tensor bytes from which the file keeps its weights as external data.
+EXTERNAL_DATA_BYTES = _limits.APART_BYTES
+# Tensors this large or larger go to the external data file.
+_EXTERNAL_TENSOR_BYTES = 1024
 
 
 def check_opset(opset: object, backend: str | None = None) -> int | None:
@@ -74,17 +91,28 @@ def convert_to_onnx(target: Signature, opset: int) -> onnx.ModelProto:
     (a constant the model computed when built, as keras-hub's
     `GemmaBackbone` does its embedding scale) is stored in the file:
     tf2onnx lists it as a graph input.
+
+    From `LARGE_MODEL_BYTES` of weights, tf2onnx converts in its large-model
+    mode: the weights stay out of the frozen GraphDef, which protobuf cannot
+    hold past 2 GiB. The returned model holds them in memory (a proto past
+    2 GiB: `save` writes them as external data).
     """
     import onnx
     import tf2onnx
 
+    large = _limits.weight_bytes(target) >= LARGE_MODEL_BYTES
     function, specs = target.tf_function(), target.tf_specs()
-    proto, _ = tf2onnx.convert.from_function(
-        function,
-        input_signature=specs,
-        opset=opset,
-        custom_op_handlers=CUSTOM_OP_HANDLERS,
-    )
+    if large:
+        from keras_selfattn.export.formats.onnx import large as large_lib
+
+        proto = large_lib.from_function(function, specs, opset, CUSTOM_OP_HANDLERS)
+    else:
+        proto, _ = tf2onnx.convert.from_function(
+            function,
+            input_signature=specs,
+            opset=opset,
+            custom_op_handlers=CUSTOM_OP_HANDLERS,
+        )
     constants = _captured_constants(function, specs)
     for value_info in list(proto.graph.input):
         if value_info.name in constants:
@@ -95,6 +123,34 @@ def convert_to_onnx(target: Signature, opset: int) -> onnx.ModelProto:
                 )
             )
     return proto
+
+
+def external_data_file(path: str) -> str:
+    """The file beside the ONNX file `path` holding its external weights."""
+    return path + ".data"
+
+
+def save(proto: onnx.ModelProto, path: str) -> None:
+    """Checks `proto` (`onnx.checker`, full) and writes it at `path`; past
+    `EXTERNAL_DATA_BYTES` of tensors, with every tensor of 1 KiB or more in
+    `external_data_file(path)`, referred to by its base name."""
+    import onnx
+
+    from keras_selfattn.export.formats.onnx import graph as graph_lib
+
+    if graph_lib.tensor_bytes(proto) < EXTERNAL_DATA_BYTES:
+        onnx.checker.check_model(proto, full_check=True)
+        onnx.save(proto, path)
+        return
+    onnx.save_model(
+        proto,
+        path,
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=os.path.basename(external_data_file(path)),
+        size_threshold=_EXTERNAL_TENSOR_BYTES,
+    )
+    onnx.checker.check_model(path, full_check=True)
 
 
 def _captured_constants(function, specs) -> dict:
@@ -224,6 +280,13 @@ class OnnxFormat(Format):
     row = table.ONNX
     quantized_form = quantization.CONSTANTS
     advice = "export a SavedModel instead, or pass another opset"
+    # What to do when a large model's conversion fails (not the opset).
+    large_advice = "export a SavedModel instead"
+
+    def files(self, path: str) -> list[str]:
+        """The .onnx file, and its external data where its weights need it
+        (`save`; written only then)."""
+        return [path, external_data_file(path)]
 
     def check_options(
         self, options: Mapping[str, object], backend: str | None = None
@@ -291,11 +354,21 @@ class OnnxFormat(Format):
         import onnx
 
         opset = options["opset"]
+        size = _limits.weight_bytes(target)
+        backend = keras.backend.backend()
+        if backend != "tensorflow" and size >= EXTERNAL_DATA_BYTES:
+            raise ValueError(
+                f"ONNX export of {size / 2**30:.2f} GiB of weights on {backend}: "
+                "Keras's ONNX export writes one protobuf, which holds at most 2 "
+                "GiB; save the model as .keras and export it under "
+                "KERAS_BACKEND=tensorflow (weights as ONNX external data)"
+            )
+        large = size >= LARGE_MODEL_BYTES
         with (
-            converting(self.row.title, self.advice),
+            converting(self.row.title, self.large_advice if large else self.advice),
             target.traced(self.quantized_form),
         ):
-            if keras.backend.backend() == "tensorflow":
+            if backend == "tensorflow":
                 # Ops tf2onnx converts (a decoding step's cache write as
                 # XlaDynamicUpdateSlice, for `dynamic_update_slice`).
                 with tracing.traced_as(tracing.FOR_CONVERTER):
@@ -314,8 +387,10 @@ class OnnxFormat(Format):
             from keras_selfattn.export.formats.onnx import integer
 
             proto, _ = integer.rewrite(proto, target.quantized)
-        onnx.checker.check_model(proto, full_check=True)
-        onnx.save(proto, path)
+        from keras_selfattn.export.formats.onnx import loop_invariant
+
+        proto = loop_invariant.optimize_loops(proto)
+        save(proto, path)
 
 
 FORMAT = OnnxFormat()

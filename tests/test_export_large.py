@@ -1,0 +1,136 @@
+"""Models past 2 GiB: ONNX generators written with their weights as external
+data beside the .onnx file, LiteRT generators with their weights after the
+flatbuffer, and a lone LiteRT target refused in one line.
+
+The thresholds are lowered on a small model (the same code paths; the
+files run in onnxruntime and LiteRT against the uncached reference); a
+model truly past 2 GiB needs far more memory than CI has today
+(docs/export.md, "Large models")."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from keras_selfattn.export import export_generator
+from tests import generation_reference as reference
+from tests.test_generation import PROMPTS, VOCABULARY, token_model
+
+pytestmark = [
+    pytest.mark.tensorflow_only("the generator's loop in a TensorFlow graph"),
+    # An export and a fresh-process check each (tens of seconds).
+    pytest.mark.slow,
+]
+MAX_LENGTH = 24
+STEPS = 8
+
+
+def _request():
+    return reference.generator_request(PROMPTS, STEPS, VOCABULARY)
+
+
+def test_onnx_generator_past_the_limit_keeps_external_data(monkeypatch, tmp_path):
+    import onnx
+    import onnxruntime
+
+    from keras_selfattn.export.formats.onnx import format as onnx_format
+
+    monkeypatch.setattr(onnx_format, "LARGE_MODEL_BYTES", 0)
+    monkeypatch.setattr(onnx_format, "EXTERNAL_DATA_BYTES", 0)
+    model = token_model()
+    path = export_generator(model, tmp_path / "lm.onnx", "onnx", max_length=MAX_LENGTH)
+    assert sorted(os.listdir(tmp_path)) == ["lm.onnx", "lm.onnx.data"]
+    stored = onnx.load(path, load_external_data=False)
+    external = [
+        tensor
+        for tensor in stored.graph.initializer
+        if tensor.data_location == onnx.TensorProto.EXTERNAL
+    ]
+    assert external, "no tensor went to the external data file"
+    locations = {
+        entry.value
+        for tensor in external
+        for entry in tensor.external_data
+        if entry.key == "location"
+    }
+    assert locations == {"lm.onnx.data"}
+    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    tokens, lengths = session.run(["tokens", "lengths"], _request())
+    want, want_lengths = reference.uncached(model, PROMPTS, STEPS)
+    np.testing.assert_array_equal(tokens, want)
+    np.testing.assert_array_equal(lengths, want_lengths)
+
+
+def test_onnx_forward_export_past_the_limit_keeps_external_data(monkeypatch, tmp_path):
+    """The forward pass's export writes through the same ONNX format: its
+    exporter's fresh-process check runs the two files from the path."""
+    import onnxruntime
+
+    from keras_selfattn.export import export_onnx
+    from keras_selfattn.export.formats.onnx import format as onnx_format
+
+    monkeypatch.setattr(onnx_format, "LARGE_MODEL_BYTES", 0)
+    monkeypatch.setattr(onnx_format, "EXTERNAL_DATA_BYTES", 0)
+    model = token_model()
+    path = export_onnx(model, tmp_path / "m.onnx")
+    assert sorted(os.listdir(tmp_path)) == ["m.onnx", "m.onnx.data"]
+    tokens = np.array([[3, 5, 7, 1], [2, 2, 9, 4]], np.int32)
+    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    (logits,) = session.run(None, {"tokens": tokens})
+    np.testing.assert_allclose(logits, model(tokens), atol=1e-5)
+
+
+def test_onnx_generator_below_the_limit_stays_one_file(tmp_path):
+    export_generator(
+        token_model(), tmp_path / "lm.onnx", "onnx", max_length=MAX_LENGTH, check=False
+    )
+    assert os.listdir(tmp_path) == ["lm.onnx"]
+
+
+def test_onnx_external_data_target_taken_is_refused(tmp_path):
+    (tmp_path / "lm.onnx.data").write_bytes(b"")
+    with pytest.raises(FileExistsError):
+        export_generator(token_model(), tmp_path / "lm.onnx", "onnx", max_length=8)
+
+
+def test_litert_generator_past_the_limit_uses_buffer_offsets(monkeypatch, tmp_path):
+    from ai_edge_litert.interpreter import Interpreter
+
+    from keras_selfattn.export.formats import litert
+
+    monkeypatch.setattr(litert, "BUFFER_OFFSET_BYTES", 0)
+    model = token_model()
+    path = export_generator(
+        model, tmp_path / "lm.tflite", "litert", max_length=MAX_LENGTH
+    )
+    assert os.listdir(tmp_path) == ["lm.tflite"]
+    assert "buffer_location" in _metadata_names(path)
+    runner = Interpreter(model_path=path).get_signature_runner("generate")
+    out = runner(**_request())
+    want, want_lengths = reference.uncached(model, PROMPTS, STEPS)
+    np.testing.assert_array_equal(out["tokens"], want)
+    np.testing.assert_array_equal(out["lengths"], want_lengths)
+
+
+def _metadata_names(path) -> set[str]:
+    """The names of a .tflite file's metadata entries ("buffer_location"
+    where its weights follow the flatbuffer at recorded offsets)."""
+    from tensorflow.lite.tools import flatbuffer_utils
+
+    model = flatbuffer_utils.read_model_from_bytearray(
+        bytearray(open(path, "rb").read())
+    )
+    return {entry.name.decode() for entry in model.metadata or []}
+
+
+def test_litert_target_alone_past_the_limit_is_refused(monkeypatch, tmp_path):
+    from keras_selfattn.export import export_litert
+    from keras_selfattn.export.formats import litert
+
+    monkeypatch.setattr(litert, "BUFFER_OFFSET_BYTES", 0)
+    with pytest.raises(ValueError, match="flatbuffer holds at most 2 GiB") as error:
+        export_litert(token_model(), tmp_path / "lm.tflite")
+    assert "\n" not in str(error.value)
+    assert not os.listdir(tmp_path)

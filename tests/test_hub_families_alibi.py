@@ -1,0 +1,196 @@
+"""keras-hub's Bloom (ALiBi over six heads, not a power of two; biases),
+Falcon (ALiBi added before the scale) and GPT-OSS (sinks, grouped heads,
+alternating sliding windows, its MoE feed-forward kept) convert: their
+attention classes become SelfAttention behind `KerasHubAttentionAdapter`.
+GPT-OSS with YaRN rope scaling is refused by `convert_causal_lm` in one
+line. The references are the original keras-hub models: their outputs and
+their own greedy `generate`."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import keras_selfattn
+from tests import generation_reference as reference
+from tests.test_convert_blocks import PROMPTS, STEPS, _keras_hub_greedy
+from tests.test_convert_keras_hub_models import ATOL, TOKENS, _adapters
+
+keras_hub = pytest.importorskip("keras_hub")
+
+GPT_OSS = dict(
+    vocabulary_size=40,
+    hidden_dim=16,
+    intermediate_dim=32,
+    num_layers=2,
+    num_query_heads=4,
+    num_key_value_heads=2,
+    num_experts=4,
+    top_k=2,
+    sliding_window=2,  # the odd layers'; shorter than the prompts
+    rope_max_wavelength=500,
+)
+FAMILIES = {
+    # name: (backbone class, causal LM class, backbone arguments)
+    "Bloom": (
+        "BloomBackbone",
+        "BloomCausalLM",
+        dict(
+            vocabulary_size=40,
+            num_layers=2,
+            num_heads=6,
+            hidden_dim=24,
+            intermediate_dim=64,
+        ),
+    ),
+    "Falcon": (
+        "FalconBackbone",
+        "FalconCausalLM",
+        dict(
+            vocabulary_size=40,
+            num_layers=2,
+            num_attention_heads=6,
+            hidden_dim=24,
+            intermediate_dim=64,
+        ),
+    ),
+    "GPT-OSS": ("GptOssBackbone", "GptOssCausalLM", GPT_OSS),
+}
+# Random weights whose greedy tokens vary (at least 4 distinct in each row):
+# (seed, spread of the vectors, of the kernels). Bloom's tied embedding
+# repeats its input token unless its biases and norms stay near their initial
+# values; Falcon's unless its kernels are large.
+RANDOM = {"Bloom": (1, 0.03, 1.0), "Falcon": (4, 0.5, 3.0), "GPT-OSS": (1, 0.1, 1.0)}
+
+
+def _randomized(model, family: str):
+    """Kernels and embeddings drawn anew, the vectors (biases, normalization
+    scales, sinks) moved off their initial values."""
+    seed, spread, scale = RANDOM[family]
+    rng = np.random.default_rng(seed)
+    model.set_weights(
+        [
+            (
+                rng.normal(0, scale, w.shape)
+                if w.ndim > 1
+                else w + rng.normal(0, spread, w.shape)
+            ).astype(w.dtype)
+            for w in model.get_weights()
+        ]
+    )
+    return model
+
+
+def _backbone(family: str, **changes):
+    backbone, _, arguments = FAMILIES[family]
+    return getattr(keras_hub.models, backbone)(**{**arguments, **changes})
+
+
+def _causal_lm(family: str):
+    lm = getattr(keras_hub.models, FAMILIES[family][1])
+    return _randomized(lm(_backbone(family), preprocessor=None), family)
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param(
+            "Bloom",
+            marks=pytest.mark.slow_on("tensorflow", "jax", "PyTorch checks it"),
+        ),
+        pytest.param("Falcon", marks=pytest.mark.slow),
+        pytest.param("GPT-OSS", marks=pytest.mark.slow),  # 9 s: its experts
+    ],
+)
+def test_keras_hub_backbone_converts_with_its_outputs(family):
+    model = _randomized(_backbone(family), family)
+    new = keras_selfattn.convert(model)
+    report = new.conversion_report
+    assert len(report.converted) == 2 and report.kept == [], str(report)
+    first, second = (adapter.attention for adapter in _adapters(new))
+    if family in ("Bloom", "Falcon"):
+        assert first.position_bias == "alibi" and first.use_bias
+        assert (first.num_heads, first.key_dim) == (6, 4)
+        assert first.alibi_before_scale == (family == "Falcon")
+    else:
+        # keras-hub's window of 2 earlier keys is SelfAttention's 3.
+        assert (first.sliding_window, second.sliding_window) == (None, 3)
+        assert first.use_sinks and first.num_key_value_heads == 2
+    inputs = {"token_ids": TOKENS, "padding_mask": TOKENS != 0}
+    real = TOKENS != 0
+    expected = keras.ops.convert_to_numpy(model(inputs))
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(new(inputs))[real], expected[real], atol=ATOL
+    )
+
+
+@pytest.mark.slow  # keras-hub's generate: 4 s or more on every backend
+@pytest.mark.parametrize("family", FAMILIES)
+def test_converted_causal_lm_generates_keras_hub_s_greedy_tokens(family):
+    lm = _causal_lm(family)
+    tokens_model = keras_selfattn.convert_causal_lm(lm)
+    assert len(tokens_model.conversion_report.converted) == 2
+    expected = _keras_hub_greedy(lm, PROMPTS, STEPS)
+    assert min(len(np.unique(row)) for row in expected) >= 4, expected
+    result = keras_selfattn.generate(tokens_model, PROMPTS, STEPS)
+    np.testing.assert_array_equal(result.tokens, expected)
+
+
+REFUSED = {
+    # name: (family, backbone changes, what the one line says)
+    "GPT-OSS YaRN": (
+        "GPT-OSS",
+        {"rope_scaling_factor": 4.0},
+        "Cannot convert GptOssAttention 'self_attention' to SelfAttention: its "
+        "rotary embedding is YaRN-scaled (rope_scaling_factor=4.0)",
+    ),
+}
+
+
+@pytest.mark.slow  # run once: 10 s
+@pytest.mark.parametrize("case", REFUSED)
+def test_convert_causal_lm_refuses_what_does_not_convert_in_one_line(case):
+    family, changes, why = REFUSED[case]
+    lm = getattr(keras_hub.models, FAMILIES[family][1])(
+        _backbone(family, **changes), preprocessor=None
+    )
+    with pytest.raises(ValueError, match="convert_causal_lm cannot convert") as error:
+        keras_selfattn.convert_causal_lm(lm)
+    assert why in str(error.value) and "\n" not in str(error.value)
+    assert len(str(error.value)) < 400, str(error.value)
+
+
+EXPORTS = [
+    ("Bloom", "onnx"),
+    ("Bloom", "litert"),
+    ("Falcon", "onnx"),
+    ("Falcon", "litert"),
+    ("GPT-OSS", "onnx"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, export_format", EXPORTS)
+def test_converted_causal_lm_exports_its_generator(family, export_format, tmp_path):
+    """The export's own check runs it in a fresh process of its runtime
+    against `generate`; the ONNX file, run here, must return keras-hub's
+    greedy tokens."""
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("one export per format, from TensorFlow's slow suite")
+    from keras_selfattn.export import export_generator
+
+    lm = _causal_lm(family)
+    tokens_model = keras_selfattn.convert_causal_lm(lm)
+    suffix = {"litert": ".tflite", "onnx": ".onnx"}[export_format]
+    path = export_generator(
+        tokens_model, tmp_path / f"lm{suffix}", export_format, max_length=16
+    )
+    if export_format != "onnx":
+        return
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    request = reference.generator_request(PROMPTS, STEPS, 40)
+    tokens, _ = session.run(["tokens", "lengths"], request)
+    np.testing.assert_array_equal(tokens, _keras_hub_greedy(lm, PROMPTS, STEPS))
