@@ -21,6 +21,7 @@ import dataclasses
 import importlib
 import io
 import logging
+import math
 import os
 import re
 import sys
@@ -29,6 +30,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 
 import keras
+import numpy as np
 
 from keras_selfattn.export import _files
 from keras_selfattn.export.signature import Signature
@@ -129,6 +131,22 @@ def converting(title: str, advice: str) -> Iterator[None]:
 # Lines that say why a converter failed, most telling first (a regex
 # each): what it could not convert, then any error line. The first line
 # of the exception stands in when none matches.
+# Protobuf's and FlatBuffers' limit on one serialized message (an ONNX file,
+# a frozen GraphDef, a LiteRT file).
+MESSAGE_LIMIT = 2**31
+# Weights from which a file keeps them apart (ONNX external data, LiteRT
+# buffers after the flatbuffer): the rest of the limit is the graph's.
+APART_BYTES = MESSAGE_LIMIT - 2**27
+
+
+def weight_bytes(target: Signature) -> int:
+    """The bytes of the weights of the target's model."""
+    return sum(
+        math.prod(weight.shape) * np.dtype(weight.dtype).itemsize
+        for weight in target.model.weights
+    )
+
+
 _CAUSES = (
     r"No conversion rule found for operations: .*",
     r"Select TensorFlow op\(s\).*",

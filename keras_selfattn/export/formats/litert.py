@@ -35,8 +35,14 @@ import numpy as np
 from keras_selfattn import tracing
 from keras_selfattn.attention.cache import ConverterCache
 from keras_selfattn.export import quantization
-from keras_selfattn.export.formats import _limits, litert_signatures
-from keras_selfattn.export.formats._base import ExportError, Format, converting
+from keras_selfattn.export.formats import litert_signatures
+from keras_selfattn.export.formats._base import (
+    APART_BYTES,
+    ExportError,
+    Format,
+    converting,
+    weight_bytes,
+)
 from keras_selfattn.export.signature import Signature
 from keras_selfattn_runtimes import table
 
@@ -45,7 +51,7 @@ logger = logging.getLogger(__name__)
 # by whether Keras quantizes their activations.
 RECIPES = {True: "dynamic_wi8_afp32", False: "weight_only_wi8_afp32"}
 # The weights from which a file keeps them after the flatbuffer.
-BUFFER_OFFSET_BYTES = _limits.APART_BYTES
+BUFFER_OFFSET_BYTES = APART_BYTES
 
 
 def recipe_name(quantized: Sequence[quantization.QuantizedDense]) -> str | None:
@@ -183,7 +189,7 @@ class LiteRTFormat(Format):
             )
             for each in targets
         ]
-        size = _limits.weight_bytes(target)
+        size = weight_bytes(target)
         large = size >= BUFFER_OFFSET_BYTES
         if large and len(entries) == 1:
             raise ValueError(

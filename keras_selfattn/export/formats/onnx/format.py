@@ -29,8 +29,13 @@ import numpy as np
 from keras_selfattn import _checks, tracing
 from keras_selfattn.attention.cache import ConverterCache
 from keras_selfattn.export import quantization
-from keras_selfattn.export.formats import _limits
-from keras_selfattn.export.formats._base import Format, converting
+from keras_selfattn.export.formats._base import (
+    APART_BYTES,
+    MESSAGE_LIMIT,
+    Format,
+    converting,
+    weight_bytes,
+)
 from keras_selfattn.export.signature import BATCH_AXIS, TIME_AXIS, Signature
 from keras_selfattn_runtimes import table
 
@@ -49,9 +54,9 @@ FUSED_BACKEND = "tensorflow"
 # Weights from which a model converts in tf2onnx's large-model mode: a
 # generator's frozen GraphDef holds its weights once per function reading
 # them (the prompt's pass and the loop's body) before tf2onnx merges them.
-LARGE_MODEL_BYTES = _limits.MESSAGE_LIMIT // 4
+LARGE_MODEL_BYTES = MESSAGE_LIMIT // 4
 # Tensor bytes from which the file keeps its weights as external data.
-EXTERNAL_DATA_BYTES = _limits.APART_BYTES
+EXTERNAL_DATA_BYTES = APART_BYTES
 # Tensors this large or larger go to the external data file.
 _EXTERNAL_TENSOR_BYTES = 1024
 
@@ -100,7 +105,7 @@ def convert_to_onnx(target: Signature, opset: int) -> onnx.ModelProto:
     import onnx
     import tf2onnx
 
-    large = _limits.weight_bytes(target) >= LARGE_MODEL_BYTES
+    large = weight_bytes(target) >= LARGE_MODEL_BYTES
     function, specs = target.tf_function(), target.tf_specs()
     if large:
         from keras_selfattn.export.formats.onnx import large as large_lib
@@ -130,15 +135,14 @@ def external_data_file(path: str) -> str:
     return path + ".data"
 
 
-def save(proto: onnx.ModelProto, path: str) -> None:
-    """Checks `proto` (`onnx.checker`, full) and writes it at `path`; past
-    `EXTERNAL_DATA_BYTES` of tensors, with every tensor of 1 KiB or more in
-    `external_data_file(path)`, referred to by its base name."""
+def save(proto: onnx.ModelProto, path: str, external: bool) -> None:
+    """Checks `proto` (`onnx.checker`, full) and writes it at `path`; with
+    `external` (its model's weights past `EXTERNAL_DATA_BYTES`), every tensor
+    of 1 KiB or more in `external_data_file(path)`, referred to by its base
+    name."""
     import onnx
 
-    from keras_selfattn.export.formats.onnx import graph as graph_lib
-
-    if graph_lib.tensor_bytes(proto) < EXTERNAL_DATA_BYTES:
+    if not external:
         onnx.checker.check_model(proto, full_check=True)
         onnx.save(proto, path)
         return
@@ -354,7 +358,7 @@ class OnnxFormat(Format):
         import onnx
 
         opset = options["opset"]
-        size = _limits.weight_bytes(target)
+        size = weight_bytes(target)
         backend = keras.backend.backend()
         if backend != "tensorflow" and size >= EXTERNAL_DATA_BYTES:
             raise ValueError(
@@ -387,10 +391,11 @@ class OnnxFormat(Format):
             from keras_selfattn.export.formats.onnx import integer
 
             proto, _ = integer.rewrite(proto, target.quantized)
-        from keras_selfattn.export.formats.onnx import loop_invariant
+        if any(node.op_type == "Loop" for node in proto.graph.node):  # a generator
+            from keras_selfattn.export.formats.onnx import loop_invariant
 
-        proto = loop_invariant.optimize_loops(proto)
-        save(proto, path)
+            proto = loop_invariant.optimize_loops(proto)
+        save(proto, path, external=size >= EXTERNAL_DATA_BYTES)
 
 
 FORMAT = OnnxFormat()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import heapq
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import onnx
 from onnx import numpy_helper
@@ -133,28 +133,3 @@ def prune_dead(graph: onnx.GraphProto) -> int:
     del graph.value_info[:]
     graph.value_info.extend(kept_info)
     return removed
-
-
-def _graph_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
-    """The initializers and node attribute tensors of `graph` and of its
-    nodes' subgraphs."""
-    yield from graph.initializer
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.HasField("t"):
-                yield attribute.t
-            yield from attribute.tensors
-            if attribute.HasField("g"):
-                yield from _graph_tensors(attribute.g)
-            for subgraph in attribute.graphs:
-                yield from _graph_tensors(subgraph)
-
-
-def all_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
-    """Every tensor `model` stores, in every graph (Loop and If bodies)."""
-    return _graph_tensors(model.graph)
-
-
-def tensor_bytes(model: onnx.ModelProto) -> int:
-    """The bytes of the raw data of every tensor `model` stores."""
-    return sum(len(tensor.raw_data) for tensor in all_tensors(model))
