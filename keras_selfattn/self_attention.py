@@ -73,7 +73,11 @@ class SelfAttention(
         rope_frequency_scaling: None, or Llama 3.1's per-frequency
             adjustment: `{"rope_type": "llama3", "factor",
             "low_freq_factor", "high_freq_factor",
-            "original_max_position_embeddings"}` (docs/layer.md).
+            "original_max_position_embeddings"}`, or YaRN's frequencies:
+            `{"rope_type": "yarn", "factor",
+            "original_max_position_embeddings"}` and optional "beta_fast",
+            "beta_slow", "truncate"; its temperature `t` is `scale`
+            (`t ** 2 / sqrt(key_dim)`) (docs/layer.md).
         position_bias: None, "alibi" (head h adds `-slope_h * |i - j|` to
             the scores, keras-hub's `AlibiBias` slopes) or "relative" (T5's
             learned bias of the bucket of `j - i`, weight

@@ -1,10 +1,10 @@
 """keras-hub's Bloom (ALiBi over six heads, not a power of two; biases),
 Falcon (ALiBi added before the scale) and GPT-OSS (sinks, grouped heads,
-alternating sliding windows, its MoE feed-forward kept) convert: their
-attention classes become SelfAttention behind `KerasHubAttentionAdapter`.
-GPT-OSS with YaRN rope scaling is refused by `convert_causal_lm` in one
-line. The references are the original keras-hub models: their outputs and
-their own greedy `generate`."""
+alternating sliding windows, its MoE feed-forward kept; with YaRN rope
+scaling too) convert: their attention classes become SelfAttention behind
+`KerasHubAttentionAdapter`. GPT-OSS with dropout (on its attention output)
+is refused by `convert_causal_lm` in one line. The references are the
+original keras-hub models: their outputs and their own greedy `generate`."""
 
 from __future__ import annotations
 
@@ -31,6 +31,10 @@ GPT_OSS = dict(
     sliding_window=2,  # the odd layers'; shorter than the prompts
     rope_max_wavelength=500,
 )
+# keras-hub's GPT-OSS YaRN is fitted to 4096 positions: over 256 instead, the
+# ramp of a head of 4 keeps the first pair's frequency and divides the
+# second's by 1 / (0.17 + 0.83 / 4) (module doc of `rope_frequencies`).
+YARN_LENGTH = 256
 FAMILIES = {
     # name: (backbone class, causal LM class, backbone arguments)
     "Bloom": (
@@ -56,12 +60,18 @@ FAMILIES = {
         ),
     ),
     "GPT-OSS": ("GptOssBackbone", "GptOssCausalLM", GPT_OSS),
+    "GPT-OSS YaRN": (
+        "GptOssBackbone",
+        "GptOssCausalLM",
+        {**GPT_OSS, "rope_scaling_factor": 4.0},
+    ),
 }
 # Random weights whose greedy tokens vary (at least 4 distinct in each row):
 # (seed, spread of the vectors, of the kernels). Bloom's tied embedding
 # repeats its input token unless its biases and norms stay near their initial
 # values; Falcon's unless its kernels are large.
 RANDOM = {"Bloom": (1, 0.03, 1.0), "Falcon": (4, 0.5, 3.0), "GPT-OSS": (1, 0.1, 1.0)}
+RANDOM["GPT-OSS YaRN"] = RANDOM["GPT-OSS"]
 
 
 def _randomized(model, family: str):
@@ -84,7 +94,12 @@ def _randomized(model, family: str):
 
 def _backbone(family: str, **changes):
     backbone, _, arguments = FAMILIES[family]
-    return getattr(keras_hub.models, backbone)(**{**arguments, **changes})
+    model = getattr(keras_hub.models, backbone)(**{**arguments, **changes})
+    if family == "GPT-OSS YaRN":
+        for decoder in model.transformer_layers:
+            rope = decoder.self_attention_layer.rotary_embedding_layer
+            rope.original_max_position_embeddings = YARN_LENGTH
+    return model
 
 
 def _causal_lm(family: str):
@@ -101,6 +116,7 @@ def _causal_lm(family: str):
         ),
         pytest.param("Falcon", marks=pytest.mark.slow),
         pytest.param("GPT-OSS", marks=pytest.mark.slow),  # 9 s: its experts
+        pytest.param("GPT-OSS YaRN", marks=pytest.mark.slow),
     ],
 )
 def test_keras_hub_backbone_converts_with_its_outputs(family):
@@ -117,6 +133,11 @@ def test_keras_hub_backbone_converts_with_its_outputs(family):
         # keras-hub's window of 2 earlier keys is SelfAttention's 3.
         assert (first.sliding_window, second.sliding_window) == (None, 3)
         assert first.use_sinks and first.num_key_value_heads == 2
+        assert first.rope_scaling_factor == 1.0
+        # keras-hub's GPT-OSS rotary is always YaRN's (plain at factor 1).
+        yarn = first.rope_frequency_scaling
+        factor = 4.0 if "YaRN" in family else 1.0
+        assert (yarn["rope_type"], yarn["factor"]) == ("yarn", factor)
     inputs = {"token_ids": TOKENS, "padding_mask": TOKENS != 0}
     real = TOKENS != 0
     expected = keras.ops.convert_to_numpy(model(inputs))
@@ -139,11 +160,11 @@ def test_converted_causal_lm_generates_keras_hub_s_greedy_tokens(family):
 
 REFUSED = {
     # name: (family, backbone changes, what the one line says)
-    "GPT-OSS YaRN": (
+    "GPT-OSS dropout": (
         "GPT-OSS",
-        {"rope_scaling_factor": 4.0},
+        {"dropout": 0.1},
         "Cannot convert GptOssAttention 'self_attention' to SelfAttention: its "
-        "rotary embedding is YaRN-scaled (rope_scaling_factor=4.0)",
+        "dropout (0.1) applies to the attention output",
     ),
 }
 

@@ -1,6 +1,7 @@
-"""Partial rotary (GPT-NeoX's `rotary_percentage`) and Llama 3.1's
-per-frequency adjustment of SelfAttention's rotary embedding, against an
-independent numpy reference; then the keras-hub families that need them,
+"""Partial rotary (GPT-NeoX's `rotary_percentage`), Llama 3.1's
+per-frequency adjustment and YaRN's frequencies (keras-hub's
+`RotaryEmbedding(rope_type="yarn")`) of SelfAttention's rotary embedding,
+against an independent numpy reference; then the keras-hub families that need them,
 converted: GPT-NeoX and Llama 3.1 rope scaling generate keras-hub's greedy
 tokens, and export their generators."""
 
@@ -24,6 +25,44 @@ LLAMA3 = {
     "high_freq_factor": 2.0,
     "original_max_position_embeddings": 16,
 }
+# Over 64 positions, heads of 16 (rotating 16 or 8) and wavelength 500: the
+# ramp of YaRN's 8 frequencies runs from about 0.31 to 2.99, so some keep
+# their frequency, some are divided by 4, some are between.
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 8.0,
+    "truncate": False,
+}
+YARN_TEMPERATURE = 0.1 * math.log(4.0) + 1
+
+
+def _yarn(frequencies, rotary_dim, max_wavelength, scaling):
+    """keras-hub's YaRN, frequency by frequency: the pair index turning n
+    times over L positions is c(n) = R ln(L / (2 pi n)) / (2 ln base); from
+    low = c(beta_fast) (floored with `truncate`, at least 0) to high =
+    c(beta_slow) (ceiled, at most R - 1), the share of f / factor in f grows
+    from 0 to 1."""
+    length = scaling["original_max_position_embeddings"]
+
+    def turning(n):
+        return (
+            rotary_dim
+            * math.log(length / (2 * math.pi * n))
+            / (2 * math.log(max_wavelength))
+        )
+
+    low = turning(scaling.get("beta_fast", 32.0))
+    high = turning(scaling.get("beta_slow", 1.0))
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    found = []
+    for i, f in enumerate(frequencies):
+        share = min(max((i - low) / max(high - low, 0.001), 0.0), 1.0)
+        found.append(share * f / scaling["factor"] + (1 - share) * f)
+    return found
 
 
 def _inverse_frequencies(rotary_dim, max_wavelength, scaling=None):
@@ -31,6 +70,9 @@ def _inverse_frequencies(rotary_dim, max_wavelength, scaling=None):
     wavelength 2 pi / f; above L / low: f / factor; below L / high: f;
     between: (1 - s) f / factor + s f, s = (L / wavelength - low) / (high -
     low))."""
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        plain = _inverse_frequencies(rotary_dim, max_wavelength)
+        return _yarn(plain, rotary_dim, max_wavelength, scaling)
     found = []
     for i in range(rotary_dim // 2):
         f = 1.0 / max_wavelength ** (2 * i / rotary_dim)
@@ -77,7 +119,7 @@ def _reference(layer, x):
             part = slice(h * depth, (h + 1) * depth)
             qh = _rotated(q[:, part], rotary_dim, frequencies)
             kh = _rotated(k[:, part], rotary_dim, frequencies)
-            scores = qh @ kh.T / math.sqrt(depth)
+            scores = qh @ kh.T * (layer.scale or 1 / math.sqrt(depth))
             scores[np.triu_indices(time, 1)] = -np.inf
             weights = np.exp(scores - scores.max(-1, keepdims=True))
             weights /= weights.sum(-1, keepdims=True)
@@ -92,6 +134,13 @@ CASES = {
     # (between 16 / 2 and 16 / 1) and 29.7 up (8 times longer).
     "llama3": dict(rope_frequency_scaling=LLAMA3),
     "both": dict(rope_partial_fraction=0.5, rope_frequency_scaling=LLAMA3),
+    # The temperature is the caller's scale (GPT-OSS's mapping).
+    "yarn": dict(rope_frequency_scaling=YARN, scale=YARN_TEMPERATURE**2 / 4),
+    # Truncated (the default): the ramp from 0 to 2 over 4 frequencies.
+    "yarn partial": dict(
+        rope_partial_fraction=0.5,
+        rope_frequency_scaling={**YARN, "truncate": True, "beta_fast": 32.0},
+    ),
 }
 
 
@@ -117,7 +166,7 @@ def test_rotary_variants_match_the_numpy_reference(case):
 
 
 @pytest.mark.slow_on("jax", "JAX compiles every eager op of each decoding step")
-@pytest.mark.parametrize("case", ["partial", "llama3"])
+@pytest.mark.parametrize("case", ["partial", "llama3", "yarn"])
 def test_rotary_variants_decode_step_by_step_as_the_full_call(case):
     layer = _layer(case)
     x = X[:, :6]
@@ -144,6 +193,20 @@ def test_rotary_variants_round_trip_their_config():
     )
 
 
+def test_yarn_round_trips_its_config_with_its_defaults_filled_in():
+    layer = _layer("yarn")
+    config = layer.get_config()
+    assert config["rope_frequency_scaling"] == {**YARN, "beta_slow": 1.0}
+    assert config["scale"] == YARN_TEMPERATURE**2 / 4
+    copy = SelfAttention.from_config(config)
+    copy.build((None, None, 12))
+    copy.set_weights(layer.get_weights())
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(copy(X[:, :5])),
+        keras.ops.convert_to_numpy(layer(X[:, :5])),
+    )
+
+
 @pytest.mark.parametrize(
     "arguments, named",
     [
@@ -159,6 +222,18 @@ def test_rotary_variants_round_trip_their_config():
         (
             dict(rope_frequency_scaling={**LLAMA3, "high_freq_factor": 0.5}),
             "'high_freq_factor'",
+        ),
+        (dict(rope_frequency_scaling={**YARN, "factor": 0}), "['factor']"),
+        (dict(rope_frequency_scaling={**YARN, "truncate": 1}), "['truncate']"),
+        (dict(rope_frequency_scaling={**YARN, "beta_slow": 9.0}), "['beta_fast']"),
+        # The temperature is the layer's `scale`, not a key.
+        (
+            dict(rope_frequency_scaling={**YARN, "attention_factor": 1.1}),
+            "'attention_factor'",
+        ),
+        (
+            dict(rope_frequency_scaling={"rope_type": "yarn", "factor": 4.0}),
+            "'original_max_position_embeddings'",
         ),
     ],
 )

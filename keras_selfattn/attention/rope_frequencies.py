@@ -16,6 +16,20 @@ wavelength `w` above `L / low_freq_factor` turns `factor` times slower, one
 below `L / high_freq_factor` as it did, and one between at the inverse
 wavelength `(1 - s) / (factor w) + s / w`, `s = (L / w - low_freq_factor) /
 (high_freq_factor - low_freq_factor)`.
+
+`rope_frequency_scaling={"rope_type": "yarn", ...}` is YaRN's (keras-hub's
+`RotaryEmbedding(rope_type="yarn")`, GPT-OSS's; transformers' keys):
+with R the rotated features, the correction dimension of `n` turns over
+`L = original_max_position_embeddings` positions is `c(n) = R ln(L / (2 pi
+n)) / (2 ln max_wavelength)`; pair i keeps its inverse wavelength `1 / w`
+below `low = c(beta_fast)`, turns `factor` times slower above `high =
+c(beta_slow)`, and is interpolated between: `ramp = clip((i - low) / max(high
+- low, 0.001), 0, 1)`, inverse wavelength `ramp / (factor w) + (1 - ramp) /
+w` (with `truncate`, low is floored and high ceiled first; then `low >= 0`,
+`high <= R - 1`). Only the frequencies: YaRN's temperature `t = 0.1
+ln(factor) + 1`, which multiplies the rotated queries and keys, is the
+layer's `scale` (`t ** 2 / sqrt(key_dim)`), and positions are not divided by
+`rope_scaling_factor` (leave it 1).
 """
 
 from __future__ import annotations
@@ -25,13 +39,31 @@ import math
 import numpy as np
 
 LLAMA3 = "llama3"
-# Each key of a "llama3" scaling and its type.
-_LLAMA3_KEYS = {
-    "factor": float,
-    "low_freq_factor": float,
-    "high_freq_factor": float,
-    "original_max_position_embeddings": int,
+YARN = "yarn"
+# Each key of a scaling, its type and its default (None: required).
+_KEYS = {
+    LLAMA3: {
+        "factor": (float, None),
+        "low_freq_factor": (float, None),
+        "high_freq_factor": (float, None),
+        "original_max_position_embeddings": (int, None),
+    },
+    YARN: {
+        "factor": (float, None),
+        "beta_fast": (float, 32.0),
+        "beta_slow": (float, 1.0),
+        "original_max_position_embeddings": (int, None),
+        "truncate": (bool, True),
+    },
 }
+_USAGE = (
+    "None, {'rope_type': 'llama3', 'factor', 'low_freq_factor', "
+    "'high_freq_factor', 'original_max_position_embeddings'} (Llama 3.1's "
+    "frequency adjustment) or {'rope_type': 'yarn', 'factor', "
+    "'original_max_position_embeddings', optional 'beta_fast' (32), "
+    "'beta_slow' (1), 'truncate' (True)} (YaRN's frequencies; its temperature "
+    "is the layer's `scale`)"
+)
 
 
 def check_fraction(name: str, value) -> float:
@@ -48,41 +80,50 @@ def check_fraction(name: str, value) -> float:
     return float(value)
 
 
-def check_scaling(name: str, value) -> dict | None:
-    """`value` (None or a "llama3" dict) checked and normalised, else
-    ValueError naming `name` and the value."""
-    if value is None:
-        return None
-    expected = {"rope_type", *_LLAMA3_KEYS}
+def _checked(name: str, key: str, kind: type, number, value):
+    if kind is bool:
+        if not isinstance(number, bool):
+            raise ValueError(
+                f"`{name}['{key}']` must be True or False. Received: {name}={value!r}"
+            )
+        return number
     if (
-        not isinstance(value, dict)
-        or value.get("rope_type") != LLAMA3
-        or set(value) != expected
+        isinstance(number, bool)
+        or not isinstance(number, (int, float))
+        or not (math.isfinite(number) and number > 0)
+        or (kind is int and number != int(number))
     ):
         raise ValueError(
-            f"`{name}` must be None or a dict {{'rope_type': 'llama3', "
-            "'factor', 'low_freq_factor', 'high_freq_factor', "
-            "'original_max_position_embeddings'}} (Llama 3.1's frequency "
-            f"adjustment). Received: {name}={value!r}"
+            f"`{name}['{key}']` must be a positive {kind.__name__}. "
+            f"Received: {name}={value!r}"
         )
-    config = {"rope_type": LLAMA3}
-    for key, kind in _LLAMA3_KEYS.items():
-        number = value[key]
-        if (
-            isinstance(number, bool)
-            or not isinstance(number, (int, float))
-            or not (math.isfinite(number) and number > 0)
-            or (kind is int and number != int(number))
-        ):
+    return kind(number)
+
+
+def check_scaling(name: str, value) -> dict | None:
+    """`value` (None, a "llama3" or a "yarn" dict) checked and normalised
+    (every key, defaults filled in), else ValueError naming `name` and the
+    value."""
+    if value is None:
+        return None
+    keys = _KEYS.get(value.get("rope_type")) if isinstance(value, dict) else None
+    required = {key for key, (_, default) in (keys or {}).items() if default is None}
+    if keys is None or not required <= set(value) <= {"rope_type", *keys}:
+        raise ValueError(f"`{name}` must be {_USAGE}. Received: {name}={value!r}")
+    config = {"rope_type": value["rope_type"]}
+    for key, (kind, default) in keys.items():
+        config[key] = _checked(name, key, kind, value.get(key, default), value)
+    if config["rope_type"] == LLAMA3:
+        if config["high_freq_factor"] <= config["low_freq_factor"]:
             raise ValueError(
-                f"`{name}['{key}']` must be a positive {kind.__name__}. "
+                f"`{name}['high_freq_factor']` must be above its "
+                "'low_freq_factor' (the band between is interpolated). "
                 f"Received: {name}={value!r}"
             )
-        config[key] = kind(number)
-    if config["high_freq_factor"] <= config["low_freq_factor"]:
+    elif config["beta_fast"] <= config["beta_slow"]:
         raise ValueError(
-            f"`{name}['high_freq_factor']` must be above its 'low_freq_factor' "
-            f"(the band between is interpolated). Received: {name}={value!r}"
+            f"`{name}['beta_fast']` must be above its 'beta_slow' (the turns "
+            f"that bound the interpolated band). Received: {name}={value!r}"
         )
     return config
 
@@ -120,6 +161,8 @@ def wavelengths(rotary_dim: int, max_wavelength: float, scaling: tuple | None):
     if scaling is None:
         return found
     config = dict(scaling)
+    if config["rope_type"] == YARN:
+        return _yarn(found, rotary_dim, max_wavelength, config)
     factor = config["factor"]
     low, high = config["low_freq_factor"], config["high_freq_factor"]
     length = np.float64(config["original_max_position_embeddings"])
@@ -129,3 +172,30 @@ def wavelengths(rotary_dim: int, max_wavelength: float, scaling: tuple | None):
     adjusted = np.where(turn > length / low, found * factor, found)
     between = (turn >= length / high) & (turn <= length / low)
     return np.where(between, medium, adjusted)
+
+
+def yarn_temperature(factor: float) -> float:
+    """YaRN's `0.1 ln(factor) + 1`, which multiplies the rotated queries and
+    keys (each score by its square)."""
+    return 0.1 * math.log(factor) + 1.0
+
+
+def _yarn(found, rotary_dim: int, max_wavelength: float, config: dict):
+    """`found` (the unscaled wavelengths) with YaRN's ramp (module doc)."""
+    length = np.float64(config["original_max_position_embeddings"])
+
+    def correction(turns):  # the pair index turning `turns` times over L
+        return (
+            rotary_dim
+            * np.log(length / (turns * 2 * np.pi))
+            / (2 * np.log(np.float64(max_wavelength)))
+        )
+
+    low, high = correction(config["beta_fast"]), correction(config["beta_slow"])
+    if config["truncate"]:
+        low, high = np.floor(low), np.ceil(high)
+    low, high = max(low, 0.0), min(high, rotary_dim - 1.0)
+    index = np.arange(rotary_dim // 2, dtype=np.float64)
+    ramp = np.clip((index - low) / max(high - low, 0.001), 0.0, 1.0)
+    inverse = ramp / (config["factor"] * found) + (1 - ramp) / found
+    return 1.0 / inverse

@@ -15,16 +15,22 @@ SelfAttention makes its own, in a decoding step too).
 GPT-OSS's sinks are SelfAttention's (`use_sinks`); its sliding window lets
 a query see `sliding_window` keys before itself (SelfAttention's
 `sliding_window` counts the query too). Its rotary embedding is always
-keras-hub's YaRN, which is the plain rotation only at `rope_scaling_factor=1`
-(both the frequencies and the temperature).
+keras-hub's YaRN (`yarn`): its frequencies are `rope_frequency_scaling=
+{"rope_type": "yarn", ...}` (positions not divided: `rope_scaling_factor`
+1), and its temperature `t`, which multiplies the rotated queries and keys
+(keras-hub's cosines and sines, not its sinks), is the scale `t ** 2 /
+sqrt(head_dim)`.
 """
 
 from __future__ import annotations
+
+import math
 
 import keras
 
 from keras_selfattn._from_keras import refuse
 from keras_selfattn._keras_private import hub_attribute
+from keras_selfattn.attention import rope_frequencies
 from keras_selfattn.migration.hub_adapter import KerasHubAttentionAdapter
 
 
@@ -88,17 +94,31 @@ class KerasHubFalconAttentionAdapter(KerasHubAttentionAdapter):
         return super().compute_output_spec(inputs)
 
 
+def yarn(rope, head_dim: int) -> dict:
+    """The SelfAttention arguments of a keras-hub `RotaryEmbedding` with
+    `rope_type="yarn"` turning heads of `head_dim`: its frequencies and,
+    as the scale, its temperature."""
+    temperature = rope_frequencies.yarn_temperature(float(rope.scaling_factor))
+    return {
+        "rope_max_wavelength": float(rope.max_wavelength),
+        "rope_frequency_scaling": {
+            "rope_type": rope_frequencies.YARN,
+            "factor": float(rope.scaling_factor),
+            "beta_fast": float(rope.beta_fast),
+            "beta_slow": float(rope.beta_slow),
+            "original_max_position_embeddings": int(
+                rope.original_max_position_embeddings
+            ),
+            "truncate": bool(rope.truncate),
+        },
+        "scale": temperature**2 / math.sqrt(head_dim),
+    }
+
+
 def gpt_oss(layer, block) -> dict:
     """GPT-OSS's: biases, sinks, its layer's sliding window (every other
-    layer's); YaRN rope scaling refused."""
+    layer's); its YaRN rotary embedding is `yarn`'s."""
     _no_output_dropout(layer, layer.dropout)
-    rope = hub_attribute(layer, "rotary_embedding_layer")
-    if rope.rope_type == "yarn" and rope.scaling_factor != 1:
-        refuse(
-            layer,
-            f"its rotary embedding is YaRN-scaled (rope_scaling_factor="
-            f"{rope.scaling_factor}); SelfAttention's scales positions only",
-        )
     if hub_attribute(layer, "_head_dim") % 2:
         refuse(layer, "its rotary embedding leaves the last of its odd head_dim")
     window = layer.sliding_window

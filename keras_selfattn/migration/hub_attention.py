@@ -240,12 +240,22 @@ def _kernels(layer, spec: HubAttention) -> dict:
     return kernels
 
 
-def _rotary(layer, spec: HubAttention) -> dict:
+def _rotary(layer, spec: HubAttention, head_dim: int) -> dict:
     if spec.rotary is None:
         return {}  # `spec.arguments` gives it
     rope = hub_attribute(layer, spec.rotary)
     if (rope.sequence_axis, rope.feature_axis) not in ((1, -1), (1, 3)):
         refuse(layer, "its rotary embedding rotates other axes than time and depth")
+    rope_type = getattr(rope, "rope_type", "linear")
+    if rope_type == "yarn":
+        return hub_alibi_sinks.yarn(rope, head_dim)
+    if rope_type != "linear" and rope.scaling_factor != 1:
+        refuse(
+            layer,
+            f"its rotary embedding is {rope_type!r}-scaled (scaling_factor="
+            f"{rope.scaling_factor}); SelfAttention's scales positions, "
+            "Llama 3.1's or YaRN's frequencies",
+        )
     # keras-hub 0.32's `LlamaRotaryEmbedding` computes its frequencies
     # without its `position_scaling_factor` (its own `_get_inverse_freq`), so
     # Llama's and Llama 3's rotation is the unscaled one.
@@ -307,7 +317,7 @@ def from_keras_hub(cls, layer, block):
         value_dim=head_dim,
         output_dim=int(kernels["output"].shape[-1]),
         causal=True,
-        **_rotary(layer, spec),
+        **_rotary(layer, spec, head_dim),
         **arguments,
         dtype=layer.dtype_policy,
         name=layer.name,
