@@ -258,6 +258,12 @@ def test_convert_causal_lm_refuses_what_does_not_convert_in_one_line(case):
     arguments = dict(arguments)
     backbone = getattr(keras_hub.models, arguments.pop("backbone"))(**arguments)
     lm = getattr(keras_hub.models, lm_class)(backbone, preprocessor=None)
+    refused_in_one_line(lm, why)
+
+
+def refused_in_one_line(lm, why: str) -> None:
+    """`convert_causal_lm(lm)` raises one line, shorter than 400
+    characters, that says `why`."""
     with pytest.raises(ValueError, match="convert_causal_lm cannot convert") as error:
         keras_selfattn.convert_causal_lm(lm)
     assert why in str(error.value) and "\n" not in str(error.value)
@@ -280,14 +286,24 @@ EXPORTS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("family, export_format", EXPORTS)
 def test_converted_causal_lm_exports_its_generator(family, export_format, tmp_path):
-    """The export's own check runs it in a fresh process of its runtime
-    against `generate` (which equals keras-hub's greedy tokens, above); the
-    ONNX file, run here, must return keras-hub's greedy tokens."""
+    exports_keras_hub_s_tokens(
+        lambda: _causal_lm(family),
+        export_format,
+        tmp_path,
+        lambda lm: _keras_hub_greedy(lm, PROMPTS, STEPS),
+    )
+
+
+def exports_keras_hub_s_tokens(causal_lm, export_format: str, tmp_path, expected):
+    """Exports the generator of `causal_lm()` converted, whose own check runs
+    it in a fresh process of its runtime against `generate` (which equals
+    keras-hub's greedy tokens); an ONNX file, run here, must return
+    `expected(lm)` (keras-hub's greedy tokens of `PROMPTS`)."""
     if keras.backend.backend() != "tensorflow":
         pytest.skip("one export per format, from TensorFlow's slow suite")
     from keras_selfattn.export import export_generator
 
-    lm = _causal_lm(family)
+    lm = causal_lm()
     tokens_model = keras_selfattn.convert_causal_lm(lm)
     suffix = {"litert": ".tflite", "onnx": ".onnx"}[export_format]
     path = export_generator(
@@ -300,4 +316,4 @@ def test_converted_causal_lm_exports_its_generator(family, export_format, tmp_pa
     session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
     request = reference.generator_request(PROMPTS, STEPS, 40)
     tokens, _ = session.run(["tokens", "lengths"], request)
-    np.testing.assert_array_equal(tokens, _keras_hub_greedy(lm, PROMPTS, STEPS))
+    np.testing.assert_array_equal(tokens, expected(lm))

@@ -13,9 +13,14 @@ import numpy as np
 import pytest
 
 import keras_selfattn
-from tests import generation_reference as reference
 from tests.test_convert_blocks import PROMPTS, STEPS, _keras_hub_greedy
-from tests.test_convert_keras_hub_models import ATOL, TOKENS, _adapters
+from tests.test_convert_keras_hub_models import (
+    ATOL,
+    TOKENS,
+    _adapters,
+    exports_keras_hub_s_tokens,
+    refused_in_one_line,
+)
 
 keras_hub = pytest.importorskip("keras_hub")
 
@@ -176,10 +181,7 @@ def test_convert_causal_lm_refuses_what_does_not_convert_in_one_line(case):
     lm = getattr(keras_hub.models, FAMILIES[family][1])(
         _backbone(family, **changes), preprocessor=None
     )
-    with pytest.raises(ValueError, match="convert_causal_lm cannot convert") as error:
-        keras_selfattn.convert_causal_lm(lm)
-    assert why in str(error.value) and "\n" not in str(error.value)
-    assert len(str(error.value)) < 400, str(error.value)
+    refused_in_one_line(lm, why)
 
 
 EXPORTS = [
@@ -194,24 +196,9 @@ EXPORTS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("family, export_format", EXPORTS)
 def test_converted_causal_lm_exports_its_generator(family, export_format, tmp_path):
-    """The export's own check runs it in a fresh process of its runtime
-    against `generate`; the ONNX file, run here, must return keras-hub's
-    greedy tokens."""
-    if keras.backend.backend() != "tensorflow":
-        pytest.skip("one export per format, from TensorFlow's slow suite")
-    from keras_selfattn.export import export_generator
-
-    lm = _causal_lm(family)
-    tokens_model = keras_selfattn.convert_causal_lm(lm)
-    suffix = {"litert": ".tflite", "onnx": ".onnx"}[export_format]
-    path = export_generator(
-        tokens_model, tmp_path / f"lm{suffix}", export_format, max_length=16
+    exports_keras_hub_s_tokens(
+        lambda: _causal_lm(family),
+        export_format,
+        tmp_path,
+        lambda lm: _keras_hub_greedy(lm, PROMPTS, STEPS),
     )
-    if export_format != "onnx":
-        return
-    import onnxruntime
-
-    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
-    request = reference.generator_request(PROMPTS, STEPS, 40)
-    tokens, _ = session.run(["tokens", "lengths"], request)
-    np.testing.assert_array_equal(tokens, _keras_hub_greedy(lm, PROMPTS, STEPS))

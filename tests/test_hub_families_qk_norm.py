@@ -12,10 +12,16 @@ import pytest
 
 import keras_selfattn
 from keras_selfattn import SelfAttention
-from tests import generation_reference, user_blocks
 from tests import reference as numpy_reference
+from tests import user_blocks
 from tests.test_convert_blocks import PROMPTS, STEPS, _keras_hub_greedy
-from tests.test_convert_keras_hub_models import ATOL, SMALL, TOKENS, _adapters
+from tests.test_convert_keras_hub_models import (
+    ATOL,
+    SMALL,
+    TOKENS,
+    _adapters,
+    exports_keras_hub_s_tokens,
+)
 
 keras_hub = pytest.importorskip("keras_hub")
 
@@ -112,19 +118,22 @@ def _numpy_attention(x, weights, heads, kv_heads, depth, epsilon, wavelength):
     return out.reshape(batch, time, -1) @ weights["wo"]
 
 
+# A causal layer with the norms, rotary positions and grouped heads.
+NORMED = dict(
+    num_heads=4,
+    num_key_value_heads=2,
+    key_dim=8,
+    output_dim=16,
+    causal=True,
+    rope_max_wavelength=100.0,
+    use_query_key_norm=True,
+)
+
+
 @pytest.fixture(scope="module")
 def normed_layer():
     """A built layer with random weights and norm scales, and its weights."""
-    layer = SelfAttention(
-        num_heads=4,
-        num_key_value_heads=2,
-        key_dim=8,
-        output_dim=16,
-        causal=True,
-        rope_max_wavelength=100.0,
-        use_query_key_norm=True,
-        query_key_norm_epsilon=1e-3,
-    )
+    layer = SelfAttention(**NORMED, query_key_norm_epsilon=1e-3)
     layer.build((None, None, 16))
     rng = np.random.default_rng(3)
     weights = {
@@ -310,27 +319,9 @@ def test_converted_causal_lm_generates_keras_hub_s_greedy_tokens(family):
     ],
 )
 def test_converted_causal_lm_exports_its_generator(family, export_format, tmp_path):
-    """The export's own check runs it in a fresh process of its runtime
-    against `generate`; the ONNX file, run here, must return keras-hub's
-    greedy tokens."""
-    if keras.backend.backend() != "tensorflow":
-        pytest.skip("the generators are exported from TensorFlow's slow suite")
-    from keras_selfattn.export import export_generator
-
-    lm = _causal_lm(family)
-    tokens_model = keras_selfattn.convert_causal_lm(lm)
-    suffix = {"litert": ".tflite", "onnx": ".onnx"}[export_format]
-    path = export_generator(
-        tokens_model, tmp_path / f"lm{suffix}", export_format, max_length=16
+    exports_keras_hub_s_tokens(
+        lambda: _causal_lm(family), export_format, tmp_path, _greedy
     )
-    if export_format != "onnx":
-        return
-    import onnxruntime
-
-    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
-    request = generation_reference.generator_request(PROMPTS, STEPS, 40)
-    tokens, _ = session.run(["tokens", "lengths"], request)
-    np.testing.assert_array_equal(tokens, _greedy(lm))
 
 
 def _normed_token_model() -> keras.Model:
@@ -338,16 +329,7 @@ def _normed_token_model() -> keras.Model:
     positions and grouped heads between an embedding and the logits."""
     tokens = keras.Input((None,), dtype="int32", name="tokens")
     x = keras.layers.Embedding(40, 16)(tokens)
-    h = SelfAttention(
-        num_heads=4,
-        num_key_value_heads=2,
-        key_dim=8,
-        output_dim=16,
-        causal=True,
-        rope_max_wavelength=100.0,
-        use_query_key_norm=True,
-        query_key_norm_epsilon=1e-5,
-    )(x)
+    h = SelfAttention(**NORMED, query_key_norm_epsilon=1e-5)(x)
     x = keras.layers.Add()([x, h])
     logits = keras.layers.Dense(40, name="logits")(x)
     return _randomized(keras.Model(tokens, logits), seed=7)

@@ -15,7 +15,6 @@ import pytest
 
 import keras_selfattn
 from keras_selfattn import SelfAttention
-from tests import generation_reference as reference
 from tests.test_convert_blocks import PROMPTS, STEPS
 
 LLAMA3 = {
@@ -383,27 +382,14 @@ def test_converted_family_generates_keras_hub_s_greedy_tokens(family):
 @pytest.mark.parametrize("export_format", ["onnx", "litert"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_converted_family_exports_its_generator(family, export_format, tmp_path):
-    """The export's own check runs it in a fresh process of its runtime
-    against `generate`; the ONNX file, run here, returns keras-hub's greedy
-    tokens."""
-    if keras.backend.backend() != "tensorflow":
-        pytest.skip("one export per format, from TensorFlow's slow suite")
-    from keras_selfattn.export import export_generator
+    from tests.test_convert_keras_hub_models import exports_keras_hub_s_tokens
 
-    lm = _causal_lm(family)
-    tokens_model = keras_selfattn.convert_causal_lm(lm)
-    suffix = {"litert": ".tflite", "onnx": ".onnx"}[export_format]
-    path = export_generator(
-        tokens_model, tmp_path / f"lm{suffix}", export_format, max_length=16
+    exports_keras_hub_s_tokens(
+        lambda: _causal_lm(family),
+        export_format,
+        tmp_path,
+        lambda lm: _expected(family, lm),
     )
-    if export_format != "onnx":
-        return
-    import onnxruntime
-
-    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
-    request = reference.generator_request(PROMPTS, STEPS, 40)
-    tokens, _ = session.run(["tokens", "lengths"], request)
-    np.testing.assert_array_equal(tokens, _expected(family, lm))
 
 
 @pytest.mark.slow_on("tensorflow", "jax", "a backbone converted: PyTorch checks")
