@@ -190,6 +190,7 @@ EXPORTS = [
     ("Falcon", "onnx"),
     ("Falcon", "litert"),
     ("GPT-OSS", "onnx"),
+    ("GPT-OSS", "litert"),
 ]
 
 

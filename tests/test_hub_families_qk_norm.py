@@ -317,6 +317,7 @@ def test_converted_causal_lm_generates_keras_hub_s_greedy_tokens(family):
         ("Gemma 3", "onnx"),
         ("Gemma 3", "litert"),
         ("Qwen 3 MoE", "onnx"),
+        ("Qwen 3 MoE", "litert"),
     ],
 )
 def test_converted_causal_lm_exports_its_generator(family, export_format, tmp_path):
