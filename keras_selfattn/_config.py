@@ -111,6 +111,7 @@ def arguments(**arguments) -> dict:
             config["rope_max_wavelength"],
             config["key_dim"],
             config["rope_partial_fraction"],
+            config["rope_frequency_scaling"],
         )
     if config["position_bias"] == "relative":
         _check_relative_buckets(config)
@@ -178,7 +179,10 @@ def dims(layer, input_dim: int) -> Dims:
         key_dim = input_dim // layer.num_heads
     check_rope_key_dim(layer.rope_max_wavelength, key_dim)
     rope_frequencies.check_rotary_dim(
-        layer.rope_max_wavelength, key_dim, layer.rope_partial_fraction
+        layer.rope_max_wavelength,
+        key_dim,
+        layer.rope_partial_fraction,
+        layer.rope_frequency_scaling,
     )
     value_dim = layer.value_dim if layer.value_dim is not None else key_dim
     width = layer.output_dim or layer.num_heads * value_dim

@@ -77,7 +77,10 @@ class SelfAttention(
             `{"rope_type": "yarn", "factor",
             "original_max_position_embeddings"}` and optional "beta_fast",
             "beta_slow", "truncate"; its temperature `t` is `scale`
-            (`t ** 2 / sqrt(key_dim)`) (docs/layer.md).
+            (`t ** 2 / sqrt(key_dim)`); or LongRoPE's tables (Phi-3's
+            "su"): `{"rope_type": "longrope", "short_factor",
+            "long_factor", "original_max_position_embeddings"}`, the long
+            one in a call ending past the last (docs/layer.md).
         position_bias: None, "alibi" (head h adds `-slope_h * |i - j|` to
             the scores, keras-hub's `AlibiBias` slopes) or "relative" (T5's
             learned bias of the bucket of `j - i`, weight
@@ -337,6 +340,7 @@ class SelfAttention(
             turned = rope_frequencies.rotary_dim(
                 self._dims.key_dim, self.rope_partial_fraction
             )
+            scope = decoding.active()
             table = rotary.table(
                 ops.shape(inputs)[1],
                 self._dims.key_dim,
@@ -345,6 +349,10 @@ class SelfAttention(
                 0 if offset is None else offset,
                 turned,
                 self.rope_frequency_scaling,
+                # A generation's rows, each at its own positions (longrope).
+                scope.positions
+                if scope is not None and rotary.per_row(self.rope_frequency_scaling)
+                else None,
             )
             query = rotary.rotate(query, layout, table, turned)
             key = rotary.rotate(key, kv_layout, table, turned)

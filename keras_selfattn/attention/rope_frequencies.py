@@ -30,6 +30,19 @@ w` (with `truncate`, low is floored and high ceiled first; then `low >= 0`,
 ln(factor) + 1`, which multiplies the rotated queries and keys, is the
 layer's `scale` (`t ** 2 / sqrt(key_dim)`), and positions are not divided by
 `rope_scaling_factor` (leave it 1).
+
+`rope_frequency_scaling={"rope_type": "longrope", ...}` is Phi-3's "su" /
+LongRoPE (keras-hub's `Phi3SuScaledRotaryEmbedding`, transformers'
+`longrope`): two tables, pair i's wavelength multiplied by `short_factor[i]`
+or by `long_factor[i]` (rotary_dim / 2 factors each). A call uses the long
+one when its end position (its cache index plus its length; a full call's
+length) exceeds `N = original_max_position_embeddings`, else the short one
+(`switch_length`): a choice at run time, and keys in a cache keep the table
+they were written with. In a generation each row's end is its own
+(`rotary.table`'s `positions`): each row computes what it computes alone.
+Only the frequencies: LongRoPE's multiplier of the cosines and sines,
+`sqrt(1 + ln(max / N) / ln(N))` (`longrope_multiplier`), is the layer's
+`scale` (its square times `1 / sqrt(key_dim)`).
 """
 
 from __future__ import annotations
@@ -40,6 +53,7 @@ import numpy as np
 
 LLAMA3 = "llama3"
 YARN = "yarn"
+LONGROPE = "longrope"
 # Each key of a scaling, its type and its default (None: required).
 _KEYS = {
     LLAMA3: {
@@ -55,6 +69,11 @@ _KEYS = {
         "original_max_position_embeddings": (int, None),
         "truncate": (bool, True),
     },
+    LONGROPE: {
+        "short_factor": (list, None),
+        "long_factor": (list, None),
+        "original_max_position_embeddings": (int, None),
+    },
 }
 _USAGE = (
     "None, {'rope_type': 'llama3', 'factor', 'low_freq_factor', "
@@ -62,7 +81,8 @@ _USAGE = (
     "frequency adjustment) or {'rope_type': 'yarn', 'factor', "
     "'original_max_position_embeddings', optional 'beta_fast' (32), "
     "'beta_slow' (1), 'truncate' (True)} (YaRN's frequencies; its temperature "
-    "is the layer's `scale`)"
+    "is the layer's `scale`) or {'rope_type': 'longrope', 'short_factor', "
+    "'long_factor', 'original_max_position_embeddings'} (Phi-3's 'su' tables)"
 )
 
 
@@ -81,6 +101,13 @@ def check_fraction(name: str, value) -> float:
 
 
 def _checked(name: str, key: str, kind: type, number, value):
+    if kind is list:
+        if not isinstance(number, (list, tuple)) or not number:
+            raise ValueError(
+                f"`{name}['{key}']` must be a non-empty list of positive "
+                f"numbers. Received: {name}={value!r}"
+            )
+        return [_checked(name, key, float, factor, value) for factor in number]
     if kind is bool:
         if not isinstance(number, bool):
             raise ValueError(
@@ -101,7 +128,7 @@ def _checked(name: str, key: str, kind: type, number, value):
 
 
 def check_scaling(name: str, value) -> dict | None:
-    """`value` (None, a "llama3" or a "yarn" dict) checked and normalised
+    """`value` (None, a "llama3", "yarn" or "longrope" dict) checked and normalised
     (every key, defaults filled in), else ValueError naming `name` and the
     value."""
     if value is None:
@@ -120,7 +147,7 @@ def check_scaling(name: str, value) -> dict | None:
                 "'low_freq_factor' (the band between is interpolated). "
                 f"Received: {name}={value!r}"
             )
-    elif config["beta_fast"] <= config["beta_slow"]:
+    elif config["rope_type"] == YARN and config["beta_fast"] <= config["beta_slow"]:
         raise ValueError(
             f"`{name}['beta_fast']` must be above its 'beta_slow' (the turns "
             f"that bound the interpolated band). Received: {name}={value!r}"
@@ -133,12 +160,25 @@ def rotary_dim(key_dim: int, fraction: float) -> int:
     return int(key_dim * fraction)
 
 
-def check_rotary_dim(rope_max_wavelength, key_dim: int, fraction: float) -> None:
+def check_rotary_dim(
+    rope_max_wavelength, key_dim: int, fraction: float, scaling: dict | None = None
+) -> None:
     """Raises ValueError if rotary embedding is on and the rotated part of a
-    head is empty or odd."""
-    if rope_max_wavelength is None or fraction == 1.0:
+    head is empty or odd, or a longrope `scaling` (`check_scaling`'s) has
+    other than one factor per rotated pair."""
+    if rope_max_wavelength is None:
         return
     turned = rotary_dim(key_dim, fraction)
+    if scaling is not None and scaling["rope_type"] == LONGROPE:
+        for key in ("short_factor", "long_factor"):
+            if len(scaling[key]) != turned // 2:
+                raise ValueError(
+                    f"`rope_frequency_scaling['{key}']` must hold one factor per "
+                    f"rotated pair: {turned // 2} (key_dim={key_dim}). Received: "
+                    f"{len(scaling[key])} factors, rope_frequency_scaling={scaling!r}"
+                )
+    if fraction == 1.0:
+        return
     if turned == 0 or turned % 2:
         raise ValueError(
             f"Rotary position embedding turns int(key_dim * rope_partial_"
@@ -150,12 +190,41 @@ def check_rotary_dim(rope_max_wavelength, key_dim: int, fraction: float) -> None
 
 def freeze(scaling: dict | None) -> tuple | None:
     """`scaling` as a hashable key (of tables cached by their arguments)."""
-    return None if scaling is None else tuple(sorted(scaling.items()))
+    if scaling is None:
+        return None
+    return tuple(
+        sorted(
+            (key, tuple(item) if isinstance(item, list) else item)
+            for key, item in scaling.items()
+        )
+    )
 
 
-def wavelengths(rotary_dim: int, max_wavelength: float, scaling: tuple | None):
+def switch_length(scaling: tuple | None) -> int | None:
+    """N of a longrope `scaling` (`freeze`'s): a call ending past N
+    positions uses the long table. None for the other scalings."""
+    config = dict(scaling or ())
+    if config.get("rope_type") != LONGROPE:
+        return None
+    return config["original_max_position_embeddings"]
+
+
+def longrope_multiplier(max_length: int, original: int) -> float:
+    """LongRoPE's multiplier of the cosines and sines of a model extended
+    from `original` to `max_length` positions: `sqrt(1 + ln(max_length /
+    original) / ln(original))`, 1 where it is not extended."""
+    ratio = max_length / original
+    if ratio <= 1:
+        return 1.0
+    return math.sqrt(1 + math.log(ratio) / math.log(original))
+
+
+def wavelengths(
+    rotary_dim: int, max_wavelength: float, scaling: tuple | None, long: bool = False
+):
     """The float64 (rotary_dim / 2,) wavelengths of the rotated pairs, in
-    positions per radian, `scaling` (`freeze`'s) applied."""
+    positions per radian, `scaling` (`freeze`'s) applied: a longrope one's
+    long table if `long`, else its short one."""
     exponents = np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim
     found = np.power(np.float64(max_wavelength), exponents)
     if scaling is None:
@@ -163,6 +232,9 @@ def wavelengths(rotary_dim: int, max_wavelength: float, scaling: tuple | None):
     config = dict(scaling)
     if config["rope_type"] == YARN:
         return _yarn(found, rotary_dim, max_wavelength, config)
+    if config["rope_type"] == LONGROPE:
+        factors = config["long_factor" if long else "short_factor"]
+        return found * np.asarray(factors, np.float64)
     factor = config["factor"]
     low, high = config["low_freq_factor"], config["high_freq_factor"]
     length = np.float64(config["original_max_position_embeddings"])

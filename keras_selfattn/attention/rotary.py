@@ -14,7 +14,14 @@ With partial rotary only the first R features rotate, in halves of R/2:
 the pass-through features get the angle 0 (cos exactly 1, sin exactly 0)
 and `rotate_half(x) = concat(-x2, x1, x3)`, `x3 = x[..., R:]`, so they come
 out unchanged; `rope_frequencies` gives the wavelengths (Llama 3.1's
-per-frequency adjustment included).
+per-frequency adjustment included). A longrope scaling has two digit
+tables, stacked: a call whose end position (offset + T) exceeds its
+`switch_length` looks its rows up in the second (the long one). Given each
+row's own positions (`positions`, a generation's left-padded rows), a
+longrope table is per row: the row's positions, and the long table where
+the row's own end exceeds the switch, so that each row computes what it
+computes alone (keys of both tables make scores depend on absolute
+positions, not only on their difference).
 
 The cosines and sines come from constants, never from a runtime's own
 `sin` and `cos`: a position p is written in base 256, p = sum_l d_l 256^l,
@@ -80,17 +87,19 @@ def digit_table(
     scaling_factor: float,
     rotary_dim: int | None = None,
     frequency_scaling: tuple | None = None,
+    long: bool = False,
 ) -> np.ndarray:
     """The float32 (DIGITS * BASE, 2 * W) table of the rotations by d * BASE**l,
     computed in float64, W = D - R/2 (R: `rotary_dim`, D by default): row
     l * BASE + d holds the cosines (its first W entries), then the sines, of
     the angles (d * BASE**l / scaling_factor) / wavelength_i, the R/2
     wavelengths of `rope_frequencies.wavelengths` (max_wavelength ** (2i /
-    R) unless `frequency_scaling`, its `freeze`d dict, adjusts them), then
-    D - R angles 0 (the features that pass)."""
+    R) unless `frequency_scaling`, its `freeze`d dict, adjusts them; a
+    longrope one's long table if `long`), then D - R angles 0 (the features
+    that pass)."""
     rotary_dim = depth if rotary_dim is None else rotary_dim
     wavelengths = rope_frequencies.wavelengths(
-        rotary_dim, max_wavelength, frequency_scaling
+        rotary_dim, max_wavelength, frequency_scaling, long
     )
     wavelengths = np.concatenate([wavelengths, np.full(depth - rotary_dim, np.inf)])
     steps = (
@@ -139,11 +148,12 @@ _SHARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
 @contextlib.contextmanager
 def shared_tables() -> Iterator[None]:
     """Within this context, `table` computes each table once and hands it to
-    every later call with the same offset (the same tensor object), head
-    size and wavelengths, and a time of the same static size or, where it
-    is not static, any time: for the layers of one decoding step, which all
-    take the step's new positions (`cached_model.run_cached`), so a traced
-    step holds one table instead of one per layer."""
+    every later call with the same offset and positions (the same tensor
+    objects), head size and wavelengths, and a time of the same static size
+    or, where it is not static, any time: for the layers of one decoding
+    step, which all take the step's new positions
+    (`cached_model.run_cached`), so a traced step holds one table instead of
+    one per layer."""
     token = _SHARED.set({})
     try:
         yield
@@ -163,6 +173,7 @@ def table(
     offset=0,
     rotary_dim: int | None = None,
     frequency_scaling: dict | None = None,
+    positions=None,
 ):
     """`_table` (its docstring), computed once per arguments within
     `shared_tables()`."""
@@ -175,13 +186,27 @@ def table(
     )
     shared = _SHARED.get()
     if shared is None:
-        return _table(time, offset, *arguments)
+        return _table(time, offset, *arguments, positions)
     size = time if isinstance(time, int) else None
-    key = (size, _key(offset), *arguments)
+    key = (size, _key(offset), _key(positions), *arguments)
     if key not in shared:
-        # The offset is kept with the table: its id stays its own.
-        shared[key] = (time, offset, _table(time, offset, *arguments))
-    return shared[key][2]
+        # The offset and positions are kept with the table: their ids stay
+        # their own.
+        shared[key] = (
+            time,
+            offset,
+            positions,
+            _table(time, offset, *arguments, positions),
+        )
+    return shared[key][3]
+
+
+def per_row(frequency_scaling: dict | None) -> bool:
+    """Whether a layer's tables follow each row's own positions (`table`'s
+    `positions`): a longrope scaling's, whose table switches by position."""
+    return bool(frequency_scaling) and (
+        frequency_scaling["rope_type"] == rope_frequencies.LONGROPE
+    )
 
 
 def _table(
@@ -192,9 +217,10 @@ def _table(
     scaling_factor: float,
     rotary_dim: int,
     frequency_scaling: tuple | None,
+    positions=None,
 ):
     """The (T, D) cosines and sines of positions offset .. offset + T - 1, once
-    per call for both queries and keys.
+    per call for both queries and keys; (B, T, D) ones of `positions`.
 
     Args:
         time: T, the number of positions (an int or a scalar int tensor).
@@ -208,21 +234,41 @@ def _table(
         rotary_dim: R, how many of the D features rotate (even).
         frequency_scaling: `rope_frequencies.freeze` of the layer's
             `rope_frequency_scaling`.
+        positions: None, or int32 (B or 1, T): each row's own positions of
+            the slots offset .. offset + T - 1, none above its slot (a
+            longrope layer in a generation: `decoding.Scope.positions`):
+            then each row's table is the long one where its own end (its
+            last position + 1) exceeds the switch.
 
     Returns:
-        A tuple `(cos, sin)` of float32 tensors of shape (T, D), the same to
-        the bit however many digits are used, in Keras on each backend (on a
-        CPU) and in the exported runtimes.
+        A tuple `(cos, sin)` of float32 tensors of shape (T, D) (or (B, T,
+        D)), the same to the bit however many digits are used, in Keras on
+        each backend (on a CPU) and in the exported runtimes.
     """
-    rotations = digit_table(
-        depth, max_wavelength, scaling_factor, rotary_dim, frequency_scaling
-    )
-    positions = masks.positions(time, "int32")
-    if not (isinstance(offset, int) and offset == 0):
-        positions = positions + ops.cast(offset, "int32")
+    arguments = (depth, max_wavelength, scaling_factor, rotary_dim, frequency_scaling)
     count = _digits_needed(time, offset)
-    rows = ops.expand_dims(positions, 1)  # (T, 1)
-    if count > 1:  # (T, count): digit l of each position, as a row of level l
+    rotations = digit_table(*arguments)[: count * BASE]
+    switch = rope_frequencies.switch_length(frequency_scaling)
+    long = None  # the first row of the table each position looks up (a tensor)
+    end = None  # each row's own end, (B, 1, 1), where positions are per row
+    if positions is None:
+        positions = masks.positions(time, "int32")
+        if not (isinstance(offset, int) and offset == 0):
+            positions = positions + ops.cast(offset, "int32")
+    else:
+        end = ops.expand_dims(ops.add(positions[:, -1:], 1), -1)
+    if switch is not None:
+        if end is None and isinstance(offset, int) and isinstance(time, int):
+            if offset + time > switch:
+                rotations = digit_table(*arguments, long=True)[: count * BASE]
+        else:
+            long_rows = digit_table(*arguments, long=True)[: count * BASE]
+            rotations = np.concatenate([rotations, long_rows])
+            if end is None:
+                end = ops.add(ops.cast(offset, "int32"), ops.cast(time, "int32"))
+            long = ops.cast(ops.greater(end, switch), "int32") * (count * BASE)
+    rows = ops.expand_dims(positions, -1)  # (..., T, 1)
+    if count > 1:  # (..., T, count): digit l of each position, as a row of level l
         powers = ops.convert_to_tensor(
             np.array([BASE**level for level in range(count)], "int32")
         )
@@ -233,9 +279,12 @@ def _table(
         digits = above - _divide(above, BASE) * BASE
         levels = np.arange(0, count * BASE, BASE, dtype="int32")
         rows = digits + ops.convert_to_tensor(levels)
-    looked_up = _rows_of(ops.convert_to_tensor(rotations[: count * BASE]), rows)
+    if long is not None:
+        rows = rows + long
+    looked_up = _rows_of(ops.convert_to_tensor(rotations), rows)
+    axis = len(looked_up.shape) - 2  # the levels' (..., T, count, 2 W)
     level_cos, level_sin = (
-        ops.unstack(half, count, axis=1) for half in ops.split(looked_up, 2, axis=-1)
+        ops.unstack(half, count, axis=axis) for half in ops.split(looked_up, 2, axis=-1)
     )
     cos, sin = level_cos[0], level_sin[0]
     for digit_cos, digit_sin in zip(level_cos[1:], level_sin[1:], strict=True):
@@ -251,7 +300,7 @@ def _table(
         )
     # (the R/2 angles, the R/2 angles again, the D - R angles 0)
     half = rotary_dim // 2
-    return tuple(ops.concatenate([t[:, :half], t], axis=-1) for t in (cos, sin))
+    return tuple(ops.concatenate([t[..., :half], t], axis=-1) for t in (cos, sin))
 
 
 def rotate(x, layout: str, cos_sin, rotary_dim: int | None = None):
@@ -260,7 +309,8 @@ def rotate(x, layout: str, cos_sin, rotary_dim: int | None = None):
     Args:
         x: Projected queries or keys, split into heads.
         layout: `heads.HEADS_FIRST` or `heads.TIME_FIRST`.
-        cos_sin: `table(T, D, ...)` for x's positions.
+        cos_sin: `table(T, D, ...)` for x's positions: (T, D), or (B, T, D)
+            per row.
         rotary_dim: R, how many of the D features rotate (even): the first
             R; D (all) by default.
 
@@ -271,8 +321,12 @@ def rotate(x, layout: str, cos_sin, rotary_dim: int | None = None):
     # Broadcast over batch and heads: (1, 1, T, D) or (1, T, 1, D), one
     # reshape each (two expand_dims would be two ops in a decoding step).
     depth = x.shape[-1]
-    shape = (1, 1, -1, depth) if layout == heads.HEADS_FIRST else (1, -1, 1, depth)
-    cos, sin = (backend_ops.reshape(t, shape) for t in cos_sin)
+    if len(cos_sin[0].shape) == 3:  # per row: (B, 1, T, D) or (B, T, 1, D)
+        axis = 1 if layout == heads.HEADS_FIRST else 2
+        cos, sin = (ops.expand_dims(t, axis) for t in cos_sin)
+    else:
+        shape = (1, 1, -1, depth) if layout == heads.HEADS_FIRST else (1, -1, 1, depth)
+        cos, sin = (backend_ops.reshape(t, shape) for t in cos_sin)
     x = ops.cast(x, "float32")
     # `-x2`, not ops.negative: traced on torch inside the export pipeline the
     # latter is aten::negative, which OpenVINO's converter lacks (aten::neg).

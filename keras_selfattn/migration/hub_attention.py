@@ -27,6 +27,7 @@ import numpy as np
 
 from keras_selfattn._from_keras import refuse
 from keras_selfattn._keras_private import hub_attribute
+from keras_selfattn.attention import rope_frequencies
 from keras_selfattn.migration import hub_alibi_sinks, hub_neox, hub_qk_norm
 
 
@@ -98,15 +99,26 @@ def _qwen(layer, block) -> dict:
 
 
 def _phi3(layer, block) -> dict:
+    """Phi-3's: Llama's; with `rope_scaling_type="su"` (Phi-3 128k), its
+    short and long factors as a longrope scaling, and the multiplier of its
+    cosines and sines (squared: each score's) in the scale."""
     _no_output_dropout(layer, layer.dropout)
-    if layer.rope_scaling_type is not None:
-        refuse(
-            layer,
-            f"its rotary embedding switches between short and long frequency "
-            f"factors by each call's length (rope_scaling_type="
-            f"{layer.rope_scaling_type!r}), SelfAttention's frequencies are fixed",
-        )
-    return {}
+    if layer.rope_scaling_type is None:
+        return {}
+    original = int(layer.pretraining_sequence_length)
+    multiplier = rope_frequencies.longrope_multiplier(
+        layer.max_sequence_length, original
+    )
+    head_dim = int(layer.query_dense.kernel.shape[-1])
+    return {
+        "rope_frequency_scaling": {
+            "rope_type": rope_frequencies.LONGROPE,
+            "short_factor": [float(f) for f in layer.rope_scaling_short_factor],
+            "long_factor": [float(f) for f in layer.rope_scaling_long_factor],
+            "original_max_position_embeddings": original,
+        },
+        "scale": multiplier**2 / math.sqrt(head_dim),
+    }
 
 
 def _smollm3(layer, block) -> dict:

@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 import keras
 import numpy as np
 
+from keras_selfattn._model_layers import every_layer
+from keras_selfattn.attention.rope_frequencies import freeze, switch_length
 from keras_selfattn.export.decode_step.graph import (
     INDEX_NAME,
     DecodeStep,
@@ -26,6 +28,7 @@ from keras_selfattn.export.parity.engine import (
 from keras_selfattn.export.parity.report import ParityReport, finish_report
 from keras_selfattn.export.parity.rules import DEFAULT_ATOL, DEFAULT_RTOL, parity_row
 from keras_selfattn.export.signature import Signature
+from keras_selfattn.self_attention import SelfAttention
 
 # (batch, prompt length) of the sequences `verify_decode_step` decodes: one
 # position per step from the start, a prompt of 3, and the whole sequence in
@@ -94,6 +97,25 @@ def keras_decode(step: DecodeStep, run: runner.Run) -> list[dict[str, np.ndarray
     return results
 
 
+def forward_positions(model: keras.Model, prompt: int, max_length: int) -> int:
+    """How many leading positions of a decode (a prompt of `prompt`, then
+    one per step, to `max_length`) one full forward pass computes: all, but
+    for a LongRoPE layer whose N (`original_max_position_embeddings`) is
+    in [prompt, max_length): its calls ending past N rotate with the long
+    table while the keys cached before keep the short one (the original
+    model's rule, per call), which no single forward pass computes, so the
+    first N are compared."""
+    crossed = [
+        switch
+        for layer in every_layer(model)
+        if isinstance(layer, SelfAttention)
+        and layer.rope_max_wavelength is not None
+        and (switch := switch_length(freeze(layer.rope_frequency_scaling)))
+        and prompt <= switch < max_length
+    ]
+    return min(crossed, default=max_length)
+
+
 def verify_decode_step(
     model: keras.Model,
     saved_model_dir: str | os.PathLike | None = None,
@@ -117,7 +139,9 @@ def verify_decode_step(
     one position per step. Rows of the report:
 
     - "keras_cache": Keras's cached calls, all steps' outputs concatenated,
-      against the model's full uncached forward on the whole sequence.
+      against the model's full uncached forward on the whole sequence (on
+      its first N positions where a LongRoPE layer's tables switch at N
+      inside the decode: `forward_positions`).
     - "saved_model" / "onnx" / "litert" / "openvino" / "torch": each step's
       output and updated caches against Keras's cached call on the same
       inputs and caches, the export decoding in a fresh process of its
@@ -180,8 +204,10 @@ def check_step(
         sequence = teacher_inputs(step, batch, seed + number)
         run = schedule(step, sequence, prompt)
         steps = keras_decode(step, run)
-        full = keras.ops.convert_to_numpy(model(sequence, training=False))
+        compared = forward_positions(model, prompt, step.max_length)
+        full = keras.ops.convert_to_numpy(model(sequence[:, :compared], training=False))
         cached = np.concatenate([r[step.output_name] for r in steps], axis=1)
+        cached = cached[:, :compared]
         rows.append(parity_row("keras_cache", label, [(full, cached)], atol, rtol))
         runs.append(run)
         expected.append(steps)
