@@ -4,8 +4,8 @@ flatbuffer, and a lone LiteRT target refused in one line.
 
 The thresholds are lowered on a small model (the same code paths; the
 files run in onnxruntime and LiteRT against the uncached reference); a
-model truly past 2 GiB needs far more memory than CI has today
-(docs/export.md, "Large models")."""
+model truly past 2 GiB needs about 10 GiB for its ONNX generator and more
+for LiteRT (docs/export.md, "Large models")."""
 
 from __future__ import annotations
 
@@ -37,7 +37,6 @@ def test_onnx_generator_past_the_limit_keeps_external_data(monkeypatch, tmp_path
 
     from keras_selfattn.export.formats.onnx import format as onnx_format
 
-    monkeypatch.setattr(onnx_format, "LARGE_MODEL_BYTES", 0)
     monkeypatch.setattr(onnx_format, "EXTERNAL_DATA_BYTES", 0)
     model = token_model()
     path = export_generator(model, tmp_path / "lm.onnx", "onnx", max_length=MAX_LENGTH)
@@ -71,7 +70,6 @@ def test_onnx_forward_export_past_the_limit_keeps_external_data(monkeypatch, tmp
     from keras_selfattn.export import export_onnx
     from keras_selfattn.export.formats.onnx import format as onnx_format
 
-    monkeypatch.setattr(onnx_format, "LARGE_MODEL_BYTES", 0)
     monkeypatch.setattr(onnx_format, "EXTERNAL_DATA_BYTES", 0)
     model = token_model()
     path = export_onnx(model, tmp_path / "m.onnx")

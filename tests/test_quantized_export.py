@@ -528,6 +528,30 @@ def test_int4_keeps_four_bits_where_the_format_can(tmp_path, caplog):
     )
 
 
+@pytest.mark.slow
+def test_int4_generator_writes_onnx_at_the_opset_of_its_unpacking(tmp_path):
+    """An int4 token model's ONNX generator, whose loop unpacks its 4-bit
+    codes with BitwiseAnd (opset 18): by default at opset 18, through the
+    export's own check (a fresh onnxruntime process against `generate`);
+    opset=17 asked is refused in one line naming the op and the way out."""
+    from keras_selfattn.export import export_generator
+
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((None,), dtype="int32", name="tokens")
+    x = keras.layers.Embedding(64, 256)(tokens)
+    x = SelfAttention(num_heads=4, causal=True, output_dim=256)(x)
+    model = keras.Model(tokens, keras.layers.Dense(64)(x))
+    model.quantize("int4")
+    path = export_generator(model, tmp_path / "lm.onnx", "onnx", max_length=16)
+    import onnx
+
+    opsets = {o.domain: o.version for o in onnx.load(path).opset_import}
+    assert opsets[""] >= 18, opsets
+    with pytest.raises(ValueError, match="pass opset=18 or leave opset unset") as e:
+        export_generator(model, tmp_path / "old.onnx", "onnx", max_length=16, opset=17)
+    assert "\n" not in str(e.value) and not os.path.exists(tmp_path / "old.onnx")
+
+
 def _calibrated(mode: str) -> keras.Model:
     keras.utils.set_random_seed(1)
     tokens = keras.Input((None,), dtype="int32", name="tokens")

@@ -7,12 +7,13 @@ layers stored as Keras's integers on ONNX Runtime's integer kernels
 (`integer`) -> `onnx.checker` -> the file. TensorFlow and tf2onnx are
 imported on use.
 
-Large models: protobuf serializes at most 2 GiB, so a model whose weights
-come near it (`LARGE_MODEL_BYTES`) is converted in tf2onnx's large-model
-mode (its constants kept out of the TensorFlow GraphDef) and written with
-its weights as ONNX external data: `model.onnx` beside one file
-`model.onnx.data` (`external_data_file`), which ONNX Runtime reads from the
-.onnx file's path alone. Smaller models stay one file.
+Weights: the conversion sees them as graph inputs, never as constants
+(`convert_to_onnx`), so no graph TensorFlow or tf2onnx builds holds them
+and the model holds them once. Protobuf serializes at most 2 GiB, so a
+model whose weights come near it is written with its weights as ONNX
+external data: `model.onnx` beside one file `model.onnx.data`
+(`external_data_file`), which ONNX Runtime reads from the .onnx file's path
+alone. Smaller models stay one file.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from keras_selfattn.attention.cache import ConverterCache
 from keras_selfattn.export import quantization
 from keras_selfattn.export.formats._base import (
     APART_BYTES,
-    MESSAGE_LIMIT,
     Format,
     converting,
     weight_bytes,
@@ -43,6 +43,11 @@ if TYPE_CHECKING:  # onnx is an extra, imported when a file is written
     import onnx
 
 DEFAULT_OPSET = 17
+# The opset of BitwiseAnd, which tf2onnx writes for the unpacking of 4-bit
+# codes that `integer.rewrite` leaves (a generator's loop body), and the
+# modes that store them.
+NIBBLE_OPSET = 18
+NIBBLE_MODES = ("int4", "gptq", "awq")
 # `int8_matmul`: the default, and "vnni", deprecated (the default file probes
 # the CPU and runs uint8 x int8 where exact: `int8_layers`).
 INT8_MATMUL, DEPRECATED_INT8_MATMUL = "any_cpu", "vnni"
@@ -51,10 +56,6 @@ MIN_OPSET = 13
 MAX_OPSET = 18
 # The backend whose graph the fused-Attention rewrite reads (tf2onnx's names).
 FUSED_BACKEND = "tensorflow"
-# Weights from which a model converts in tf2onnx's large-model mode: a
-# generator's frozen GraphDef holds its weights once per function reading
-# them (the prompt's pass and the loop's body) before tf2onnx merges them.
-LARGE_MODEL_BYTES = MESSAGE_LIMIT // 4
 # Tensor bytes from which the file keeps its weights as external data.
 EXTERNAL_DATA_BYTES = APART_BYTES
 # Tensors this large or larger go to the external data file.
@@ -92,39 +93,57 @@ def convert_to_onnx(target: Signature, opset: int) -> onnx.ModelProto:
     Inputs keep the target's input names (through named TensorSpecs) and
     outputs get its output names (the keys of the returned dict). The key/
     value cache write of a decoding step converts through
-    `CUSTOM_OP_HANDLERS`. A tensor the traced function captured
-    (a constant the model computed when built, as keras-hub's
-    `GemmaBackbone` does its embedding scale) is stored in the file:
-    tf2onnx lists it as a graph input.
+    `CUSTOM_OP_HANDLERS`.
 
-    From `LARGE_MODEL_BYTES` of weights, tf2onnx converts in its large-model
-    mode: the weights stay out of the frozen GraphDef, which protobuf cannot
-    hold past 2 GiB. The returned model holds them in memory (a proto past
-    2 GiB: `save` writes them as external data).
+    The weights never enter the graphs TensorFlow and tf2onnx convert
+    (`weightless`): they are graph inputs there, and each becomes an
+    initializer of the returned model afterwards, named as the input was.
+    A tensor the trace captured otherwise (a constant the model computed
+    when built, as keras-hub's `GemmaBackbone` does its embedding scale) is
+    stored the same way. The returned model holds the weights once, in
+    memory (a proto past 2 GiB: `save` writes them as external data).
     """
-    import onnx
-    import tf2onnx
+    import tensorflow as tf
+    from onnx import numpy_helper
+    from tf2onnx import optimizer
+    from tf2onnx.convert import tensor_names_from_structed
+    from tf2onnx.tf_utils import compress_graph_def
+    from tf2onnx.tfonnx import process_tf_graph
 
-    large = weight_bytes(target) >= LARGE_MODEL_BYTES
-    function, specs = target.tf_function(), target.tf_specs()
-    if large:
-        from keras_selfattn.export.formats.onnx import large as large_lib
+    from keras_selfattn.export.formats.onnx import weightless
 
-        proto = large_lib.from_function(function, specs, opset, CUSTOM_OP_HANDLERS)
-    else:
-        proto, _ = tf2onnx.convert.from_function(
-            function,
-            input_signature=specs,
-            opset=opset,
-            custom_op_handlers=CUSTOM_OP_HANDLERS,
-        )
-    constants = _captured_constants(function, specs)
+    concrete = weightless.traced(target)
+    inputs = [tensor.name for tensor in concrete.inputs]
+    outputs = [tensor.name for tensor in concrete.outputs]
+    renames = tensor_names_from_structed(
+        concrete, inputs[: len(target.inputs)], outputs
+    )
+    with tf.device("/cpu:0"):
+        graph_def = weightless.graph_def(concrete, inputs, outputs)
+        with tf.Graph().as_default() as graph:
+            # Constants the trace computed (a quantized layer's kernel) stay
+            # out of TensorFlow's graph, which protobuf limits to 2 GiB.
+            constants = compress_graph_def(graph_def)
+            tf.import_graph_def(graph_def, name="")
+            converted = process_tf_graph(
+                graph,
+                const_node_values=constants,
+                custom_op_handlers=dict(CUSTOM_OP_HANDLERS),
+                continue_on_error=True,
+                opset=opset,
+                input_names=inputs,
+                output_names=outputs,
+                tensors_to_rename=renames,
+            )
+            converted = optimizer.optimize_graph(converted, catch_errors=True)
+            proto = converted.make_model(f"converted from {concrete.name}")
+    captured = {inner.name: outer for outer, inner in concrete.graph.captures}
     for value_info in list(proto.graph.input):
-        if value_info.name in constants:
+        if value_info.name in captured:
             proto.graph.input.remove(value_info)
             proto.graph.initializer.append(
-                onnx.numpy_helper.from_array(
-                    constants[value_info.name], value_info.name
+                numpy_helper.from_array(
+                    captured[value_info.name].numpy(), value_info.name
                 )
             )
     return proto
@@ -136,42 +155,30 @@ def external_data_file(path: str) -> str:
 
 
 def save(proto: onnx.ModelProto, path: str, external: bool) -> None:
-    """Checks `proto` (`onnx.checker`, full) and writes it at `path`; with
-    `external` (its model's weights past `EXTERNAL_DATA_BYTES`), every tensor
-    of 1 KiB or more in `external_data_file(path)`, referred to by its base
-    name."""
+    """Writes `proto` at `path` and checks the file (`onnx.checker`, full);
+    with `external` (its model's weights past `EXTERNAL_DATA_BYTES`), every
+    tensor of 1 KiB or more in `external_data_file(path)`, referred to by its
+    base name (moved out of `proto`)."""
     import onnx
 
     if not external:
-        onnx.checker.check_model(proto, full_check=True)
         onnx.save(proto, path)
-        return
-    onnx.save_model(
-        proto,
-        path,
-        save_as_external_data=True,
-        all_tensors_to_one_file=True,
-        location=os.path.basename(external_data_file(path)),
-        size_threshold=_EXTERNAL_TENSOR_BYTES,
-    )
+    else:
+        # Each tensor's bytes leave the proto as they are written.
+        onnx.save_model(
+            proto,
+            path,
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=os.path.basename(external_data_file(path)),
+            size_threshold=_EXTERNAL_TENSOR_BYTES,
+        )
+    # The file, not the proto: checking a proto serializes a copy of it.
     onnx.checker.check_model(path, full_check=True)
 
 
-def _captured_constants(function, specs) -> dict:
-    """The values of the tensors (not variables) the traced function
-    captured, by the name of their placeholder inside it."""
-    import tensorflow as tf
-
-    concrete = function.get_concrete_function(*specs)
-    return {
-        inner.name: outer.numpy()
-        for outer, inner in concrete.graph.captures
-        if outer.dtype != tf.resource and hasattr(outer, "numpy")
-    }
-
-
 # tf2onnx handlers of TensorFlow ops it has no conversion for, passed to
-# `tf2onnx.convert.from_function` by `convert_to_onnx`:
+# tf2onnx's `process_tf_graph` by `convert_to_onnx`:
 # - XlaDynamicUpdateSlice: the key/value cache write on TensorFlow (decoding
 #   steps, generators).
 # - Erfc: Keras's exact GELU on TensorFlow (`0.5 x erfc(-x / sqrt 2)`), as
@@ -284,8 +291,6 @@ class OnnxFormat(Format):
     row = table.ONNX
     quantized_form = quantization.CONSTANTS
     advice = "export a SavedModel instead, or pass another opset"
-    # What to do when a large model's conversion fails (not the opset).
-    large_advice = "export a SavedModel instead"
 
     def files(self, path: str) -> list[str]:
         """The .onnx file, and its external data where its weights need it
@@ -330,6 +335,7 @@ class OnnxFormat(Format):
             )
         return {
             "opset": check_opset(options.get("opset"), backend),
+            "opset_given": options.get("opset") is not None,
             "fuse_attention": fuse,
         }
 
@@ -360,6 +366,9 @@ class OnnxFormat(Format):
         opset = options["opset"]
         size = weight_bytes(target)
         backend = keras.backend.backend()
+        nibbles = any(mode in NIBBLE_MODES for mode in quantization.modes(target.model))
+        if nibbles and backend == "tensorflow" and not options["opset_given"]:
+            opset = max(opset, NIBBLE_OPSET)
         if backend != "tensorflow" and size >= EXTERNAL_DATA_BYTES:
             raise ValueError(
                 f"ONNX export of {size / 2**30:.2f} GiB of weights on {backend}: "
@@ -367,9 +376,8 @@ class OnnxFormat(Format):
                 "GiB; save the model as .keras and export it under "
                 "KERAS_BACKEND=tensorflow (weights as ONNX external data)"
             )
-        large = size >= LARGE_MODEL_BYTES
         with (
-            converting(self.row.title, self.large_advice if large else self.advice),
+            converting(self.row.title, self.advice),
             target.traced(self.quantized_form),
         ):
             if backend == "tensorflow":
@@ -392,9 +400,21 @@ class OnnxFormat(Format):
 
             proto, _ = integer.rewrite(proto, target.quantized)
         if any(node.op_type == "Loop" for node in proto.graph.node):  # a generator
-            from keras_selfattn.export.formats.onnx import loop_invariant
+            from keras_selfattn.export.formats.onnx import (
+                generator_fusion,
+                loop_invariant,
+            )
 
             proto = loop_invariant.optimize_loops(proto)
+            proto = generator_fusion.fuse_generator(proto, target.model)
+        from keras_selfattn.export.formats.onnx.graph import has_op
+
+        if nibbles and opset < NIBBLE_OPSET and has_op(proto.graph, "BitwiseAnd"):
+            raise ValueError(
+                f"ONNX export at opset {opset}: tf2onnx writes the unpacking of "
+                f"this model's 4-bit weights as BitwiseAnd, an opset "
+                f"{NIBBLE_OPSET} op; pass opset={NIBBLE_OPSET} or leave opset unset"
+            )
         save(proto, path, external=size >= EXTERNAL_DATA_BYTES)
 
 

@@ -24,6 +24,22 @@ def _subgraph_inputs(node: onnx.NodeProto) -> set[str]:
     return names
 
 
+def has_op(graph: onnx.GraphProto, op_type: str) -> bool:
+    """Whether a node of `graph` or of its subgraphs, at any depth, is an
+    `op_type`."""
+    for node in graph.node:
+        if node.op_type == op_type:
+            return True
+        for attribute in node.attribute:
+            graphs = [
+                *attribute.graphs,
+                *([attribute.g] if attribute.HasField("g") else []),
+            ]
+            if any(has_op(inner, op_type) for inner in graphs):
+                return True
+    return False
+
+
 def node_inputs(node: onnx.NodeProto) -> set[str]:
     """Every tensor `node` reads, its subgraphs' outer-scope reads included."""
     return {name for name in node.input if name} | _subgraph_inputs(node)
@@ -125,9 +141,10 @@ def prune_dead(graph: onnx.GraphProto) -> int:
     read = set(outputs)
     for node in graph.node:
         read.update(node_inputs(node))
-    kept = [init for init in graph.initializer if init.name in read]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
+    # Deleted in place: rebuilding the field would copy every weight.
+    for index in reversed(range(len(graph.initializer))):
+        if graph.initializer[index].name not in read:
+            del graph.initializer[index]
     produced = {name for node in graph.node for name in node.output}
     kept_info = [info for info in graph.value_info if info.name in produced]
     del graph.value_info[:]
