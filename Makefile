@@ -16,7 +16,7 @@ BACKENDS := tensorflow jax torch
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
 .PHONY: install demo test test-slow lint bench bench-peers clean lock test-latest gpu-wheels \
-	$(BACKENDS:%=test-%) $(BACKENDS:%=test-slow-%)
+	bench-real-size $(BACKENDS:%=test-%) $(BACKENDS:%=test-slow-%)
 
 # A new virtualenv, git-ignored from the inside (Python < 3.13 does not).
 define new_venv
@@ -109,6 +109,14 @@ bench-peers: install
 	$(PEERS_VENV)/bin/python -m pip install --quiet -c $(CONSTRAINTS) \
 		"onnxruntime-genai==0.18.*" onnx-ir transformers torch tokenizers
 	$(PY) -m benchmarks.peers --peers-python $(PEERS_VENV)/bin/python
+
+# keras-hub Llamas past 2 GiB (benchmarks/real_size.py): converted,
+# generating and exported to every generator format, peak memory and time
+# per step. Needs about 16 GiB free and tens of minutes; not in `make bench`
+# or CI. REAL_SIZE_MODEL: llama-0.6b, llama-3.2-1b or tiny.
+REAL_SIZE_MODEL ?= llama-0.6b
+bench-real-size: install
+	$(PY) -m benchmarks.real_size --model $(REAL_SIZE_MODEL)
 
 # Keras and the packages it needs that the GPU machine's image lacks, for
 # benchmarks/gpu_session.sh (that machine runs Python 3.12 and fetches
