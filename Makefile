@@ -112,7 +112,8 @@ bench-peers: install
 
 # keras-hub Llamas past 2 GiB (benchmarks/real_size.py): converted,
 # generating and exported to every generator format, peak memory and time
-# per step. Needs about 16 GiB free and tens of minutes; not in `make bench`
+# per step. ONNX and SavedModel took 11.4 and 10.5 GiB at 0.6 B, LiteRT past
+# 22 GiB (stopped); tens of minutes. Not in `make bench`
 # or CI. REAL_SIZE_MODEL: llama-0.6b, llama-3.2-1b or tiny.
 REAL_SIZE_MODEL ?= llama-0.6b
 bench-real-size: install

@@ -250,9 +250,6 @@ def test_rotary_variants_export_in_every_format(export_format, tmp_path):
     before it)."""
     if keras.backend.backend() != "tensorflow":
         pytest.skip("one export per format, from TensorFlow's slow suite")
-    from keras_selfattn.export import export
-
-    x = keras.Input((None, 12), name="x")
     layer = SelfAttention(
         num_heads=2,
         key_dim=16,
@@ -262,15 +259,26 @@ def test_rotary_variants_export_in_every_format(export_format, tmp_path):
         name="rotary",
         **CASES["both"],
     )
+    exports_alone(layer, export_format, tmp_path)
+
+
+def exports_alone(layer, export_format: str, tmp_path) -> tuple[keras.Model, str]:
+    """A model of `layer` alone on (batch, time, 12) inputs and its export
+    to `export_format`, through the export's own check (the file in its
+    runtime against Keras); an ONNX file is written fused and must hold one
+    Attention node."""
+    from keras_selfattn.export import export
+
+    x = keras.Input((None, 12), name="x")
     model = keras.Model(x, layer(x))
     options = {
-        "saved_model": {"name": "rotary"},
+        "saved_model": {"name": layer.name},
         "onnx": {"fuse_attention": True},
     }.get(export_format, {})
     suffix = {"onnx": ".onnx", "litert": ".tflite", "openvino": ".xml"}
     path = export(
         model,
-        tmp_path / f"rotary{suffix.get(export_format, '')}",
+        tmp_path / f"{layer.name}{suffix.get(export_format, '')}",
         export_format,
         **options,
     )
@@ -279,6 +287,7 @@ def test_rotary_variants_export_in_every_format(export_format, tmp_path):
 
         nodes = onnx.load(path).graph.node
         assert [node.op_type for node in nodes].count("Attention") == 1
+    return model, path
 
 
 # keras-hub families (tiny, random weights whose greedy tokens vary: at
