@@ -42,7 +42,7 @@ def _model() -> keras.Model:
 def failing_converter(monkeypatch):
     """tf2onnx writes diagnostics to fd 2 and to Python's streams, then
     raises a many-line error whose cause is on its third line."""
-    import tf2onnx
+    import tf2onnx.tfonnx
 
     def convert(*args, **kwargs):
         os.write(2, b"E0000 converter.cc:12] lowering failed\n")
@@ -51,7 +51,9 @@ def failing_converter(monkeypatch):
             f"Traceback (most recent call last)\n  frame\nerror: {CAUSE}\n"
         )
 
-    monkeypatch.setattr(tf2onnx.convert, "from_function", convert)
+    # The conversion's tf2onnx step (`format.convert_to_onnx` imports it
+    # when it runs).
+    monkeypatch.setattr(tf2onnx.tfonnx, "process_tf_graph", convert)
 
 
 def test_a_failing_converter_is_one_quiet_line(failing_converter, tmp_path, capfd):
