@@ -67,6 +67,10 @@ FAMILIES = {
 }
 
 
+# Slow on every backend, and out of CI's TensorFlow slow suite.
+RELEASE = (pytest.mark.slow, pytest.mark.release)
+
+
 class _KerasHubLogits:
     """keras-hub's causal LM as `reference.uncached` calls a token model:
     its logits for right-padded token rows (causal: a position does not
@@ -107,9 +111,21 @@ def test_converted_opt_causal_lm_exports_its_generator(export_format, tmp_path):
     )
 
 
+# Families whose seeded sampling `make test` checks on PyTorch (one per
+# kind of attention mapping: MultiHeadAttention, grouped rotary, query/key
+# norms, ALiBi); the others in `make test-slow` on every backend.
+SAMPLED_FAST = ("GPT-2", "Llama", "Qwen 3", "Bloom")
+
+
 @pytest.mark.release
 @pytest.mark.slow_on("tensorflow", "jax", "a sampling loop traced per family")
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "family",
+    [
+        family if family in SAMPLED_FAST else pytest.param(family, marks=RELEASE)
+        for family in FAMILIES
+    ],
+)
 def test_converted_family_samples_keras_hub_s_tokens_with_its_seed(family):
     """`generate(seed=...)` draws what the numpy sampler draws from
     keras-hub's own logits, on each backend; another seed differs."""
