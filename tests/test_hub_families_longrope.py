@@ -375,11 +375,13 @@ def test_decode_check_compares_the_forward_before_the_switch(phi3):
     prompt, all long, on every position."""
     from keras_selfattn.export import verify_decode_step
     from keras_selfattn.export.decode_step.check import forward_positions
+    from keras_selfattn.export.decode_step.graph import build_decode_step
 
     _, tokens_model = phi3
-    assert forward_positions(tokens_model, 3, 12) == 8
-    assert forward_positions(tokens_model, 9, 12) == 12
-    assert forward_positions(tokens_model, 3, 8) == 8
+    layers = build_decode_step(tokens_model, 12).layers
+    assert forward_positions(layers, 3, 12) == 8
+    assert forward_positions(layers, 9, 12) == 12
+    assert forward_positions(layers, 3, 8) == 8
     report = verify_decode_step(tokens_model, max_length=12)
     assert {row.runtime for row in report.rows} == {"keras_cache"}
 

@@ -10,7 +10,6 @@ from collections.abc import Mapping, Sequence
 import keras
 import numpy as np
 
-from keras_selfattn._model_layers import every_layer
 from keras_selfattn.attention.rope_frequencies import freeze, switch_length
 from keras_selfattn.export.decode_step.graph import (
     INDEX_NAME,
@@ -97,19 +96,20 @@ def keras_decode(step: DecodeStep, run: runner.Run) -> list[dict[str, np.ndarray
     return results
 
 
-def forward_positions(model: keras.Model, prompt: int, max_length: int) -> int:
+def forward_positions(
+    layers: Sequence[SelfAttention], prompt: int, max_length: int
+) -> int:
     """How many leading positions of a decode (a prompt of `prompt`, then
     one per step, to `max_length`) one full forward pass computes: all, but
-    for a LongRoPE layer whose N (`original_max_position_embeddings`) is
-    in [prompt, max_length): its calls ending past N rotate with the long
-    table while the keys cached before keep the short one (the original
-    model's rule, per call), which no single forward pass computes, so the
-    first N are compared."""
+    for a LongRoPE layer (of `layers`, the step's) whose N
+    (`original_max_position_embeddings`) is in [prompt, max_length): its
+    calls ending past N rotate with the long table while the keys cached
+    before keep the short one (the original model's rule, per call), which
+    no single forward pass computes, so the first N are compared."""
     crossed = [
         switch
-        for layer in every_layer(model)
-        if isinstance(layer, SelfAttention)
-        and layer.rope_max_wavelength is not None
+        for layer in layers
+        if layer.rope_max_wavelength is not None
         and (switch := switch_length(freeze(layer.rope_frequency_scaling)))
         and prompt <= switch < max_length
     ]
@@ -204,7 +204,7 @@ def check_step(
         sequence = teacher_inputs(step, batch, seed + number)
         run = schedule(step, sequence, prompt)
         steps = keras_decode(step, run)
-        compared = forward_positions(model, prompt, step.max_length)
+        compared = forward_positions(step.layers, prompt, step.max_length)
         full = keras.ops.convert_to_numpy(model(sequence[:, :compared], training=False))
         cached = np.concatenate([r[step.output_name] for r in steps], axis=1)
         cached = cached[:, :compared]
