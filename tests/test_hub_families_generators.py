@@ -101,7 +101,9 @@ def test_converted_opt_causal_lm_generates_keras_hub_s_greedy_tokens():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("export_format", ["onnx", "litert"])
+@pytest.mark.parametrize(
+    "export_format", ["onnx", pytest.param("litert", marks=pytest.mark.release)]
+)
 def test_converted_opt_causal_lm_exports_its_generator(export_format, tmp_path):
     exports_keras_hub_s_tokens(
         _opt_causal_lm,

@@ -170,6 +170,7 @@ def test_bad_longrope_arguments_are_named_in_one_line(scaling, named):
     assert named in str(error.value) and "\n" not in str(error.value)
 
 
+@pytest.mark.release  # the generators' and the step's exports below run in CI
 @pytest.mark.slow
 @pytest.mark.parametrize("export_format", ["saved_model", "onnx", "litert", "openvino"])
 def test_longrope_exports_in_every_format(export_format, layer, tmp_path):
