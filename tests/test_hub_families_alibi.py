@@ -19,6 +19,7 @@ from tests.test_convert_keras_hub_models import (
     TOKENS,
     _adapters,
     exports_keras_hub_s_tokens,
+    generator_export,
     refused_in_one_line,
 )
 
@@ -185,12 +186,9 @@ def test_convert_causal_lm_refuses_what_does_not_convert_in_one_line(case):
 
 
 EXPORTS = [
-    ("Bloom", "onnx"),
-    ("Bloom", "litert"),
-    ("Falcon", "onnx"),
-    ("Falcon", "litert"),
-    ("GPT-OSS", "onnx"),
-    ("GPT-OSS", "litert"),
+    generator_export(family, form)
+    for family in ("Bloom", "Falcon", "GPT-OSS")
+    for form in ("onnx", "litert")
 ]
 
 

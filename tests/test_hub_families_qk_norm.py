@@ -21,6 +21,7 @@ from tests.test_convert_keras_hub_models import (
     TOKENS,
     _adapters,
     exports_keras_hub_s_tokens,
+    generator_export,
 )
 
 keras_hub = pytest.importorskip("keras_hub")
@@ -312,12 +313,9 @@ def test_converted_causal_lm_generates_keras_hub_s_greedy_tokens(family):
 @pytest.mark.parametrize(
     "family, export_format",
     [
-        ("Qwen 3", "onnx"),
-        ("Qwen 3", "litert"),
-        ("Gemma 3", "onnx"),
-        ("Gemma 3", "litert"),
-        ("Qwen 3 MoE", "onnx"),
-        ("Qwen 3 MoE", "litert"),
+        generator_export(family, form)
+        for family in ("Qwen 3", "Gemma 3", "Qwen 3 MoE")
+        for form in ("onnx", "litert")
     ],
 )
 def test_converted_causal_lm_exports_its_generator(family, export_format, tmp_path):

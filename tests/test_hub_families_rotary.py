@@ -16,6 +16,7 @@ import pytest
 import keras_selfattn
 from keras_selfattn import SelfAttention
 from tests.test_convert_blocks import PROMPTS, STEPS
+from tests.test_convert_keras_hub_models import generator_export
 
 LLAMA3 = {
     "rope_type": "llama3",
@@ -388,8 +389,14 @@ def test_converted_family_generates_keras_hub_s_greedy_tokens(family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("export_format", ["onnx", "litert"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "family, export_format",
+    [
+        generator_export(family, form)
+        for family in FAMILIES
+        for form in ("onnx", "litert")
+    ],
+)
 def test_converted_family_exports_its_generator(family, export_format, tmp_path):
     from tests.test_convert_keras_hub_models import exports_keras_hub_s_tokens
 
