@@ -102,13 +102,15 @@ bench: install
 # The generators against onnxruntime-genai's own loop on one transformers
 # checkpoint (benchmarks/peers.py). onnxruntime-genai, transformers and
 # torch's CPU build live in their own virtualenv: not dependencies of the
-# package, not part of `make bench` or CI.
+# package, not part of `make bench` or CI. PEERS_ARGS picks the request
+# and the load, e.g. PEERS_ARGS="--batch 8 --busy 2" (`--help`).
 PEERS_VENV ?= .venv-peers
+PEERS_ARGS ?=
 bench-peers: install
 	$(call new_venv,$(PEERS_VENV))
 	$(PEERS_VENV)/bin/python -m pip install --quiet -c $(CONSTRAINTS) \
 		"onnxruntime-genai==0.18.*" onnx-ir transformers torch tokenizers
-	$(PY) -m benchmarks.peers --peers-python $(PEERS_VENV)/bin/python
+	$(PY) -m benchmarks.peers --peers-python $(PEERS_VENV)/bin/python $(PEERS_ARGS)
 
 # keras-hub Llamas past 2 GiB (benchmarks/real_size.py): converted,
 # generating and exported to every generator format, peak memory and time

@@ -4,8 +4,9 @@ One transformers `LlamaForCausalLM` checkpoint with random weights (and a
 word-level tokenizer) in a folder (`peers_child`, SIZES); onnxruntime-genai's
 model builder writes its fp32 CPU model from the folder; keras-hub loads the
 same folder (`LlamaCausalLM.from_preset(folder)`), converted by
-`keras_selfattn.convert_causal_lm` and exported as the ONNX generator. Greedy,
-batch 1, a 16-token prompt, 64 new tokens, interleaved rounds in one process
+`keras_selfattn.convert_causal_lm` and exported as each generator (their own
+fresh-process checks skipped: every candidate's tokens are compared with
+transformers' greedy tokens here). Greedy, interleaved rounds in one process
 tree (onnxruntime-genai in a child process of the peers' own virtualenv,
 answering one generation per request):
 
@@ -13,22 +14,29 @@ answering one generation per request):
 - the ONNX generator (`export_generator(..., "onnx")`) in onnxruntime, with
   the default session options and with `session.intra_op.allow_spinning`
   "0" (its idle threads sleep instead of spinning: on a shared machine);
+- the SavedModel generator, XLA off (TF Serving's default on a CPU) and
+  written with `jit_compile=True`; the LiteRT generator (`--generators`);
 - `keras_selfattn.generate` on TensorFlow;
 - keras-hub's own `generate` (greedy sampler).
 
-Every candidate's tokens are compared with transformers' own greedy tokens.
-The machine (CPU, cores, load average) is in the results file.
+`--batch`, `--prompt` and `--new` set the request (default batch 1, a
+16-token prompt, 64 new tokens); `--busy K` keeps K other processes
+computing (a numpy matmul loop each, one thread) while the candidates are
+timed: a shared machine. The machine (CPU, cores, load average) is in the
+results file.
 
     make bench-peers                       # the 153M model (issue 56)
     .venv/bin/python -m benchmarks.peers --size tiny --rounds 5 \\
-        --peers-python /work/peers-venv/bin/python
+        --peers-python /work/peers-venv/bin/python --batch 8 --busy 2
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -36,13 +44,28 @@ import numpy as np
 
 from benchmarks import machine, report, timing
 
-PROMPT, NEW_TOKENS = 16, 64
 CANDIDATES = (
     ("onnxruntime_genai", "onnxruntime-genai (fp32, cpu)"),
     ("onnx_generator", "ONNX generator in onnxruntime"),
     ("onnx_generator_no_spin", "ONNX generator, threads not spinning"),
+    ("saved_model_generator", "SavedModel generator (XLA off)"),
+    ("saved_model_generator_xla", "SavedModel generator, jit_compile=True"),
+    ("litert_generator", "LiteRT generator"),
     ("keras_selfattn_generate", "keras_selfattn.generate (TensorFlow)"),
     ("keras_hub_generate", "keras-hub generate"),
+)
+# The exported generators `--generators` may name: (format, export options).
+GENERATORS = {
+    "onnx": ("onnx", {}),
+    "saved_model": ("saved_model", {"name": "lm"}),
+    "saved_model_xla": ("saved_model", {"name": "lm", "jit_compile": True}),
+    "litert": ("litert", {}),
+}
+# A busy process: one thread multiplying matrices until it is killed.
+BUSY = (
+    "import os; os.environ['OMP_NUM_THREADS'] = '1'; "
+    "import numpy as np; a = np.random.rand(384, 384)\n"
+    "while True: a = (a @ a) / 384"
 )
 
 
@@ -75,9 +98,9 @@ def _prepare(python: str, work: str, size: str) -> tuple[str, str]:
 class _GenaiChild:
     """onnxruntime-genai in the peers' Python: one generation per call."""
 
-    def __init__(self, python: str, genai: str):
+    def __init__(self, python: str, genai: str, new: int):
         self.process = subprocess.Popen(
-            [python, "-m", "benchmarks.peers_child", "serve", genai, str(NEW_TOKENS)],
+            [python, "-m", "benchmarks.peers_child", "serve", genai, str(new)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -94,40 +117,84 @@ class _GenaiChild:
         self.process.wait()
 
 
-def _candidates(folder: str, work: str, genai_child, prompts, outputs: dict):
+@contextlib.contextmanager
+def _busy(count: int):
+    """`count` processes keeping cores busy while the block runs."""
+    processes = [
+        subprocess.Popen([sys.executable, "-c", BUSY], env={**os.environ})
+        for _ in range(count)
+    ]
+    try:
+        yield
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
+def _exported(converted, work: str, generators: list[str], max_length: int):
+    """Each generator of `generators` (GENERATORS' names), loaded: name ->
+    a callable from the request to its outputs."""
+    import keras_selfattn_runtimes as runtimes
+    from keras_selfattn.export import export_generator
+
+    loaded = {}
+    for name in generators:
+        export_format, options = GENERATORS[name]
+        suffix = {"onnx": ".onnx", "litert": ".tflite", "saved_model": ""}
+        path = os.path.join(work, f"generator_{name}{suffix[export_format]}")
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+        written = export_generator(
+            converted,
+            path,
+            export_format,
+            max_length=max_length,
+            check=False,
+            **options,
+        )
+        if export_format == "onnx":
+            loaded["onnx_generator"] = runtimes.load("onnx", written)
+            loaded["onnx_generator_no_spin"] = runtimes.load(
+                "onnx", written, spinning=False
+            )
+        elif export_format == "saved_model":
+            # TensorFlow's XLA as it is: the jit_compile generator needs it.
+            key = name.replace("saved_model", "saved_model_generator")
+            loaded[key] = runtimes.load(
+                "saved_model", written, "generate", tf_serving=False
+            )
+        else:
+            loaded["litert_generator"] = runtimes.load("litert", written, "generate")
+    return loaded
+
+
+def _candidates(folder, work, genai_child, prompts, new, generators, outputs):
     import keras_hub
-    import onnxruntime
 
     from keras_selfattn import convert_causal_lm, generate
-    from keras_selfattn.export import export_generator
 
     lm = keras_hub.models.LlamaCausalLM.from_preset(folder, preprocessor=None)
     lm.compile(sampler="greedy")
     converted = convert_causal_lm(lm)
-    path = os.path.join(work, "generator.onnx")
-    if os.path.exists(path):
-        os.remove(path)
-    export_generator(converted, path, "onnx", max_length=PROMPT + NEW_TOKENS)
-    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
-    options = onnxruntime.SessionOptions()
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    sleeping = onnxruntime.InferenceSession(
-        path, options, providers=["CPUExecutionProvider"]
-    )
+    batch, prompt = prompts.shape
+    loaded = _exported(converted, work, generators, prompt + new)
     request = {
         "prompt_tokens": prompts,
-        "prompt_lengths": np.full(len(prompts), PROMPT, np.int32),
-        "max_new_tokens": np.asarray(NEW_TOKENS, np.int32),
+        "prompt_lengths": np.full(batch, prompt, np.int32),
+        "max_new_tokens": np.asarray(new, np.int32),
         "temperature": np.asarray(0.0, np.float32),
         "top_k": np.asarray(lm.backbone.vocabulary_size, np.int32),
         "top_p": np.asarray(1.0, np.float32),
         "seed": np.asarray(0, np.int32),
         "end_token": np.asarray(-1, np.int32),
     }
-    ids = np.zeros((len(prompts), PROMPT + NEW_TOKENS), np.int32)
-    ids[:, :PROMPT] = prompts
+    ids = np.zeros((batch, prompt + new), np.int32)
+    ids[:, :prompt] = prompts
     hub_request = {"token_ids": ids, "padding_mask": ids != 0}
-    hub_request["padding_mask"][:, :PROMPT] = True
+    hub_request["padding_mask"][:, :prompt] = True
 
     def store(name, fn):
         def call():
@@ -135,64 +202,77 @@ def _candidates(folder: str, work: str, genai_child, prompts, outputs: dict):
 
         return call
 
+    def tokens(runner):
+        return lambda: runner(request)["tokens"]
+
     return {
         "onnxruntime_genai": store("onnxruntime_genai", lambda: genai_child(prompts)),
-        "onnx_generator": store(
-            "onnx_generator", lambda: session.run(["tokens"], request)[0]
-        ),
-        "onnx_generator_no_spin": store(
-            "onnx_generator_no_spin", lambda: sleeping.run(["tokens"], request)[0]
-        ),
+        **{name: store(name, tokens(runner)) for name, runner in loaded.items()},
         "keras_selfattn_generate": store(
             "keras_selfattn_generate",
-            lambda: generate(converted, prompts, NEW_TOKENS).tokens,
+            lambda: generate(converted, prompts, new).tokens,
         ),
         "keras_hub_generate": store(
             "keras_hub_generate",
             lambda: lm.generate(
-                hub_request, max_length=PROMPT + NEW_TOKENS, stop_token_ids=None
-            )["token_ids"][:, PROMPT:],
+                hub_request, max_length=prompt + new, stop_token_ids=None
+            )["token_ids"][:, prompt:],
         ),
     }
 
 
-def run(size: str, rounds: int, python: str, work: str) -> dict:
-    """Times every candidate (module docstring) at `size`."""
+def run(args: argparse.Namespace, work: str) -> dict:
+    """Times every candidate (module docstring) as `args` say."""
     os.makedirs(work, exist_ok=True)
-    folder, genai = _prepare(python, work, size)
+    python = args.peers_python
+    folder, genai = _prepare(python, work, args.size)
     vocabulary = json.load(open(os.path.join(folder, "config.json")))["vocab_size"]
-    prompts = np.random.default_rng(0).integers(4, vocabulary, (1, PROMPT))
-    prompts = prompts.astype(np.int32)
-    want = json.loads(
-        _child(python, "reference", folder, json.dumps(prompts[0].tolist()), "64")
+    prompts = np.random.default_rng(0).integers(
+        4, vocabulary, (args.batch, args.prompt)
     )
-    child = _GenaiChild(python, genai)
+    prompts = prompts.astype(np.int32)
+    want = np.asarray(
+        json.loads(
+            _child(
+                python, "reference", folder, json.dumps(prompts.tolist()), str(args.new)
+            )
+        )
+    )
+    child = _GenaiChild(python, genai, args.new)
     outputs: dict[str, np.ndarray] = {}
     try:
-        candidates = _candidates(folder, work, child, prompts, outputs)
-        before = machine.describe()["load_average_1_5_15min"]
-        timed = timing.interleave(candidates, rounds=rounds, warmup=1)
+        candidates = _candidates(
+            folder, work, child, prompts, args.new, args.generators, outputs
+        )
+        with _busy(args.busy):
+            before = machine.describe()["load_average_1_5_15min"]
+            timed = timing.interleave(candidates, rounds=args.rounds, warmup=1)
+            during = machine.describe()["load_average_1_5_15min"]
     finally:
         child.close()
     rows = [
         {
             "candidate": title,
-            "tokens_per_s": NEW_TOKENS * len(prompts) / timed.median(name),
+            "tokens_per_s": args.new * args.batch / timed.median(name),
             "vs_onnxruntime_genai": timed.speedup("onnxruntime_genai", name),
             "ratio_quartiles": timed.quartiles("onnxruntime_genai", name),
             "same_tokens_as_transformers": bool(
-                (np.asarray(outputs[name]).reshape(-1) == np.asarray(want)).all()
+                np.array_equal(np.asarray(outputs[name]).reshape(want.shape), want)
             ),
         }
         for name, title in CANDIDATES
+        if name in candidates
     ]
     return {
         "machine": machine.describe(),
         "load_average_before_timing": before,
+        "load_average_end_of_timing": during,
+        "busy_processes": args.busy,
         "onnxruntime_genai": child.version,
-        "size": size,
-        "request": f"batch 1, {PROMPT}-token prompt, {NEW_TOKENS} new greedy tokens",
-        "rounds": rounds,
+        "size": args.size,
+        "request": f"batch {args.batch}, {args.prompt}-token prompts, "
+        f"{args.new} new greedy tokens",
+        "rounds": args.rounds,
         "rows": rows,
     }
 
@@ -203,8 +283,9 @@ def to_markdown(results: dict) -> str:
         f"# Generators vs onnxruntime-genai ({results['size']} Llama)",
         "",
         f"{info['cpu']}, {info['cores']} cores; load average (1/5/15 min) "
-        f"before timing {results['load_average_before_timing']}, after "
-        f"{info['load_average_1_5_15min']}; onnxruntime-genai "
+        f"before timing {results['load_average_before_timing']}, at its end "
+        f"{results['load_average_end_of_timing']}; "
+        f"{results['busy_processes']} busy processes beside; onnxruntime-genai "
         f"{results['onnxruntime_genai']}; {results['request']}; "
         f"{results['rounds']} interleaved rounds, medians.",
         "",
@@ -227,15 +308,31 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="153m")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=16)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--busy", type=int, default=0, help="busy processes beside")
+    parser.add_argument(
+        "--generators",
+        type=lambda text: text.split(","),
+        default=list(GENERATORS),
+        help=f"comma-separated, of {','.join(GENERATORS)}",
+    )
     parser.add_argument("--peers-python", default=".venv-peers/bin/python")
     parser.add_argument("--work", default=None, help="checkpoint and models")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.generators) - set(GENERATORS))
+    if unknown:
+        parser.error(f"--generators: unknown {unknown}; of {sorted(GENERATORS)}")
     work = args.work or os.path.join("/tmp", f"keras_selfattn_peers_{args.size}")
-    results = run(args.size, args.rounds, args.peers_python, work)
-    paths = report.write(
-        results, args.out, stem=f"peers_{args.size}", markdown=to_markdown
-    )
+    results = run(args, work)
+    stem = f"peers_{args.size}"
+    if (args.batch, args.prompt, args.new) != (1, 16, 64):
+        stem += f"_b{args.batch}_p{args.prompt}_n{args.new}"
+    if args.busy:
+        stem += f"_busy{args.busy}"
+    paths = report.write(results, args.out, stem=stem, markdown=to_markdown)
     sys.stdout.write(to_markdown(results) + f"\n{paths[0]}\n")
 
 

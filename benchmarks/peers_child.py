@@ -5,8 +5,8 @@ package; `make bench-peers` installs them in their own virtualenv).
     python -m benchmarks.peers_child checkpoint FOLDER SIZE
         a transformers LlamaForCausalLM of SIZE (`SIZES`) with random
         weights, and a word-level tokenizer, saved in FOLDER
-    python -m benchmarks.peers_child reference FOLDER PROMPT_JSON NEW
-        transformers' own greedy tokens (one JSON line)
+    python -m benchmarks.peers_child reference FOLDER PROMPTS_JSON NEW
+        transformers' own greedy tokens of each prompt (one JSON line)
     python -m benchmarks.peers_child serve GENAI_FOLDER NEW
         onnxruntime-genai's model: one greedy generation per line of
         prompt ids read (JSON), its tokens and seconds written back
@@ -69,21 +69,25 @@ def checkpoint(folder: str, size: str) -> None:
     fast.save_pretrained(folder)
 
 
-def reference(folder: str, prompt: list[int], new: int) -> list[int]:
+def reference(folder: str, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """transformers' greedy tokens, one prompt at a time."""
     import torch
     import transformers
 
     model = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
+    rows = []
     with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=new,
-            min_new_tokens=new,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
+        for prompt in prompts:
+            out = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            rows.append(out[0, len(prompt) :].tolist())
+    return rows
 
 
 def serve(genai_folder: str, new: int) -> None:
