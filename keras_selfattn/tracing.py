@@ -26,7 +26,14 @@ asyncio task) that entered it (a `contextvars.ContextVar` each).
 scope under which the explicit path computes its core, (B, H, T, K) query
 and key, (B, H, T, V) value and the bool mask in, (B, H, T, V) heads out,
 which the fused ONNX export (`export.formats.onnx.fused`) replaces by ONNX's
-Attention operator. A name scope adds no computation.
+Attention operator. `FUSABLE_STEP_SCOPE` is its decoding step's
+counterpart: the name scope under which the single-query path
+(`attention.single_query`) computes one new position's attention over the
+cache, (B, 1, H, K) query, the keys and values as read from the cache
+(time-major (Tk, B, H_kv, D) or (B, Tk, H_kv, D)) and the bool key mask
+(None, or (Tk, B or 1, 1, 1), resp. (B or 1, Tk, 1, 1)) in, (B, 1, H, V)
+out, which the fused ONNX generator (`export.formats.onnx.loop_attention`)
+replaces by ONNX's Attention operator. A name scope adds no computation.
 
 Example:
 
@@ -49,6 +56,7 @@ EXACT_UNCHUNKED = "exact_unchunked"
 MODES = (FOR_CONVERTER, EXACT_UNCHUNKED)
 
 FUSABLE_CORE_SCOPE = "fusable_attention_core"
+FUSABLE_STEP_SCOPE = "fusable_step_core"
 
 _FLAGS = {
     mode: contextvars.ContextVar(f"keras_selfattn_{mode}", default=False)

@@ -2,8 +2,10 @@
 RMS norm chains, hand-written (in a graph and a `Loop` body) and as tf2onnx
 converts Keras's layers, become RMSNormalization with numpy's numbers; a
 norm of another structure is left alone; keras-hub Llama and Gemma
-generators, exported, carry the fused ops and return keras-hub's own
-greedy and seeded tokens."""
+generators, exported, carry the fused ops (their decoding step's attention
+as one Attention node per layer in the loop body) and return keras-hub's
+own greedy and seeded tokens, as Gemma 2's soft-capped, windowed step
+does (its seeded tokens)."""
 
 from __future__ import annotations
 
@@ -331,5 +333,72 @@ def test_fused_generator_returns_keras_hub_s_tokens(generators, family, controls
         _KerasHubLogits(lm), PROMPTS, STEPS, seed=controls.get("seed", 0), **named
     )
     assert len(np.unique(want)) >= 4, want  # varied tokens
+    np.testing.assert_array_equal(tokens, want)
+    np.testing.assert_array_equal(lengths, want_lengths)
+
+
+def _attention_nodes(proto) -> list:
+    """The Attention nodes of the generator's `Loop` body."""
+    (loop,) = [node for node in proto.graph.node if node.op_type == "Loop"]
+    body = next(a.g for a in loop.attribute if a.name == "body")
+    return [node for node in body.node if node.op_type == "Attention"]
+
+
+@pytest.mark.slow
+@pytest.mark.tensorflow_only("ONNX generators are converted from TensorFlow")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generator_s_decoding_step_attention_is_fused(generators, family):
+    """One Attention node per layer in the loop body (`loop_attention`), in
+    place of the single-query path's decomposed softmax."""
+    lm, _, proto = generators[family]
+    nodes = _attention_nodes(proto)
+    assert len(nodes) == lm.backbone.num_layers, [n.name for n in nodes]
+    (loop,) = [node for node in proto.graph.node if node.op_type == "Loop"]
+    body = next(a.g for a in loop.attribute if a.name == "body")
+    assert _ops(body)["Exp"] == 0, _ops(body)
+
+
+@pytest.fixture(scope="module")
+def soft_capped(tmp_path_factory):
+    """Gemma 2 (soft-capped scores, alternating sliding windows of 3): its
+    keras-hub causal LM, its ONNX generator's session and file's model,
+    exported through the exporter's own check."""
+    pytest.importorskip("keras_hub")
+    import keras_selfattn
+    from keras_selfattn.export import export_generator
+    from tests.test_convert_keras_hub_models import _causal_lm
+
+    lm = _causal_lm("Gemma 2")
+    path = export_generator(
+        keras_selfattn.convert_causal_lm(lm),
+        tmp_path_factory.mktemp("soft_capped") / "gemma_2.onnx",
+        "onnx",
+        max_length=16,
+    )
+    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    return lm, session, onnx.load(path)
+
+
+@pytest.mark.slow
+@pytest.mark.tensorflow_only("ONNX generators are converted from TensorFlow")
+def test_soft_capped_windowed_step_fuses_with_keras_hub_s_tokens(soft_capped):
+    """The soft-cap becomes Attention's `softcap`, the windows stay in the
+    mask; the seeded tokens are keras-hub's own. (Greedy, this small random
+    Gemma 2 repeats each prompt's last token, whatever the weights' seed:
+    tokens that could not tell a wrong attention.)"""
+    lm, session, proto = soft_capped
+    nodes = _attention_nodes(proto)
+    assert len(nodes) == lm.backbone.num_layers
+    caps = [helper.get_node_attr_value(node, "softcap") for node in nodes]
+    np.testing.assert_allclose(caps, 5.0)
+    request = reference.generator_request(
+        PROMPTS, STEPS, lm.backbone.vocabulary_size, SAMPLED
+    )
+    tokens, lengths = session.run(["tokens", "lengths"], request)
+    named = {k: v for k, v in SAMPLED.items() if k != "seed"}
+    want, want_lengths = reference.uncached(
+        _KerasHubLogits(lm), PROMPTS, STEPS, seed=SAMPLED["seed"], **named
+    )
+    assert len(np.unique(want)) >= 4, want
     np.testing.assert_array_equal(tokens, want)
     np.testing.assert_array_equal(lengths, want_lengths)

@@ -34,6 +34,7 @@ from keras_selfattn.attention import masks as masks_lib
 from keras_selfattn.attention import score_mods
 from keras_selfattn.attention.explicit import MASK_VALUE
 from keras_selfattn.attention.masks import Masks
+from keras_selfattn.tracing import FUSABLE_STEP_SCOPE
 
 
 def _by_group(query, kv_heads: int) -> list:
@@ -121,6 +122,16 @@ def single_query_attention(
         Tuple (output (B, 1, H, V) in value's dtype, None).
     """
     del dropout, return_weights, grouped_key_value  # see Args
+    time = 0 if time_major else 1
+    # Built outside the fusable step's name scope, which the fused ONNX
+    # generator's rewrite reads (`tracing.FUSABLE_STEP_SCOPE`).
+    mask = _key_mask(masks, ops.shape(key)[time], time_major)
+    with keras.name_scope(FUSABLE_STEP_SCOPE):
+        return _core(query, key, value, mask, masks, scale, time_major, mods), None
+
+
+def _core(query, key, value, mask, masks, scale, time_major, mods):
+    """`single_query_attention`'s output from its bool key mask (or None)."""
     queries = _by_group(query, key.shape[2])  # G x (B, 1, H_kv, K)
     time = 0 if time_major else 1
     if time_major:  # time is 1: (B, 1, ...) -> (1, B, ...) is a reshape
@@ -147,7 +158,6 @@ def single_query_attention(
         scores = score_mods.modify(scores, mods, bias)
         if mods.sinks is not None:
             sinks = ops.reshape(ops.cast(mods.sinks, "float32"), (1, 1) + by_head[2:])
-    mask = _key_mask(masks, key_len, time_major)
     if mask is not None:
         scores = ops.where(mask, scores, MASK_VALUE)
     top = ops.max(scores, axis=time, keepdims=True)
@@ -169,5 +179,5 @@ def single_query_attention(
         )
     num_heads, depth = query.shape[2], value.shape[-1]
     if keras.backend.backend() == "tensorflow":
-        return ops.reshape(output, (-1, 1, num_heads, depth)), None
-    return ops.reshape(output, (ops.shape(output)[0], 1, num_heads, depth)), None
+        return ops.reshape(output, (-1, 1, num_heads, depth))
+    return ops.reshape(output, (ops.shape(output)[0], 1, num_heads, depth))

@@ -11,13 +11,13 @@ pool. `fuse_generator`
 2. replaces the prompt pass's SelfAttention cores by ONNX's Attention op
    (`fused.fuse_attention`, the forward export's `fuse_attention=True`),
    quietly: a core it does not recognise keeps its form;
-3. replaces every RMS norm chain, in the prompt pass and in the loop body,
+3. replaces the loop body's decoding-step attention (the single-query
+   path's cores under `tracing.FUSABLE_STEP_SCOPE`) by transposes of the
+   query, the cache's keys and values and the mask and ONNX's Attention op
+   (`loop_attention`): about 30 kernels per layer and token become 5;
+   a core it does not recognise keeps its form, with the reason logged;
+4. replaces every RMS norm chain, in the prompt pass and in the loop body,
    by RMSNormalization (`fused_norm`): about 7 kernels per norm become 1.
-
-The loop body's attention stays decomposed: a decoding step computes it on
-the single-query path (`attention.single_query`: products reduced over the
-time-major cache, no `FUSABLE_CORE_SCOPE`), which ONNX's Attention would
-take only after a transpose of the whole cache per step and layer.
 
 The numbers are the decomposed graph's up to float32 rounding; the
 export's check compares the generator's tokens with Keras's `generate` in
@@ -38,7 +38,12 @@ from collections.abc import Iterator
 import keras
 import onnx
 
-from keras_selfattn.export.formats.onnx import fused, fused_norm, loop_select
+from keras_selfattn.export.formats.onnx import (
+    fused,
+    fused_norm,
+    loop_attention,
+    loop_select,
+)
 from keras_selfattn.export.formats.onnx import graph as og
 
 
@@ -114,6 +119,7 @@ def fuse_generator(proto: onnx.ModelProto, model: keras.Model) -> onnx.ModelProt
         return proto
     with _quiet(fused.logger):
         light, _ = fused.fuse_attention(light, model)
+    loop_attention.fuse_loop_attention(light, model)
     fused_norm.fuse_rms_norms(light, og.value_types(light))
     _graft(proto, light)
     return proto
