@@ -84,7 +84,10 @@ def write_saved_model(target: Signature, directory: str) -> None:
     archive.add_endpoint(
         target.signature_name, serve, input_signature=target.tf_specs(), **options
     )
-    archive.write_out(directory, verbose=False)
+    import tensorflow as tf  # Keras's quantized calls' gradients: not served
+
+    no_gradients = tf.saved_model.SaveOptions(experimental_custom_gradients=False)
+    archive.write_out(directory, verbose=False, options=no_gradients)
 
 
 def write_warmup(target: Signature, directory: str, model_name: str) -> None:
