@@ -2,9 +2,32 @@
 
 from __future__ import annotations
 
+import os
+import weakref
+
 import numpy as np
 
 from ._common import Loaded, natural
+
+# The interpreters open in this process, one per file: the signatures of one
+# file share its weights (a generator's "prefill" and "decode" would hold
+# them twice, each in an interpreter of its own).
+_OPEN: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _interpreter(path: str):
+    """The interpreter of the file at `path`, shared while one is in use."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    try:
+        stat = os.stat(path)
+    except OSError:  # the interpreter's own error names it
+        return Interpreter(model_path=path)
+    key = (os.path.realpath(path), stat.st_mtime_ns, stat.st_size)
+    interpreter = _OPEN.get(key)
+    if interpreter is None:
+        interpreter = _OPEN[key] = Interpreter(model_path=path)
+    return interpreter
 
 
 class LiteRTInterpreter(Loaded):
@@ -16,9 +39,7 @@ class LiteRTInterpreter(Loaded):
     """
 
     def __init__(self, path: str, signature: str):
-        from ai_edge_litert.interpreter import Interpreter
-
-        interpreter = Interpreter(model_path=path)
+        interpreter = _interpreter(path)
         self.int8_matrices = sum(
             detail["dtype"] == np.int8
             and len(detail["shape"]) == 2

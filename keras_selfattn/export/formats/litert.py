@@ -35,7 +35,7 @@ import numpy as np
 from keras_selfattn import tracing
 from keras_selfattn.attention.cache import ConverterCache
 from keras_selfattn.export import quantization
-from keras_selfattn.export.formats import litert_signatures
+from keras_selfattn.export.formats import litert_process, litert_signatures
 from keras_selfattn.export.formats._base import (
     APART_BYTES,
     ExportError,
@@ -141,6 +141,22 @@ def check_integers(path: str, quantized) -> None:
             )
 
 
+def _refuse_short_memory(function, *args) -> None:
+    """Calls `function`; a conversion short of memory becomes one line.
+
+    Raises:
+        ExportError: naming the memory the converter needs or took and the
+            formats that write these weights within less.
+    """
+    try:
+        function(*args)
+    except litert_process.OutOfMemory as error:
+        raise ExportError(
+            f"LiteRT conversion short of memory: {error}; export ONNX (its weights as "
+            "external data) or a SavedModel, which need less"
+        ) from error
+
+
 class LiteRTFormat(Format):
     """LiteRT flatbuffers, checked with `ai_edge_litert`."""
 
@@ -199,6 +215,8 @@ class LiteRTFormat(Format):
                 "int8 first, or export its generator (weights after the "
                 "flatbuffer), ONNX (external data) or a SavedModel"
             )
+        if len(entries) > 1:
+            _refuse_short_memory(litert_process.check_memory, size)
         recipe = recipe_name(target.quantized)
         if target.quantized and recipe is None:
             modes = sorted({q.mode for q in target.quantized})
@@ -220,7 +238,7 @@ class LiteRTFormat(Format):
         ):
             warnings.simplefilter("ignore")
             if len(entries) > 1:
-                litert_signatures.convert(entries, path, large)
+                _refuse_short_memory(litert_signatures.convert, entries, path, large)
             else:
                 target.keras_model().export(
                     path, format="litert", verbose=False, input_signature=entries[0][1]

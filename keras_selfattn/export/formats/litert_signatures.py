@@ -7,8 +7,9 @@ A file with several entry points over one model (a generator's "generate",
 backend): a SavedModel written by Keras's `ExportArchive`, here with one
 endpoint per target, each returning its outputs keyed by name, then
 TensorFlow's converter with Keras's settings, asked for exactly those
-signatures. The signatures keep the targets' names, inputs and outputs
-alike. The variables are frozen into constants, which the signatures share.
+signatures, in a process of its own (`litert_process`). The signatures
+keep the targets' names, inputs and outputs alike. The variables are
+frozen into constants, which the signatures share.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 import keras
 
+from keras_selfattn.export.formats import litert_process
 from keras_selfattn.export.signature import Signature
 
 
@@ -46,34 +48,23 @@ def convert(
             `keras.InputSpec`).
         large: Write the weights after the flatbuffer, at offsets it records
             (TensorFlow's `_experimental_use_buffer_offset`: a flatbuffer
-            holds at most 2 GiB), without conversion metadata.
-    """
-    import tensorflow as tf
+            holds at most 2 GiB).
 
+    Raises:
+        litert_process.OutOfMemory: if the converter ran the machine short.
+        RuntimeError: the converter's failure, with what it printed.
+    """
+    # The endpoints track the variables they read (`_all_variables`), each
+    # saved once: `track(model)` would save every weight a second time, as
+    # the model's Keras variables, and the converter would load both.
     archive = keras.export.ExportArchive()
-    for model in {id(target.model): target.model for target, _ in entries}.values():
-        archive.track(model)
     for target, signature in entries:
         archive.add_endpoint(
             target.signature_name, _named(target), input_signature=signature
         )
     with tempfile.TemporaryDirectory(prefix="keras_selfattn_litert_") as saved:
         archive.write_out(saved, verbose=False)
-        converter = tf.lite.TFLiteConverter.from_saved_model(
-            saved, signature_keys=[target.signature_name for target, _ in entries]
+        del archive
+        litert_process.convert(
+            saved, path, [target.signature_name for target, _ in entries], large
         )
-        # Keras's settings (keras/src/export/litert.py), so each signature
-        # converts as Keras's export converts it alone: TensorFlow ops are
-        # allowed there too, yet the package's graphs become builtin ops
-        # only (attention unchunked), which LiteRT runs without Flex.
-        converter.target_spec.supported_ops = [
-            tf.lite.OpsSet.TFLITE_BUILTINS,
-            tf.lite.OpsSet.SELECT_TF_OPS,
-        ]
-        converter.experimental_enable_resource_variables = True
-        if large:
-            converter._experimental_use_buffer_offset = True
-            converter.exclude_conversion_metadata = True
-        flatbuffer = converter.convert()
-    with open(path, "wb") as file:
-        file.write(flatbuffer)

@@ -1,0 +1,195 @@
+"""TensorFlow's LiteRT converter in a process of its own, watched for memory.
+
+`litert_signatures` writes the targets' SavedModel, then converts it here:
+`convert` runs this file as a script (`python litert_process.py
+REQUEST_JSON`, no Keras model and no package imported there: TensorFlow
+alone), which converts the SavedModel with Keras's settings and writes the
+.tflite file. The Keras process keeps only its model meanwhile, and every
+copy the converter makes (the loaded variables, MLIR's constants, the
+flatbuffer, Python's bytes of it) is returned to the system when the
+process ends.
+
+The converter needs several times the weights (`NEEDED_PER_WEIGHT_BYTE`,
+measured): a conversion that cannot fit in the memory available is refused
+before it starts, and one that runs the machine short
+(`/proc/meminfo`'s MemAvailable under `RESERVE_BYTES`) is stopped, each in
+one line naming what it needed, not left for the kernel to kill.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+# Peak resident memory of the converting process per byte of float32
+# weights (a generator's three signatures sharing them), and its own base
+# (TensorFlow imported, MLIR's context), with a margin: measured on token
+# models' generators up to 2.3 GB (docs/export.md, "Large models").
+NEEDED_PER_WEIGHT_BYTE = 4.5
+BASE_BYTES = 2**30
+# The machine's available memory under which a conversion is stopped.
+RESERVE_BYTES = 2**29
+_POLL_S = 0.2
+# A generator's conversion takes seconds to several minutes; a hung one fails.
+_TIMEOUT_S = 3600
+
+
+class OutOfMemory(RuntimeError):
+    """The conversion needs, or took, more memory than the machine has."""
+
+
+def available_bytes() -> int | None:
+    """The machine's available memory (`/proc/meminfo`), or None off Linux."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def needed_bytes(weights: int) -> int:
+    """The memory the converting process needs for `weights` bytes."""
+    return int(NEEDED_PER_WEIGHT_BYTE * weights) + BASE_BYTES
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.1f} GiB"
+
+
+def check_memory(weights: int) -> None:
+    """Refuses a conversion that cannot fit in the available memory.
+
+    Raises:
+        OutOfMemory: naming what it needs and what is available.
+    """
+    available = available_bytes()
+    needed = needed_bytes(weights)
+    if available is not None and needed > available - RESERVE_BYTES:
+        raise OutOfMemory(
+            f"TensorFlow's LiteRT converter needs about {_gib(needed)} for "
+            f"{_gib(weights)} of weights ({NEEDED_PER_WEIGHT_BYTE:g} times the "
+            f"weights plus {_gib(BASE_BYTES)}) and this machine has "
+            f"{_gib(available)} available"
+        )
+
+
+def convert(
+    saved_model: str, path: str, signature_keys: Sequence[str], large: bool
+) -> None:
+    """Converts the SavedModel's `signature_keys` into the .tflite file `path`
+    in a new process (`large`: weights after the flatbuffer).
+
+    Raises:
+        OutOfMemory: if the machine's available memory fell under
+            `RESERVE_BYTES` (the process is stopped) or the process was
+            killed by a signal.
+        RuntimeError: the converter's failure, with what it printed.
+    """
+    request = {
+        "saved_model": saved_model,
+        "path": path,
+        "signature_keys": list(signature_keys),
+        "large": large,
+    }
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    with tempfile.TemporaryFile(mode="w+") as log:
+        process = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), json.dumps(request)],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        low = _watch(process)
+        log.seek(0)
+        printed = log.read()
+    if low is not None:
+        raise OutOfMemory(
+            "TensorFlow's LiteRT converter was stopped when this machine's "
+            f"available memory fell to {_gib(low)}"
+        )
+    if process.returncode < 0:
+        name = signal.Signals(-process.returncode).name
+        raise OutOfMemory(
+            f"TensorFlow's LiteRT converter was killed ({name}), most likely "
+            "by the system for memory"
+        )
+    if process.returncode != 0:
+        raise RuntimeError(printed.strip() or f"exit status {process.returncode}")
+
+
+def _watch(process: subprocess.Popen) -> int | None:
+    """Waits for `process`; stops it (returning the available memory then)
+    if the machine's available memory falls under `RESERVE_BYTES`."""
+    deadline = time.monotonic() + _TIMEOUT_S
+    try:
+        while process.poll() is None:
+            available = available_bytes()
+            if available is not None and available < RESERVE_BYTES:
+                process.kill()
+                process.wait()
+                return available
+            if time.monotonic() > deadline:
+                process.kill()
+                process.wait()
+                raise RuntimeError(f"the conversion took over {_TIMEOUT_S} s")
+            time.sleep(_POLL_S)
+    except BaseException:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        raise
+    return None
+
+
+def _main(argv: list[str]) -> None:
+    """Converts as the JSON request in `argv[0]` says and writes the file."""
+    import gc
+
+    import tensorflow as tf
+
+    request = json.loads(argv[0])
+    converter = tf.lite.TFLiteConverter.from_saved_model(
+        request["saved_model"], signature_keys=request["signature_keys"]
+    )
+    # The SavedModel it loaded to read the signatures holds a copy of the
+    # weights until its reference cycles are collected.
+    gc.collect()
+    # Keras's settings (keras/src/export/litert.py), so each signature
+    # converts as Keras's export converts it alone: TensorFlow ops are
+    # allowed there too, yet the package's graphs become builtin ops only
+    # (attention unchunked), which LiteRT runs without Flex.
+    converter.target_spec.supported_ops = [
+        tf.lite.OpsSet.TFLITE_BUILTINS,
+        tf.lite.OpsSet.SELECT_TF_OPS,
+    ]
+    converter.experimental_enable_resource_variables = True
+    # The converter's metadata (its version and options) would be added by
+    # reading the whole flatbuffer into Python objects and writing it anew.
+    converter.exclude_conversion_metadata = True
+    if request["large"]:
+        converter._experimental_use_buffer_offset = True
+    flatbuffer = converter.convert()
+    del converter
+    with open(request["path"], "wb") as file:
+        file.write(flatbuffer)
+
+
+if __name__ == "__main__":
+    # This folder's modules (`onnx`, `torch`) would shadow the packages
+    # TensorFlow imports.
+    sys.path.pop(0)
+    try:
+        _main(sys.argv[1:])
+    except Exception as error:  # the parent reads it from the log
+        print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
+        sys.exit(1)

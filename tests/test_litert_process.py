@@ -1,0 +1,106 @@
+"""The LiteRT converter's own process: a conversion the machine cannot hold is
+refused before it starts, one that runs the machine short is stopped, and a
+converter's failure keeps its telling line; each is one line and leaves
+nothing on disk. The check's runtime opens one interpreter per file, shared
+by the signatures it runs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from keras_selfattn.export import ExportError, export_generator
+from keras_selfattn.export.formats import litert_process
+from tests.test_generation import token_model
+
+pytestmark = pytest.mark.tensorflow_only("the generator's loop in a TensorFlow graph")
+
+
+def test_needed_memory_scales_with_the_weights():
+    assert litert_process.needed_bytes(0) == litert_process.BASE_BYTES
+    assert litert_process.needed_bytes(2**30) == (
+        litert_process.BASE_BYTES + litert_process.NEEDED_PER_WEIGHT_BYTE * 2**30
+    )
+
+
+def test_available_memory_is_read_on_linux():
+    available = litert_process.available_bytes()
+    if not os.path.exists("/proc/meminfo"):
+        assert available is None
+        return
+    assert 0 < available <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def test_a_conversion_past_the_available_memory_is_refused_before_it_starts(
+    monkeypatch, tmp_path
+):
+    def unconverted(*args):
+        raise AssertionError("the converter started")
+
+    monkeypatch.setattr(litert_process, "available_bytes", lambda: 3 * 2**30)
+    monkeypatch.setattr(litert_process, "BASE_BYTES", 3 * 2**30)
+    monkeypatch.setattr(litert_process, "convert", unconverted)
+    with pytest.raises(ExportError) as error:
+        export_generator(token_model(), tmp_path / "lm.tflite", "litert", max_length=8)
+    message = str(error.value)
+    assert "\n" not in message
+    assert "needs about 3.0 GiB" in message
+    assert "has 3.0 GiB available" in message
+    assert "ONNX" in message and "SavedModel" in message
+    assert not os.listdir(tmp_path)
+
+
+# The converter's process starts (TensorFlow imported): about 10 s each.
+@pytest.mark.slow
+def test_a_conversion_running_the_machine_short_is_stopped(monkeypatch, tmp_path):
+    readings = iter([64 * 2**30])  # enough at the check, then short
+
+    monkeypatch.setattr(
+        litert_process, "available_bytes", lambda: next(readings, 2**20)
+    )
+    with pytest.raises(ExportError) as error:
+        export_generator(token_model(), tmp_path / "lm.tflite", "litert", max_length=8)
+    message = str(error.value)
+    assert "\n" not in message
+    assert "stopped when this machine's available memory fell to 0.0 GiB" in message
+    assert not os.listdir(tmp_path)
+
+
+@pytest.mark.slow
+def test_the_converter_failure_keeps_its_line(tmp_path):
+    with pytest.raises(RuntimeError, match="error: OSError: .*not-a-saved-model"):
+        litert_process.convert(
+            str(tmp_path / "not-a-saved-model"),
+            str(tmp_path / "lm.tflite"),
+            ["generate"],
+            large=False,
+        )
+    assert not (tmp_path / "lm.tflite").exists()
+
+
+def test_the_signatures_of_one_file_share_one_interpreter(tmp_path):
+    """The fresh-process check opens each signature it runs: one interpreter
+    holds the file's weights for all of them."""
+    import numpy as np
+    import tensorflow as tf
+
+    from keras_selfattn_runtimes import litert as runtime
+
+    module = tf.Module()
+    module.w = tf.Variable(np.arange(16, dtype=np.float32).reshape(4, 4))
+    spec = [tf.TensorSpec((1, 4), tf.float32, name="x")]
+    double = tf.function(lambda x: {"y": tf.matmul(x, module.w) * 2}, spec)
+    triple = tf.function(lambda x: {"y": tf.matmul(x, module.w) * 3}, spec)
+    saved = str(tmp_path / "saved")
+    tf.saved_model.save(module, saved, signatures={"double": double, "triple": triple})
+    path = str(tmp_path / "m.tflite")
+    with open(path, "wb") as file:
+        file.write(tf.lite.TFLiteConverter.from_saved_model(saved).convert())
+    first, second = runtime.load(path, "double"), runtime.load(path, "triple")
+    assert first._runner._interpreter is second._runner._interpreter
+    x = np.array([[1, 2, 3, 4]], np.float32)
+    w = np.arange(16, dtype=np.float32).reshape(4, 4)
+    np.testing.assert_allclose(first({"x": x})["y"], 2 * x @ w)
+    np.testing.assert_allclose(second({"x": x})["y"], 3 * x @ w)
+    np.testing.assert_allclose(first({"x": x})["y"], 2 * x @ w)
