@@ -19,8 +19,12 @@ because the machine's available memory fell under `RESERVE_GIB` (shared
 machine) or it ran past `--timeout`. The machine (CPU, cores, memory, load
 before and after each step) is in the results file.
 
+A run of some steps (`--steps onnx`) keeps the results file's rows of the
+other steps, each with the date of its own run.
+
     make bench-real-size                          # llama-0.6b
     .venv/bin/python -m benchmarks.real_size --model tiny --out /tmp/rs
+    .venv/bin/python -m benchmarks.real_size --steps onnx   # ONNX rerun
 """
 
 from __future__ import annotations
@@ -104,10 +108,15 @@ def measure(args: list[str], timeout_s: float) -> dict:
 
 def step_row(model: str, step: str, work: str, timeout_s: float) -> dict:
     """One step (module docstring) in a fresh child process."""
-    load_before = machine.describe()["load_average_1_5_15min"]
+    before = machine.describe()
     args = [sys.executable, "-m", "benchmarks.real_size_child", step, model, work]
     measured = measure(args, timeout_s)
-    row = {"model": model, "step": step, "load_before": load_before}
+    row = {
+        "model": model,
+        "step": step,
+        "date_utc": before["date_utc"],
+        "load_before": before["load_average_1_5_15min"],
+    }
     lines = measured.pop("stdout").strip().splitlines()
     if measured["rc"] == 0 and lines:
         row.update(json.loads(lines[-1]))
@@ -146,6 +155,25 @@ def run(models: list[str], steps: list[str], work: str, timeout_s: float) -> dic
         ),
         "rows": rows,
     }
+
+
+def merged(results: dict, path: str) -> dict:
+    """`results` with the rows of the results file at `path` (an earlier
+    run's) for the steps this run did not run, in `STEPS`' order per model."""
+    if not os.path.exists(path):
+        return results
+    with open(path, encoding="utf-8") as file:
+        earlier = json.load(file)
+    ran = {(row["model"], row["step"]) for row in results["rows"]}
+    kept = [row for row in earlier["rows"] if (row["model"], row["step"]) not in ran]
+    for row in kept:
+        row.setdefault("date_utc", earlier["machine"]["date_utc"])
+    models = list(dict.fromkeys(row["model"] for row in [*kept, *results["rows"]]))
+    rows = sorted(
+        [*kept, *results["rows"]],
+        key=lambda row: (models.index(row["model"]), STEPS.index(row["step"])),
+    )
+    return {**results, "rows": rows}
 
 
 def _line(row: dict) -> str:
@@ -201,7 +229,9 @@ def to_markdown(results: dict) -> str:
         f"{results['request']}. Peak RSS: the step's whole process tree "
         "(the export's fresh-process check included), polled every 0.2 s; "
         "x weights: over the model's float32 weights. Each step is a fresh "
-        "process that builds the model first (its time is in the total). "
+        "process that builds the model first (its time is in the total); "
+        "the header's machine, load and commit are the last run's, each "
+        "row's run and load its own. "
         f"{results['memory_available_gib_before']:.1f} GiB available before; "
         f"a step is stopped when the machine's falls under {RESERVE_GIB} GiB.",
         "",
@@ -226,6 +256,7 @@ def to_markdown(results: dict) -> str:
                 (_phases, "phases"),
                 (_status, "result"),
                 (lambda r: str(r["load_before"]), "load before"),
+                (lambda r: r.get("date_utc", ""), "run"),
             ],
             results["rows"],
         ),
@@ -245,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(dir=args.work) as work:
         results = run(models, args.steps, work, args.timeout)
     stem = "real_size_" + "_".join(m.replace(".", "_") for m in models)
+    results = merged(results, os.path.join(args.out, f"{stem}.json"))
     paths = report.write(results, args.out, stem=stem, markdown=to_markdown)
     sys.stdout.write(to_markdown(results) + f"\n{paths[0]}\n")
 

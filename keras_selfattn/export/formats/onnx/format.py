@@ -105,12 +105,11 @@ def convert_to_onnx(target: Signature, opset: int) -> onnx.ModelProto:
     """
     import tensorflow as tf
     from onnx import numpy_helper
-    from tf2onnx import optimizer
     from tf2onnx.convert import tensor_names_from_structed
     from tf2onnx.tf_utils import compress_graph_def
     from tf2onnx.tfonnx import process_tf_graph
 
-    from keras_selfattn.export.formats.onnx import weightless
+    from keras_selfattn.export.formats.onnx import optimizers, weightless
 
     concrete = weightless.traced(target)
     inputs = [tensor.name for tensor in concrete.inputs]
@@ -125,17 +124,20 @@ def convert_to_onnx(target: Signature, opset: int) -> onnx.ModelProto:
             # out of TensorFlow's graph, which protobuf limits to 2 GiB.
             constants = compress_graph_def(graph_def)
             tf.import_graph_def(graph_def, name="")
-            converted = process_tf_graph(
-                graph,
-                const_node_values=constants,
-                custom_op_handlers=dict(CUSTOM_OP_HANDLERS),
-                continue_on_error=True,
-                opset=opset,
-                input_names=inputs,
-                output_names=outputs,
-                tensors_to_rename=renames,
-            )
-            converted = optimizer.optimize_graph(converted, catch_errors=True)
+
+            def process():
+                return process_tf_graph(
+                    graph,
+                    const_node_values=constants,
+                    custom_op_handlers=dict(CUSTOM_OP_HANDLERS),
+                    continue_on_error=True,
+                    opset=opset,
+                    input_names=inputs,
+                    output_names=outputs,
+                    tensors_to_rename=renames,
+                )
+
+            converted = optimizers.optimize(process)
             proto = converted.make_model(f"converted from {concrete.name}")
     captured = {inner.name: outer for outer, inner in concrete.graph.captures}
     for value_info in list(proto.graph.input):
@@ -147,6 +149,19 @@ def convert_to_onnx(target: Signature, opset: int) -> onnx.ModelProto:
                 )
             )
     return proto
+
+
+def _return_freed_memory() -> None:
+    """Gives the memory this process freed back to the system (glibc's
+    `malloc_trim`; nothing elsewhere)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # not glibc
+        pass
 
 
 def external_data_file(path: str) -> str:
@@ -416,6 +431,11 @@ class OnnxFormat(Format):
                 f"{NIBBLE_OPSET} op; pass opset={NIBBLE_OPSET} or leave opset unset"
             )
         save(proto, path, external=size >= EXTERNAL_DATA_BYTES)
+        if size >= EXTERNAL_DATA_BYTES:
+            # The converted model's memory back to the system before the
+            # fresh-process check (the allocator keeps freed blocks).
+            del proto
+            _return_freed_memory()
 
 
 FORMAT = OnnxFormat()

@@ -1,0 +1,139 @@
+"""What a large ONNX export costs: the check's session maps a float model's
+external weights without prepacked copies (`keras_selfattn_runtimes.onnx`),
+and tf2onnx's optimizers run without a copy of the graph each
+(`optimizers.optimize`), falling back to tf2onnx's own way if one fails."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from keras_selfattn_runtimes import onnx as onnx_runtime
+
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+
+FEATURES = 64  # a 64 x 64 float weight: 16 KiB, external data
+PREPACKING_OFF = "session.disable_prepacking"
+
+
+def _matmul_model(path: str, integer: bool, external: bool) -> np.ndarray:
+    """Writes y = x @ w (float, or MatMulInteger on int8 codes) at `path`;
+    returns w."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    if integer:
+        weight = rng.integers(-127, 128, (FEATURES, FEATURES)).astype(np.int8)
+        node = helper.make_node("MatMulInteger", ["x", "w"], ["y"])
+        x_type, y_type = TensorProto.UINT8, TensorProto.INT32
+    else:
+        weight = rng.standard_normal((FEATURES, FEATURES)).astype(np.float32)
+        node = helper.make_node("MatMul", ["x", "w"], ["y"])
+        x_type = y_type = TensorProto.FLOAT
+    graph = helper.make_graph(
+        [node],
+        "matmul",
+        [helper.make_tensor_value_info("x", x_type, [2, FEATURES])],
+        [helper.make_tensor_value_info("y", y_type, [2, FEATURES])],
+        [numpy_helper.from_array(weight, "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save_model(
+        model,
+        path,
+        save_as_external_data=external,
+        all_tensors_to_one_file=True,
+        location="matmul.onnx.data",
+        size_threshold=1024,
+    )
+    return weight
+
+
+def _prepacking_off(loaded) -> bool:
+    options = loaded._session.get_session_options()
+    try:
+        return options.get_session_config_entry(PREPACKING_OFF) == "1"
+    except RuntimeError:  # ONNX Runtime's default: no entry
+        return False
+
+
+@pytest.mark.parametrize(
+    "integer, external, off",
+    [(False, True, True), (False, False, False), (True, True, False)],
+    ids=["float-external", "float-inline", "integer-external"],
+)
+def test_check_session_prepacks_only_where_it_computes_otherwise(
+    tmp_path, integer, external, off
+):
+    path = str(tmp_path / "matmul.onnx")
+    weight = _matmul_model(path, integer, external)
+    assert (tmp_path / "matmul.onnx.data").exists() == external
+    loaded = onnx_runtime.load(path, "serving_default")
+    assert _prepacking_off(loaded) == off
+    rng = np.random.default_rng(1)
+    if integer:
+        x = rng.integers(0, 256, (2, FEATURES)).astype(np.uint8)
+        want = x.astype(np.int64) @ weight.astype(np.int64)
+        np.testing.assert_array_equal(loaded({"x": x})["y"], want)
+    else:
+        x = rng.standard_normal((2, FEATURES)).astype(np.float32)
+        want = x.astype(np.float64) @ weight.astype(np.float64)
+        np.testing.assert_allclose(loaded({"x": x})["y"], want, rtol=1e-4, atol=1e-4)
+
+
+def test_prepacking_asked_for_is_kept(tmp_path):
+    path = str(tmp_path / "matmul.onnx")
+    _matmul_model(path, integer=False, external=True)
+    loaded = onnx_runtime.load(path, "serving_default", prepacking=True)
+    assert not _prepacking_off(loaded)
+
+
+class _Node:
+    def __init__(self, op_type: str, bodies: dict | None = None):
+        self.type, self._bodies = op_type, bodies
+
+    def get_body_graphs(self):
+        return self._bodies
+
+
+class _Graph:
+    """What `optimize` reads of a tf2onnx graph: its nodes, their bodies."""
+
+    def __init__(self, name: str, nodes: list):
+        self.name, self._nodes = name, nodes
+
+    def get_nodes(self):
+        return self._nodes
+
+
+@pytest.mark.tensorflow_only("tf2onnx's optimizers")
+def test_optimizers_fall_back_to_tf2onnx_catching_errors(monkeypatch):
+    pytest.importorskip("tf2onnx")
+    from tf2onnx import optimizer
+
+    from keras_selfattn.export.formats.onnx import optimizers
+
+    calls = []
+
+    def optimize_graph(graph, catch_errors=True, optimizers=None):
+        calls.append((graph.name, catch_errors, sorted(optimizers)))
+        if not catch_errors and graph.name == "first":
+            raise RuntimeError("an optimizer failed")
+        return graph.name
+
+    monkeypatch.setattr(optimizer, "optimize_graph", optimize_graph)
+    every = sorted(optimizer._get_optimizers())
+    einsum = _Graph("", [_Node("Loop", {"body": _Graph("", [_Node("Einsum")])})])
+    graphs = iter([_Graph("first", einsum.get_nodes()), _Graph("second", [])])
+    assert optimizers.optimize(lambda: next(graphs)) == "second"
+    used = [name for name in every if name not in optimizers._OPTIMIZED_OPS]
+    used = sorted([*used, "einsum_optimizer"])  # the Loop body's Einsum
+    assert calls == [("first", False, used), ("second", True, used)]
+    calls.clear()
+    graphs = iter([_Graph("third", [_Node("MatMul"), _Node("DequantizeLinear")])])
+    assert optimizers.optimize(lambda: next(graphs)) == "third"
+    used = [name for name in every if name not in optimizers._OPTIMIZED_OPS]
+    used = sorted([*used, "const_dequantize_optimizer", "q_dq_optimizer"])
+    assert calls == [("third", False, used)]
