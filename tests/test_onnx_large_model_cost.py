@@ -1,7 +1,7 @@
 """What a large ONNX export costs: the check's session maps a float model's
 external weights without prepacked copies (`keras_selfattn_runtimes.onnx`),
 and tf2onnx's optimizers run without a copy of the graph each
-(`optimizers.optimize`), falling back to tf2onnx's own way if one fails."""
+(`conversion.optimize`), falling back to tf2onnx's own way if one fails."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def test_optimizers_fall_back_to_tf2onnx_catching_errors(monkeypatch):
     pytest.importorskip("tf2onnx")
     from tf2onnx import optimizer
 
-    from keras_selfattn.export.formats.onnx import optimizers
+    from keras_selfattn.export.formats.onnx import conversion
 
     calls = []
 
@@ -127,13 +127,13 @@ def test_optimizers_fall_back_to_tf2onnx_catching_errors(monkeypatch):
     every = sorted(optimizer._get_optimizers())
     einsum = _Graph("", [_Node("Loop", {"body": _Graph("", [_Node("Einsum")])})])
     graphs = iter([_Graph("first", einsum.get_nodes()), _Graph("second", [])])
-    assert optimizers.optimize(lambda: next(graphs)) == "second"
-    used = [name for name in every if name not in optimizers._OPTIMIZED_OPS]
+    assert conversion.optimize(lambda: next(graphs)) == "second"
+    used = [name for name in every if name not in conversion._OPTIMIZED_OPS]
     used = sorted([*used, "einsum_optimizer"])  # the Loop body's Einsum
     assert calls == [("first", False, used), ("second", True, used)]
     calls.clear()
     graphs = iter([_Graph("third", [_Node("MatMul"), _Node("DequantizeLinear")])])
-    assert optimizers.optimize(lambda: next(graphs)) == "third"
-    used = [name for name in every if name not in optimizers._OPTIMIZED_OPS]
+    assert conversion.optimize(lambda: next(graphs)) == "third"
+    used = [name for name in every if name not in conversion._OPTIMIZED_OPS]
     used = sorted([*used, "const_dequantize_optimizer", "q_dq_optimizer"])
     assert calls == [("third", False, used)]

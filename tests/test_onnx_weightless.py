@@ -38,14 +38,14 @@ def _large_weights(model: keras.Model) -> list[np.ndarray]:
 
 
 def test_graph_def_reads_weights_from_placeholders(model):
-    from keras_selfattn.export.formats.onnx import weightless
+    from keras_selfattn.export.formats.onnx import conversion
     from keras_selfattn.export.forward.graph import build_endpoint
 
     target = build_endpoint(model).target()
-    concrete = weightless.traced(target)
+    concrete = conversion.traced(target)
     inputs = [tensor.name for tensor in concrete.inputs]
     outputs = [tensor.name for tensor in concrete.outputs]
-    graph_def = weightless.graph_def(concrete, inputs, outputs)
+    graph_def = conversion.graph_def(concrete, inputs, outputs)
     nodes = list(graph_def.node)
     nodes += [node for f in graph_def.library.function for node in f.node_def]
     constants = [

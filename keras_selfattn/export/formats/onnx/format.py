@@ -96,7 +96,7 @@ def convert_to_onnx(target: Signature, opset: int) -> onnx.ModelProto:
     `CUSTOM_OP_HANDLERS`.
 
     The weights never enter the graphs TensorFlow and tf2onnx convert
-    (`weightless`): they are graph inputs there, and each becomes an
+    (`conversion`): they are graph inputs there, and each becomes an
     initializer of the returned model afterwards, named as the input was.
     A tensor the trace captured otherwise (a constant the model computed
     when built, as keras-hub's `GemmaBackbone` does its embedding scale) is
@@ -109,16 +109,16 @@ def convert_to_onnx(target: Signature, opset: int) -> onnx.ModelProto:
     from tf2onnx.tf_utils import compress_graph_def
     from tf2onnx.tfonnx import process_tf_graph
 
-    from keras_selfattn.export.formats.onnx import optimizers, weightless
+    from keras_selfattn.export.formats.onnx import conversion
 
-    concrete = weightless.traced(target)
+    concrete = conversion.traced(target)
     inputs = [tensor.name for tensor in concrete.inputs]
     outputs = [tensor.name for tensor in concrete.outputs]
     renames = tensor_names_from_structed(
         concrete, inputs[: len(target.inputs)], outputs
     )
     with tf.device("/cpu:0"):
-        graph_def = weightless.graph_def(concrete, inputs, outputs)
+        graph_def = conversion.graph_def(concrete, inputs, outputs)
         with tf.Graph().as_default() as graph:
             # Constants the trace computed (a quantized layer's kernel) stay
             # out of TensorFlow's graph, which protobuf limits to 2 GiB.
@@ -137,7 +137,7 @@ def convert_to_onnx(target: Signature, opset: int) -> onnx.ModelProto:
                     tensors_to_rename=renames,
                 )
 
-            converted = optimizers.optimize(process)
+            converted = conversion.optimize(process)
             proto = converted.make_model(f"converted from {concrete.name}")
     captured = {inner.name: outer for outer, inner in concrete.graph.captures}
     for value_info in list(proto.graph.input):
