@@ -10,11 +10,13 @@ checks each group (`step_core.analyse`: its inputs, its ops, and what it
 computes on random inputs, against the layer's attention) and replaces a
 group that passes by
 
-    Transpose(query), Transpose(keys), Transpose(values), Transpose(mask)
-      -> Attention(scale, softcap; the key/value heads shared by their
-         query heads' group)
+    Transpose(Reshape(query)), Transpose(keys), Transpose(values),
+    Transpose(mask) -> Attention(scale, softcap; the key/value heads
+    shared by their query heads' group)
 
-about 5 kernels per layer and token where tf2onnx's form runs about 30
+(the Reshape takes a query passed as (B, H, K) or (B, 1, H, K) to the
+latter) about 6 kernels per layer and token where tf2onnx's form runs
+about 30
 (the transposes of the cache copy it once per layer and step, as reading
 it does). A group that fails a check keeps its decomposed form; each
 layer's outcome is logged on this module's logger at INFO ("layer 'x':

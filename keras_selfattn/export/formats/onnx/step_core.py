@@ -61,7 +61,8 @@ class StepCore:
 
     Attributes:
         nodes: The nodes the Attention node replaces.
-        query: The (B, 1, H, K) float32 query.
+        query: The float32 query, (B, 1, H, K)'s elements in their order
+            (a layer may pass it as (B, H, K): the replacement reshapes it).
         key, value: The cache's keys and values as read.
         mask: None, or the bool key mask.
         output: The tensor leaving the group, (B, 1, H, V)'s elements in
@@ -69,6 +70,7 @@ class StepCore:
         time_major: Whether key, value and mask lead with the time axis.
         scale: The multiplier of the raw scores.
         soft_cap: None, or the cap of `cap * tanh(scores / cap)`.
+        query_shape: The query's (H, K).
     """
 
     nodes: tuple[onnx.NodeProto, ...]
@@ -80,17 +82,36 @@ class StepCore:
     time_major: bool
     scale: float
     soft_cap: float | None
+    query_shape: tuple[int, int]
 
 
 def replacement(core: StepCore, name: str) -> list[onnx.NodeProto]:
-    """Transposes to (B, heads, time, D) and ONNX's Attention, writing
-    `core.output` as (B, H, 1, V): (B, 1, H, V)'s elements in their order,
-    which is all its readers (Reshapes, `analyse` checks) read."""
+    """The query reshaped to (B, 1, H, K), transposes to (B, heads, time,
+    D) and ONNX's Attention, writing `core.output` as (B, H, 1, V): (B, 1,
+    H, V)'s elements in their order, which is all its readers (Reshapes,
+    `analyse` checks) read."""
     cache_perm = [1, 2, 0, 3] if core.time_major else [0, 2, 1, 3]
     mask_perm = [1, 2, 3, 0] if core.time_major else [0, 2, 3, 1]
-    nodes, inputs = [], []
+    # The query as (B, 1, H, K), whichever rank it comes in.
+    shape = np.asarray([-1, 1, *core.query_shape], np.int64)
+    nodes = [
+        helper.make_node(
+            "Constant",
+            [],
+            [f"{name}/query_shape"],
+            f"{name}/query_shape",
+            value=numpy_helper.from_array(shape),
+        ),
+        helper.make_node(
+            "Reshape",
+            [core.query, f"{name}/query_shape"],
+            [f"{name}/query_4d"],
+            f"{name}/query_4d",
+        ),
+    ]
+    inputs = []
     for role, tensor, perm in (
-        ("query", core.query, [0, 2, 1, 3]),
+        ("query", f"{name}/query_4d", [0, 2, 1, 3]),
         ("key", core.key, cache_perm),
         ("value", core.value, cache_perm),
         ("mask", core.mask, mask_perm),
@@ -309,6 +330,7 @@ def analyse(graph, nodes, constants, elem_types, readers, opset, layer) -> StepC
             time_major=time_major,
             scale=float(layer.effective_scale),
             soft_cap=cap,
+            query_shape=(layer.num_heads, layer._dims.key_dim),
         )
         if _computes_attention(core, {n: constants[n] for n in used}, opset, layer):
             return core
