@@ -112,20 +112,27 @@ def _attention_layers(model: keras.Model) -> list[SelfAttention]:
     return [layer for layer in every_layer(model) if isinstance(layer, SelfAttention)]
 
 
-def _layer_for(prefix: str, layers: dict[str, SelfAttention]) -> str | None:
-    """The name of the layer whose core has this node-name prefix, if any."""
-    scope = prefix[: -len(_MARKER)].rsplit("/", 1)[-1]
+def layer_for(
+    prefix: str, layers: dict[str, SelfAttention], marker: str = _MARKER
+) -> str | None:
+    """The name of the layer whose core has this node-name prefix (ending
+    in `marker`, its scope's), if any."""
+    scope = prefix[: -len(marker)].rsplit("/", 1)[-1]
     for candidate in (_UNIQUE_SUFFIX.sub("", scope), scope):
         if candidate in layers:
             return candidate
     return None
 
 
-def _groups(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+def scope_groups(
+    graph: onnx.GraphProto, marker: str = _MARKER
+) -> dict[str, list[onnx.NodeProto]]:
+    """`graph`'s nodes under the name scope `marker`, by call: node-name
+    prefix -> nodes."""
     groups: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
-        if _MARKER in node.name:
-            prefix = node.name[: node.name.index(_MARKER) + len(_MARKER)]
+        if marker in node.name:
+            prefix = node.name[: node.name.index(marker) + len(marker)]
             groups.setdefault(prefix, []).append(node)
     return groups
 
@@ -226,8 +233,8 @@ def fuse_attention(
     cores: dict[str, Core] = {}
     fused: dict[str, int] = {}
     reasons: dict[str, str] = {}
-    for prefix, nodes in _groups(graph).items():
-        label = _layer_for(prefix, layers) or prefix[: -len(_MARKER)]
+    for prefix, nodes in scope_groups(graph).items():
+        label = layer_for(prefix, layers) or prefix[: -len(_MARKER)]
         try:
             core = analyse(
                 graph, nodes, types, readers, graph_outputs, layers.get(label)

@@ -31,15 +31,13 @@ generator's tokens with Keras's `generate`.
 from __future__ import annotations
 
 import logging
-import re
 
 import keras
 import onnx
 
 from keras_selfattn._model_layers import every_layer
+from keras_selfattn.export.formats.onnx import fused, step_core
 from keras_selfattn.export.formats.onnx import graph as og
-from keras_selfattn.export.formats.onnx import step_core
-from keras_selfattn.export.formats.onnx.fused import LayerFusion
 from keras_selfattn.export.formats.onnx.fused_core import NotFusable
 from keras_selfattn.self_attention import SelfAttention
 from keras_selfattn.tracing import FUSABLE_STEP_SCOPE
@@ -47,8 +45,6 @@ from keras_selfattn.tracing import FUSABLE_STEP_SCOPE
 logger = logging.getLogger(__name__)
 
 _MARKER = f"/{FUSABLE_STEP_SCOPE}/"
-# TensorFlow makes a name scope unique by appending "_<n>".
-_UNIQUE_SUFFIX = re.compile(r"_[0-9]+$")
 
 
 class _Constants:
@@ -75,23 +71,6 @@ class _Constants:
         return value
 
 
-def _layer_name(prefix: str, layers: dict[str, SelfAttention]) -> str | None:
-    scope = prefix[: -len(_MARKER)].rsplit("/", 1)[-1]
-    for candidate in (_UNIQUE_SUFFIX.sub("", scope), scope):
-        if candidate in layers:
-            return candidate
-    return None
-
-
-def _groups(body: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
-    groups: dict[str, list[onnx.NodeProto]] = {}
-    for node in body.node:
-        if _MARKER in node.name:
-            prefix = node.name[: node.name.index(_MARKER) + len(_MARKER)]
-            groups.setdefault(prefix, []).append(node)
-    return groups
-
-
 def _elem_types(proto: onnx.ModelProto) -> dict[str, int]:
     """Tensor name -> element type, in the main graph and its `Loop` bodies
     (onnx's shape inference on a copy)."""
@@ -106,13 +85,13 @@ def _elem_types(proto: onnx.ModelProto) -> dict[str, int]:
     return types
 
 
-def _fuse_body(body, outer, proto, layers, types, fused, reasons) -> None:
+def _fuse_body(body, outer, proto, layers, types, counts, reasons) -> None:
     """Replaces `body`'s recognised step cores; counts them by layer."""
     constants = _Constants([body, outer])
     readers = og.consumers(body)
     cores = {}
-    for prefix, nodes in _groups(body).items():
-        label = _layer_name(prefix, layers) or prefix[: -len(_MARKER)]
+    for prefix, nodes in fused.scope_groups(body, _MARKER).items():
+        label = fused.layer_for(prefix, layers, _MARKER) or prefix[: -len(_MARKER)]
         layer = layers.get(label)
         try:
             cores[prefix] = step_core.analyse(
@@ -121,7 +100,7 @@ def _fuse_body(body, outer, proto, layers, types, fused, reasons) -> None:
         except NotFusable as error:
             reasons[label] = str(error)
             continue
-        fused[label] = fused.get(label, 0) + 1
+        counts[label] = counts.get(label, 0) + 1
     if not cores:
         return
     og.remove_nodes(body, [node for core in cores.values() for node in core.nodes])
@@ -133,7 +112,7 @@ def _fuse_body(body, outer, proto, layers, types, fused, reasons) -> None:
 
 def fuse_loop_attention(
     proto: onnx.ModelProto, model: keras.Model
-) -> tuple[LayerFusion, ...]:
+) -> tuple[fused.LayerFusion, ...]:
     """Fuses every recognised step core of `proto`'s `Loop` bodies.
 
     Args:
@@ -157,15 +136,15 @@ def fuse_loop_attention(
         if isinstance(layer, SelfAttention)
     }
     types = _elem_types(proto)
-    fused: dict[str, int] = {}
+    counts: dict[str, int] = {}
     reasons: dict[str, str] = {}
     for node in proto.graph.node:
         if node.op_type == "Loop":
             body = next(a.g for a in node.attribute if a.name == "body")
-            _fuse_body(body, proto.graph, proto, layers, types, fused, reasons)
+            _fuse_body(body, proto.graph, proto, layers, types, counts, reasons)
     results = tuple(
-        LayerFusion(label, fused.get(label, 0), reasons.get(label))
-        for label in sorted(set(fused) | set(reasons))
+        fused.LayerFusion(label, counts.get(label, 0), reasons.get(label))
+        for label in sorted(set(counts) | set(reasons))
     )
     for result in results:
         logger.info(result.message())
