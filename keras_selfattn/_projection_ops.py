@@ -7,7 +7,8 @@ files saved then). `plain`, `heads`, `project` and `merge` compute them in
 a call: in an eager call without Keras's per-layer machinery (`plain`), and
 in a TensorFlow graph (`tf.function`: Keras's `fit` and `predict`, a
 SavedModel, a decoding step or generator for TF Serving) as one einsum
-each, into the heads' layout (`_graph_heads`, `_graph_project`).
+each (a loop step's one position: one 2-D MatMul), into the heads' layout
+(`_graph_heads`, `_graph_project`).
 There Keras's own `Dense` call multiplies a 3-D input by `tensordot`: per
 call a chain of Shape, GatherV2, Prod, ConcatV2, Pack and Reshape around a
 2-D MatMul, and the split into heads is a Split and a Pack more.
@@ -24,6 +25,7 @@ from keras import initializers, ops
 from keras_selfattn import _checks, _qk_norm, _score_weights, tracing
 from keras_selfattn import projections as projections_lib
 from keras_selfattn.attention import heads as heads_lib
+from keras_selfattn.attention.cache import environment
 
 _BACKEND = keras.backend.backend()
 if _BACKEND == "tensorflow":
@@ -359,13 +361,26 @@ def _graph_weights(projection):
     return kernel, bias
 
 
+def _step_matmul(x, kernel, shape: tuple[int, ...]):
+    """x (B, 1, C) times the kernel (C, N) as one 2-D MatMul, reshaped to
+    `shape` (batch -1, no shape read), for one new position of a generation
+    loop's step with time-major caches (`environment.time_major_step`);
+    else None. oneDNN's Einsum of one row per batch streamed the kernel at
+    about 0.7x MatMul's speed on a CPU (docs/performance.md)."""
+    if x.shape[1] != 1 or not environment.time_major_step():
+        return None
+    return tf.reshape(tf.matmul(tf.reshape(x, (-1, kernel.shape[0])), kernel), shape)
+
+
 def _graph_project(projection, x):
     """`projection.call(x)` for x (B, T, C) in a TensorFlow graph
     (`_graph_ops`): the einsum `btc,cn->btn`, one matmul of (B * T, C) rows
-    that reads no shape, then the bias."""
+    that reads no shape (a loop step's: `_step_matmul`), then the bias."""
     with tf.name_scope(projection.name):
         kernel, bias = _graph_weights(projection)
-        y = tf.einsum("btc,cn->btn", x, kernel)
+        y = _step_matmul(x, kernel, (-1, 1, kernel.shape[1]))
+        if y is None:
+            y = tf.einsum("btc,cn->btn", x, kernel)
         return y if bias is None else tf.nn.bias_add(y, bias)
 
 
@@ -373,8 +388,9 @@ def _graph_heads(projection, x, num_heads: int, layout: str):
     """`projection.call(x)` for x (B, T, C) in a TensorFlow graph
     (`_graph_ops`), split into `num_heads` heads in `layout`: the einsum
     `btc,chd->bthd` with the kernel as (C, H, D) (one matmul; no shape is
-    read, the einsum sizes its output itself), the bias per head, then,
-    heads-first, one transpose (the copy the split made).
+    read, the einsum sizes its output itself; a loop step's:
+    `_step_matmul`), the bias per head, then, heads-first, one transpose
+    (the copy the split made).
 
     Not the einsum straight to `bhtd`: as fast forward, but its gradient
     transposes twice (once per einsum of its backward pass), which made a
@@ -388,8 +404,10 @@ def _graph_heads(projection, x, num_heads: int, layout: str):
     depth = units // num_heads
     with tf.name_scope(projection.name):
         kernel, bias = _graph_weights(projection)
-        kernel = tf.reshape(kernel, (features, num_heads, depth))
-        y = tf.einsum("btc,chd->bthd", x, kernel)
+        y = _step_matmul(x, kernel, (-1, 1, num_heads, depth))
+        if y is None:
+            kernel = tf.reshape(kernel, (features, num_heads, depth))
+            y = tf.einsum("btc,chd->bthd", x, kernel)
         if bias is not None:
             y = y + tf.reshape(bias, (num_heads, depth))
         if layout == heads_lib.HEADS_FIRST:

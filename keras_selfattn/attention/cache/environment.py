@@ -1,11 +1,12 @@
 """Where a cached call runs, as the caches that must know it read it: in a
-TensorFlow graph that XLA does not compile, or in eager PyTorch."""
+TensorFlow graph that XLA does not compile, or in eager PyTorch; and
+whether it is a step of the generation loop with time-major caches."""
 
 from __future__ import annotations
 
 import keras
 
-from keras_selfattn import tracing
+from keras_selfattn import decoding, tracing
 
 
 def torch_eager() -> bool:
@@ -32,3 +33,12 @@ def outside_xla() -> bool:
     return not control_flow_util.GraphOrParentsInXlaContext(
         tf.compat.v1.get_default_graph()
     )
+
+
+def time_major_step() -> bool:
+    """Whether this call is a step of the generation loop whose caches are
+    time-major (`layouts.TimeMajorCache`: a TensorFlow graph without XLA,
+    the SavedModel generator's and `generate`'s on TensorFlow), as the
+    active decoding scope holds them."""
+    scope = decoding.active()
+    return scope is not None and any(c.time_major for c in scope.caches.values())
