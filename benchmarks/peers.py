@@ -19,6 +19,15 @@ answering one generation per request):
 - `keras_selfattn.generate` on TensorFlow;
 - keras-hub's own `generate` (greedy sampler).
 
+`--quantize int4` (or int8) quantizes the converted model with Keras
+(`model.quantize`, its defaults: int4 weight-only in blocks of 128 inputs
+with zero points) and compares onnxruntime-genai's own quantized model of
+the same checkpoint (`-p int4 -e cpu`, `GENAI_QUANTIZED`: blocks of 128,
+its CPU default accuracy level 4, int8 activations) with the ONNX
+generator (and any `--generators`) and `keras_selfattn.generate` of the
+quantized model, whose tokens are the reference (onnxruntime-genai's
+quantized tokens differ: its own rounding; reported, not required);
+keras-hub's `generate` is left out (its attention stays float).
 `--batch`, `--prompt` and `--new` set the request (default batch 1, a
 16-token prompt, 64 new tokens); `--busy K` keeps K other processes
 computing (a numpy matmul loop each, one thread) while the candidates are
@@ -28,6 +37,7 @@ results file.
     make bench-peers                       # the 153M model (issue 56)
     .venv/bin/python -m benchmarks.peers --size tiny --rounds 5 \\
         --peers-python /work/peers-venv/bin/python --batch 8 --busy 2
+    make bench-peers PEERS_ARGS="--quantize int4"
 """
 
 from __future__ import annotations
@@ -61,6 +71,11 @@ GENERATORS = {
     "saved_model_xla": ("saved_model", {"name": "lm", "jit_compile": True}),
     "litert": ("litert", {}),
 }
+# onnxruntime-genai's builder options for a quantized model: Keras's int4
+# block size (the builder's default is 32); its accuracy level is its CPU
+# default (4: int8 activations).
+GENAI_QUANTIZED = {"int4": ["block_size=128"], "int8": ["block_size=128"]}
+TRANSFORMERS = "transformers' generate"
 # A busy process: one thread multiplying matrices until it is killed.
 BUSY = (
     "import os; os.environ['OMP_NUM_THREADS'] = '1'; "
@@ -78,17 +93,22 @@ def _child(python: str, *args: str) -> str:
     ).stdout
 
 
-def _prepare(python: str, work: str, size: str) -> tuple[str, str]:
-    """The checkpoint folder and onnxruntime-genai's model folder (made once
-    per work folder)."""
-    folder, genai = os.path.join(work, "checkpoint"), os.path.join(work, "genai")
+def _prepare(
+    python: str, work: str, size: str, quantize: str | None = None
+) -> tuple[str, str]:
+    """The checkpoint folder and onnxruntime-genai's model folder (fp32, or
+    `quantize` with `GENAI_QUANTIZED`'s options; made once per work
+    folder)."""
+    folder = os.path.join(work, "checkpoint")
+    genai = os.path.join(work, f"genai_{quantize}" if quantize else "genai")
     if not os.path.exists(os.path.join(folder, "config.json")):
         _child(python, "checkpoint", folder, size)
     if not os.path.exists(os.path.join(genai, "genai_config.json")):
+        extra = ["--extra_options", *GENAI_QUANTIZED[quantize]] if quantize else []
         subprocess.run(
             [python, "-m", "onnxruntime_genai.models.builder"]
-            + ["-i", folder, "-o", genai, "-p", "fp32", "-e", "cpu"]
-            + ["-c", os.path.join(work, "builder_cache")],
+            + ["-i", folder, "-o", genai, "-p", quantize or "fp32", "-e", "cpu"]
+            + ["-c", os.path.join(work, "builder_cache"), *extra],
             check=True,
             capture_output=True,
         )
@@ -132,9 +152,11 @@ def _busy(count: int):
             process.wait()
 
 
-def _exported(converted, work: str, generators: list[str], max_length: int):
+def _exported(
+    converted, work: str, generators: list[str], max_length: int, tag: str = ""
+):
     """Each generator of `generators` (GENERATORS' names), loaded: name ->
-    a callable from the request to its outputs."""
+    a callable from the request to its outputs (files named with `tag`)."""
     import keras_selfattn_runtimes as runtimes
     from keras_selfattn.export import export_generator
 
@@ -142,7 +164,7 @@ def _exported(converted, work: str, generators: list[str], max_length: int):
     for name in generators:
         export_format, options = GENERATORS[name]
         suffix = {"onnx": ".onnx", "litert": ".tflite", "saved_model": ""}
-        path = os.path.join(work, f"generator_{name}{suffix[export_format]}")
+        path = os.path.join(work, f"generator_{name}{tag}{suffix[export_format]}")
         if os.path.isdir(path):
             shutil.rmtree(path)
         elif os.path.exists(path):
@@ -171,7 +193,9 @@ def _exported(converted, work: str, generators: list[str], max_length: int):
     return loaded
 
 
-def _candidates(folder, work, genai_child, prompts, new, generators, outputs):
+def _candidates(folder, work, genai_child, prompts, new, generators, outputs, mode):
+    """The timed callables; a `mode` ("int4", "int8") quantizes the
+    converted model first (keras-hub's `generate` then left out)."""
     import keras_hub
 
     from keras_selfattn import convert_causal_lm, generate
@@ -179,8 +203,11 @@ def _candidates(folder, work, genai_child, prompts, new, generators, outputs):
     lm = keras_hub.models.LlamaCausalLM.from_preset(folder, preprocessor=None)
     lm.compile(sampler="greedy")
     converted = convert_causal_lm(lm)
+    if mode:
+        converted.quantize(mode)
     batch, prompt = prompts.shape
-    loaded = _exported(converted, work, generators, prompt + new)
+    tag = f"_{mode}" if mode else ""
+    loaded = _exported(converted, work, generators, prompt + new, tag)
     request = {
         "prompt_tokens": prompts,
         "prompt_lengths": np.full(batch, prompt, np.int32),
@@ -205,13 +232,7 @@ def _candidates(folder, work, genai_child, prompts, new, generators, outputs):
     def tokens(runner):
         return lambda: runner(request)["tokens"]
 
-    return {
-        "onnxruntime_genai": store("onnxruntime_genai", lambda: genai_child(prompts)),
-        **{name: store(name, tokens(runner)) for name, runner in loaded.items()},
-        "keras_selfattn_generate": store(
-            "keras_selfattn_generate",
-            lambda: generate(converted, prompts, new).tokens,
-        ),
+    hub = {
         "keras_hub_generate": store(
             "keras_hub_generate",
             lambda: lm.generate(
@@ -219,30 +240,52 @@ def _candidates(folder, work, genai_child, prompts, new, generators, outputs):
             )["token_ids"][:, prompt:],
         ),
     }
+    return {
+        "onnxruntime_genai": store("onnxruntime_genai", lambda: genai_child(prompts)),
+        **{name: store(name, tokens(runner)) for name, runner in loaded.items()},
+        "keras_selfattn_generate": store(
+            "keras_selfattn_generate",
+            lambda: generate(converted, prompts, new).tokens,
+        ),
+        **({} if mode else hub),
+    }
 
 
 def run(args: argparse.Namespace, work: str) -> dict:
     """Times every candidate (module docstring) as `args` say."""
     os.makedirs(work, exist_ok=True)
     python = args.peers_python
-    folder, genai = _prepare(python, work, args.size)
+    folder, genai = _prepare(python, work, args.size, args.quantize)
     vocabulary = json.load(open(os.path.join(folder, "config.json")))["vocab_size"]
     prompts = np.random.default_rng(0).integers(
         4, vocabulary, (args.batch, args.prompt)
     )
     prompts = prompts.astype(np.int32)
-    want = np.asarray(
-        json.loads(
-            _child(
-                python, "reference", folder, json.dumps(prompts.tolist()), str(args.new)
+    want = None
+    if not args.quantize:
+        want = np.asarray(
+            json.loads(
+                _child(
+                    python,
+                    "reference",
+                    folder,
+                    json.dumps(prompts.tolist()),
+                    str(args.new),
+                )
             )
         )
-    )
     child = _GenaiChild(python, genai, args.new)
     outputs: dict[str, np.ndarray] = {}
     try:
         candidates = _candidates(
-            folder, work, child, prompts, args.new, args.generators, outputs
+            folder,
+            work,
+            child,
+            prompts,
+            args.new,
+            args.generators,
+            outputs,
+            args.quantize,
         )
         with _busy(args.busy):
             before = machine.describe()["load_average_1_5_15min"]
@@ -250,14 +293,19 @@ def run(args: argparse.Namespace, work: str) -> dict:
             during = machine.describe()["load_average_1_5_15min"]
     finally:
         child.close()
+    if args.quantize:  # the quantized Keras model's own tokens
+        want = outputs["keras_selfattn_generate"]
     rows = [
         {
-            "candidate": title,
+            "candidate": title.replace("fp32", args.quantize or "fp32"),
             "tokens_per_s": args.new * args.batch / timed.median(name),
             "vs_onnxruntime_genai": timed.speedup("onnxruntime_genai", name),
             "ratio_quartiles": timed.quartiles("onnxruntime_genai", name),
-            "same_tokens_as_transformers": bool(
+            "same_tokens_as_reference": bool(
                 np.array_equal(np.asarray(outputs[name]).reshape(want.shape), want)
+            ),
+            "share_of_reference_tokens": float(
+                np.mean(np.asarray(outputs[name]).reshape(want.shape) == want)
             ),
         }
         for name, title in CANDIDATES
@@ -269,6 +317,16 @@ def run(args: argparse.Namespace, work: str) -> dict:
         "load_average_end_of_timing": during,
         "busy_processes": args.busy,
         "onnxruntime_genai": child.version,
+        "quantize": args.quantize,
+        "onnxruntime_genai_builder": f"-p {args.quantize or 'fp32'} -e cpu"
+        + (
+            f" --extra_options {' '.join(GENAI_QUANTIZED[args.quantize])}"
+            if args.quantize
+            else ""
+        ),
+        "reference_tokens": f"keras_selfattn.generate of the {args.quantize} model"
+        if args.quantize
+        else TRANSFORMERS,
         "size": args.size,
         "request": f"batch {args.batch}, {args.prompt}-token prompts, "
         f"{args.new} new greedy tokens",
@@ -280,21 +338,26 @@ def run(args: argparse.Namespace, work: str) -> dict:
 def to_markdown(results: dict) -> str:
     info = results["machine"]
     lines = [
-        f"# Generators vs onnxruntime-genai ({results['size']} Llama)",
+        f"# Generators vs onnxruntime-genai ({results['size']} Llama"
+        f"{', ' + results['quantize'] if results.get('quantize') else ''})",
         "",
         f"{info['cpu']}, {info['cores']} cores; load average (1/5/15 min) "
         f"before timing {results['load_average_before_timing']}, at its end "
         f"{results['load_average_end_of_timing']}; "
         f"{results['busy_processes']} busy processes beside; onnxruntime-genai "
-        f"{results['onnxruntime_genai']}; {results['request']}; "
-        f"{results['rounds']} interleaved rounds, medians.",
+        f"{results['onnxruntime_genai']} "
+        f"({results.get('onnxruntime_genai_builder', '-p fp32 -e cpu')}); "
+        f"{results['request']}; "
+        f"{results['rounds']} interleaved rounds, medians; reference tokens: "
+        f"{results.get('reference_tokens', TRANSFORMERS)}.",
         "",
         *report.table(
             [
                 ("candidate", "candidate"),
                 ("tokens_per_s", "tokens/s"),
                 ("vs_onnxruntime_genai", "vs onnxruntime-genai"),
-                ("same_tokens_as_transformers", "transformers' tokens"),
+                ("same_tokens_as_reference", "reference tokens"),
+                ("share_of_reference_tokens", "share of reference tokens"),
             ],
             results["rows"],
         ),
@@ -313,21 +376,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--busy", type=int, default=0, help="busy processes beside")
     parser.add_argument(
+        "--quantize",
+        choices=sorted(GENAI_QUANTIZED),
+        default=None,
+        help="Keras's model.quantize(MODE) against onnxruntime-genai's MODE model",
+    )
+    parser.add_argument(
         "--generators",
         type=lambda text: text.split(","),
-        default=list(GENERATORS),
+        default=None,
         help=f"comma-separated, of {','.join(GENERATORS)}",
     )
     parser.add_argument("--peers-python", default=".venv-peers/bin/python")
     parser.add_argument("--work", default=None, help="checkpoint and models")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
+    if args.generators is None:  # LiteRT refuses a quantized model's loop
+        args.generators = ["onnx"] if args.quantize else list(GENERATORS)
     unknown = sorted(set(args.generators) - set(GENERATORS))
     if unknown:
         parser.error(f"--generators: unknown {unknown}; of {sorted(GENERATORS)}")
     work = args.work or os.path.join("/tmp", f"keras_selfattn_peers_{args.size}")
     results = run(args, work)
-    stem = f"peers_{args.size}"
+    stem = f"peers_{args.size}" + (f"_{args.quantize}" if args.quantize else "")
     if (args.batch, args.prompt, args.new) != (1, 16, 64):
         stem += f"_b{args.batch}_p{args.prompt}_n{args.new}"
     if args.busy:

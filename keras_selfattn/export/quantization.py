@@ -7,7 +7,7 @@ quantized per token, symmetric, then an integer matmul), which no converter
 maps to a runtime's integer kernels and which TensorFlow's CPU runs slower
 than float. An export instead traces each quantized `Dense` as a matmul
 with its *dequantized* kernel (`QuantizedDense.kernel`, Keras's own
-dequantization formula) in one of two forms (`traced`):
+dequantization formula) in one of these forms (`traced`):
 
 - `VARIABLES`: the graph reads the stored integer variables and dequantizes
   them once per call (SavedModel, `.pt2`): the file keeps the integers,
@@ -24,6 +24,11 @@ dequantization formula) in one of two forms (`traced`):
   the format's own pass then stores again as Keras's integers for its
   runtime's integer kernels (ONNX `MatMulInteger`/`MatMulNBits`, LiteRT's
   dynamic-range kernels, OpenVINO's compressed weights), found by value.
+- `CAPTURED` (ONNX): as `CONSTANTS`, the kernel a tensor made once when the
+  block starts, which a traced function captures as an input (the ONNX
+  conversion stores it once, as an initializer, however many graphs read
+  it: a generator's prompt pass and loop body, without the float copies
+  each graph's constants would make while it converts).
 
 An int8 `Embedding` keeps its int8 table in every form; while traced it
 gathers rows and multiplies them by the reciprocal of their scales, both
@@ -53,7 +58,10 @@ from keras_selfattn._model_layers import every_layer
 VARIABLES = "variables"
 INTEGERS = "integers"
 CONSTANTS = "constants"
-FORMS = (VARIABLES, INTEGERS, CONSTANTS)
+CAPTURED = "captured"
+FORMS = (VARIABLES, INTEGERS, CONSTANTS, CAPTURED)
+# The forms holding the dequantized kernel (found by value afterwards).
+DEQUANTIZED = (CONSTANTS, CAPTURED)
 # Grappler folds constants of at most 10 MiB (`max_constant_size_in_bytes`).
 FOLDED_BYTES = 10 * 1024 * 1024
 # Keras's modes whose kernels an export re-expresses (Embedding keeps its
@@ -66,7 +74,8 @@ class QuantizedDense:
     """One quantized `Dense` layer, as stored by Keras.
 
     Attributes:
-        layer: The layer.
+        layer: The layer (a `ReversibleEmbedding` for its reverse projection:
+            `weight_only.describe_reverse`).
         mode: "int8", "int4", "float8", "gptq" or "awq".
         kernel: The dequantized float32 kernel `(in, out)`: what the float
             reference computes, by Keras's own formula.
@@ -118,16 +127,17 @@ def _activations(layer) -> tuple[float, float, float] | None:
     return (float(low), float(high), float(quantizer.epsilon))
 
 
-def _grouped(layer, values: np.ndarray, mode: str, bits: int, divisor=None):
+def _grouped(layer, values: np.ndarray, mode: str, bits: int, divisor=None, sz=None):
     """A grouped layer from its (in, out) stored values and Keras's scales and
-    zeros ((out, groups) for gptq/awq, (groups, out) for int4).
+    zeros `sz` (default the layer's kernel ones: (out, groups) for gptq/awq,
+    (groups, out) for int4).
 
     The codes are unsigned (MatMulNBits' and OpenVINO's u4/u8): int4's
     signed values and zero points are shifted by 8, which keeps
     `codes - zero`.
     """
-    scale = _numpy(layer.kernel_scale).astype(np.float32)
-    zero = _numpy(layer.kernel_zero).astype(np.float32)
+    scale, zero = sz or (layer.kernel_scale, layer.kernel_zero)
+    scale, zero = (_numpy(x).astype(np.float32) for x in (scale, zero))
     if mode in ("gptq", "awq"):  # stored (out, groups)
         scale, zero = scale.T, zero.T
     shift = 8 if mode == "int4" else 0
@@ -239,7 +249,7 @@ def _kernel_of(quantized: QuantizedDense, form: str):
     """The traced kernel: a constant, or Keras's dequantization of the
     stored variables (the float8 kernel is rounded once, a constant)."""
     layer = quantized.layer
-    if form == CONSTANTS or quantized.mode == "float8":
+    if form in DEQUANTIZED or quantized.mode == "float8":
         return ops.convert_to_tensor(quantized.kernel)
     if quantized.mode == "int8":
         return ops.divide(ops.cast(layer._kernel, "float32"), layer.kernel_scale)
@@ -319,9 +329,11 @@ def _dense_call(quantized: QuantizedDense, form: str):
     """`Dense.call` with the kernel `_kernel_of` gives (LoRA kept)."""
     layer = quantized.layer
     # Read now: a variable's value cannot be read while a graph is traced.
-    folded = None
+    folded = captured = None
     if _folded(quantized, form):
         folded = (_numpy(layer._kernel), _numpy(layer.kernel_scale))
+    if form == CAPTURED:
+        captured = ops.convert_to_tensor(quantized.kernel)
 
     def call(inputs, training=None):
         if folded is not None:
@@ -334,8 +346,8 @@ def _dense_call(quantized: QuantizedDense, form: str):
                 ops.matmul(inputs, integers), ops.reciprocal(layer.kernel_scale)
             )
         else:
-            kernel = ops.cast(_kernel_of(quantized, form), inputs.dtype)
-            x = ops.matmul(inputs, kernel)
+            kernel = _kernel_of(quantized, form) if captured is None else captured
+            x = ops.matmul(inputs, ops.cast(kernel, inputs.dtype))
         if layer.lora_enabled:
             lora = ops.matmul(
                 ops.matmul(inputs, layer.lora_kernel_a), layer.lora_kernel_b
@@ -348,6 +360,32 @@ def _dense_call(quantized: QuantizedDense, form: str):
         if layer.activation is not None:
             x = layer.activation(x)
         return x
+
+    return call
+
+
+def _reversed(quantized: QuantizedDense) -> bool:
+    """Whether `quantized` is an embedding's reverse projection."""
+    return isinstance(quantized.layer, keras.layers.Embedding)
+
+
+def _reverse_call(quantized: QuantizedDense):
+    """A `ReversibleEmbedding`'s call with its reverse projection a matmul by
+    the dequantized kernel (`describe_reverse`; `DEQUANTIZED` forms only: a
+    tensor made now, captured), then Keras's soft cap; its embedding lookup
+    is Keras's own."""
+    layer = quantized.layer
+    own = type(layer).quantized_call
+    kernel = ops.convert_to_tensor(quantized.kernel)
+
+    def call(inputs, reverse=False):
+        if not reverse:
+            return own(layer, inputs)
+        logits = ops.matmul(inputs, ops.cast(kernel, inputs.dtype))
+        cap = layer.logit_soft_cap
+        if cap is not None:
+            logits = ops.multiply(ops.tanh(ops.divide(logits, cap)), cap)
+        return logits
 
     return call
 
@@ -376,16 +414,23 @@ def traced(
     """While the block runs, each layer computes with its dequantized kernel.
 
     Args:
-        layers: From `quantized_layers`.
+        layers: From `quantized_layers` (or `weight_only.weight_only_layers`,
+            whose reverse projections are traced in `DEQUANTIZED` forms: in
+            another form they keep Keras's own call).
         form: `VARIABLES` (dequantize the stored integers per call),
             `INTEGERS` (the int8 integers as constants, dequantized in the
-            graph) or `CONSTANTS` (the dequantized kernel as a constant).
+            graph), `CONSTANTS` (the dequantized kernel as a constant) or
+            `CAPTURED` (that kernel a tensor the traced function captures).
         embeddings: From `quantized_embeddings`: their export call, in
             either form.
     """
     if form not in FORMS:
         raise ValueError(f"`form` must be one of {FORMS}: {form!r}")
-    calls = [(q.layer, _dense_call(q, form)) for q in layers]
+    calls = [
+        (q.layer, _reverse_call(q) if _reversed(q) else _dense_call(q, form))
+        for q in layers
+        if form in DEQUANTIZED or not _reversed(q)
+    ]
     calls += [(layer, _embedding_call(layer)) for layer in embeddings]
     replaced = []
     try:

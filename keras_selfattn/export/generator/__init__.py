@@ -222,7 +222,7 @@ class GeneratorExport(pipeline.Target):
             self._generator = build_generator(
                 self.model, self.max_length, self.jit_compile, self._structure
             )
-        return self._generator.target()
+        return self._generator.target(export_format)
 
     @contextlib.contextmanager
     def writing(self, export_format: str) -> Iterator[formats.Writer | None]:

@@ -37,7 +37,7 @@ def main(argv: list[str]) -> None:
         if options.get("shape") is not None:
             options["shape"] = tuple(options["shape"])
         formats.get(request["format"]).write(
-            generator.target(), request["path"], options
+            generator.target(request["format"]), request["path"], options
         )
     except Exception as error:
         print(f"{type(error).__name__}: {formats.one_line(error)}", file=sys.stderr)

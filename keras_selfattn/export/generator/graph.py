@@ -14,6 +14,7 @@ from keras import ops
 from keras_selfattn import _checks
 from keras_selfattn.attention import cache as cache_lib
 from keras_selfattn.attention import nan_safe
+from keras_selfattn.export import weight_only
 from keras_selfattn.export.decode_step.graph import (
     build_decode_step,
 )
@@ -24,6 +25,8 @@ GENERATE_SIGNATURE = "generate"
 # The LiteRT file's decoding step: the prompt, then one new token a call.
 PREFILL_SIGNATURE = "prefill"
 DECODE_SIGNATURE = "decode"
+# The formats whose generator computes weight-only layers on integer kernels.
+WEIGHT_ONLY_FORMATS = ("onnx",)
 CONTROLS = ("temperature", "top_k", "top_p", "seed", "end_token")
 _CONTROL_DTYPES = ("float32", "int32", "float32", "int32", "int32")
 
@@ -212,9 +215,18 @@ class Generator:
 
         return tf.function(run, jit_compile=True)
 
-    def target(self) -> Signature:
+    def target(self, export_format: str | None = None) -> Signature:
         """The generator as a `Signature`: signature "generate" (LiteRT:
-        with "prefill" and "decode" beside it, `pair`)."""
+        with "prefill" and "decode" beside it, `pair`).
+
+        For `export_format` "onnx" it carries the model's weight-only
+        quantized layers (`weight_only`): the file computes them on
+        `MatMulNBits` from Keras's integers. Every other quantized layer,
+        and every one elsewhere, runs Keras's own quantized call.
+        """
+        quantized = ()
+        if export_format in WEIGHT_ONLY_FORMATS:
+            quantized = weight_only.weight_only_layers(self.read.model)
         return Signature(
             self.read.model,
             self.inputs(),
@@ -222,9 +234,12 @@ class Generator:
             self.call,
             signature_name=GENERATE_SIGNATURE,
             what="generator",
+            quantized=quantized,
             examples=self.example,
             extra_signatures=self.pair,
-            cached_as=lambda cls: dataclasses.replace(self, cache_class=cls).target(),
+            cached_as=lambda cls: dataclasses.replace(self, cache_class=cls).target(
+                export_format
+            ),
         )
 
     def pair(self) -> tuple[Signature, Signature]:

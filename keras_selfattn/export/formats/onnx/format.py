@@ -304,7 +304,7 @@ class OnnxFormat(Format):
     """ONNX, checked by onnx.checker and onnxruntime."""
 
     row = table.ONNX
-    quantized_form = quantization.CONSTANTS
+    quantized_form = quantization.CAPTURED
     advice = "export a SavedModel instead, or pass another opset"
 
     def files(self, path: str) -> list[str]:
@@ -410,10 +410,6 @@ class OnnxFormat(Format):
             from keras_selfattn.export.formats.onnx import fused
 
             proto, _ = fused.fuse_attention(proto, target.model)
-        if target.quantized:
-            from keras_selfattn.export.formats.onnx import integer
-
-            proto, _ = integer.rewrite(proto, target.quantized)
         if any(node.op_type == "Loop" for node in proto.graph.node):  # a generator
             from keras_selfattn.export.formats.onnx import (
                 generator_fusion,
@@ -422,6 +418,10 @@ class OnnxFormat(Format):
 
             proto = loop_invariant.optimize_loops(proto)
             proto = generator_fusion.fuse_generator(proto, target.model)
+        if target.quantized:  # after the loop passes: their upgrade is onnx's
+            from keras_selfattn.export.formats.onnx import integer
+
+            proto, _ = integer.rewrite(proto, target.quantized)
         from keras_selfattn.export.formats.onnx.graph import has_op
 
         if nibbles and opset < NIBBLE_OPSET and has_op(proto.graph, "BitwiseAnd"):

@@ -2,7 +2,7 @@
 ONNX Runtime's integer kernels.
 
 The graph was traced with each quantized `Dense` as a `MatMul` by its
-dequantized kernel, a constant (`quantization.CONSTANTS`); `rewrite` finds
+dequantized kernel, a constant (`quantization.CAPTURED`); `rewrite` finds
 each by value and replaces it:
 
 - int8 with Keras's activation quantizer (symmetric, per token): Keras's
@@ -36,6 +36,7 @@ from onnx import helper, numpy_helper
 from keras_selfattn.export.formats.onnx import graph as og
 from keras_selfattn.export.formats.onnx import int8_layers
 from keras_selfattn.export.quantization import QuantizedDense
+from keras_selfattn.export.weight_only import nbits_fits
 
 METADATA_KEY = "keras_selfattn.quantization"
 CONTRIB_DOMAIN = "com.microsoft"
@@ -79,6 +80,12 @@ class _Builder:
         taken = {i.name for i in graph.initializer}
         taken |= {out for node in graph.node for out in node.output}
         self._taken = taken
+
+    def take(self, graph: onnx.GraphProto) -> None:
+        """Reserves the names `graph` (a subgraph) defines."""
+        self._taken |= {i.name for i in graph.initializer}
+        self._taken |= {i.name for i in graph.input}
+        self._taken |= {out for node in graph.node for out in node.output}
 
     def name(self, hint: str) -> str:
         candidate, index = hint, 0
@@ -132,7 +139,7 @@ def _blocks(
         zero = np.full_like(scale, shift)
         return block, codes, scale.astype(np.float32), zero
     size = quantized.group_size
-    if size is None or size < 16 or size & (size - 1):
+    if not nbits_fits(quantized):
         raise ValueError(NO_FIT.format(size=size or "unordered g_idx"))
     return size, quantized.integers, quantized.scale, quantized.zero
 
@@ -159,7 +166,9 @@ def _pack_zero(zero: np.ndarray, bits: int) -> np.ndarray:
     return (zero[:, 0::2] | (zero[:, 1::2] << 4)).astype(np.uint8)
 
 
-def _weight_only(builder, x, output, quantized: QuantizedDense) -> str:
+def _weight_only(builder, x, output, quantized: QuantizedDense, stored) -> str:
+    """A `MatMulNBits` of `x`; its codes, scales and zeros stored once per
+    layer (`stored`: a layer read in the prompt pass and in a loop body)."""
     block, codes, scale, zero = _blocks(quantized)
     inputs, outputs = quantized.kernel.shape
     name = quantized.layer.name
@@ -167,15 +176,16 @@ def _weight_only(builder, x, output, quantized: QuantizedDense) -> str:
         divisor = builder.constant(f"{name}_awq_divisor", quantized.input_divisor)
         x = builder.node("Div", [x, divisor], f"{name}_awq_input")
     bits = quantized.bits
+    if id(quantized) not in stored:
+        stored[id(quantized)] = [
+            builder.constant(f"{name}_codes", _pack(codes, bits, block)),
+            builder.constant(f"{name}_scales", np.ascontiguousarray(scale.T)),
+            builder.constant(f"{name}_zeros", _pack_zero(zero, bits)),
+        ]
     builder.nodes.append(
         helper.make_node(
             "MatMulNBits",
-            [
-                x,
-                builder.constant(f"{name}_codes", _pack(codes, bits, block)),
-                builder.constant(f"{name}_scales", np.ascontiguousarray(scale.T)),
-                builder.constant(f"{name}_zeros", _pack_zero(zero, bits)),
-            ],
+            [x, *stored[id(quantized)]],
             [output],
             name=output,
             domain=CONTRIB_DOMAIN,
@@ -201,8 +211,12 @@ def rewrite(
 ) -> tuple[onnx.ModelProto, tuple[LayerScheme, ...]]:
     """Stores each quantized layer's kernel as Keras's integers (module doc).
 
+    The layers' matmuls are found in the main graph and in its subgraphs (a
+    generator's `Loop` body), their integers stored once, in the main graph.
+
     Args:
-        proto: The converted model, traced with `quantization.CONSTANTS`.
+        proto: The converted model, traced with `quantization.CAPTURED` (or
+            `CONSTANTS`).
         quantized: The model's quantized `Dense` layers.
 
     Returns:
@@ -214,16 +228,55 @@ def rewrite(
         (o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 17
     )
     builder = _Builder(graph, opset)
-    by_value = _kernels_by_value(quantized)
     schemes: dict[str, LayerScheme] = {}
+    _rewrite_graph(builder, [graph], _kernels_by_value(quantized), schemes, {})
+    for q in quantized:
+        if q.mode == "float8":
+            schemes.setdefault(q.layer.name, LayerScheme(q.layer.name, FLOAT8, False))
+        schemes.setdefault(q.layer.name, LayerScheme(q.layer.name, NOT_FOUND, False))
+    og.prune_dead(graph)
+    og.topological_sort(graph)
+    # An int8 layer's MatMulIntegerToFloat may sit in an `If` branch.
+    contrib = og.has_op(graph, "MatMulNBits") or any(
+        s.scheme.startswith(EXACT_INT8) for s in schemes.values()
+    )
+    if contrib and not any(o.domain == CONTRIB_DOMAIN for o in proto.opset_import):
+        proto.opset_import.append(helper.make_opsetid(CONTRIB_DOMAIN, 1))
+    results = tuple(schemes[q.layer.name] for q in quantized)
+    describe(proto, results)
+    return proto, results
+
+
+def _constant(scopes: Sequence[onnx.GraphProto], name: str):
+    """The value of `name` (through `Identity` nodes) in the innermost scope
+    that holds it, or None."""
+    for graph in reversed(scopes):
+        value = og.constant_value(graph, name)
+        if value is not None:
+            return value
+        for node in graph.node:
+            if node.op_type == "Identity" and name in node.output:
+                return _constant(scopes, node.input[0])
+    return None
+
+
+def _rewrite_graph(builder, scopes, by_value, schemes, stored) -> None:
+    """`rewrite`'s pass over the innermost of `scopes` and its subgraphs: its
+    new nodes go into it (each graph with its own int8 input quantization
+    and probe), its constants into the main graph (`builder.graph`)."""
+    graph = scopes[-1]
+    outer_nodes, builder.nodes = builder.nodes, []
+    builder.take(graph)
     cache: dict = {}  # each input's codes, shared by its readers; the probe
     kept = []
     for node in graph.node:
-        weight = (
-            og.constant_value(graph, node.input[1])
-            if node.op_type == "MatMul"
-            else None
-        )
+        for attribute in node.attribute:
+            for inner in [
+                *attribute.graphs,
+                *([attribute.g] * attribute.HasField("g")),
+            ]:
+                _rewrite_graph(builder, [*scopes, inner], by_value, schemes, stored)
+        weight = _constant(scopes, node.input[1]) if node.op_type == "MatMul" else None
         match = None
         if weight is not None and weight.dtype == np.float32 and weight.ndim == 2:
             match = by_value.get(np.ascontiguousarray(weight).tobytes())
@@ -237,29 +290,18 @@ def rewrite(
             schemes[name] = LayerScheme(name, EXACT_INT8 + INT8_KERNEL, True)
             continue
         try:
-            scheme = _weight_only(builder, x, output, match)
+            scheme = _weight_only(builder, x, output, match, stored)
         except ValueError as reason:
             kept.append(node)
             schemes[name] = LayerScheme(name, str(reason), False)
             continue
-        schemes[name] = LayerScheme(name, scheme, True)
+        schemes.setdefault(name, LayerScheme(name, scheme, True))
     del graph.node[:]
     graph.node.extend(kept + builder.nodes)
-    for q in quantized:
-        if q.mode == "float8":
-            schemes.setdefault(q.layer.name, LayerScheme(q.layer.name, FLOAT8, False))
-        schemes.setdefault(q.layer.name, LayerScheme(q.layer.name, NOT_FOUND, False))
-    og.prune_dead(graph)
-    og.topological_sort(graph)
-    # An int8 layer's MatMulIntegerToFloat may sit in an `If` branch.
-    contrib = any(node.domain == CONTRIB_DOMAIN for node in graph.node) or any(
-        s.scheme.startswith(EXACT_INT8) for s in schemes.values()
-    )
-    if contrib and not any(o.domain == CONTRIB_DOMAIN for o in proto.opset_import):
-        proto.opset_import.append(helper.make_opsetid(CONTRIB_DOMAIN, 1))
-    results = tuple(schemes[q.layer.name] for q in quantized)
-    describe(proto, results)
-    return proto, results
+    builder.nodes = outer_nodes
+    if len(scopes) > 1:
+        og.prune_dead(graph)
+        og.topological_sort(graph)
 
 
 def describe(proto: onnx.ModelProto, schemes: Sequence[LayerScheme]) -> None:
