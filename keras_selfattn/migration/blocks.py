@@ -179,16 +179,51 @@ def install(block, adapters: dict[Place, keras.layers.Layer]) -> None:
     attribute (or list item) that holds it, and its place in `_layers`."""
     for place, adapter in adapters.items():
         parent = at(block, place[:-1])
-        tracked = sublayers(parent)
-        old = tracked[place[-1]]
-        with unlocked(parent):
-            _replace_attribute(parent, old, adapter)
-            tracked[:] = [layer for layer in tracked if layer is not adapter]
-            tracked[place[-1]] = adapter
+        old = sublayers(parent)[place[-1]]
+        if not _replaced(parent, place[-1], adapter):
+            raise ValueError(
+                f"Cannot convert '{old.name}' inside {type(parent).__name__} "
+                f"'{parent.name}': no attribute of the layer holds it. "
+                f"Received: layer={old.name!r}"
+            )
     _mark_converted(block, sorted(adapters))
 
 
-def _replace_attribute(parent, old, new) -> None:
+def share_sublayers(original, new) -> None:
+    """Puts in `new` (a copy of `original` from its config) the sublayers of
+    `original` that hold no attention, in place of its own: their weights
+    are then held once, by both. The attention layers, and the layers
+    holding them (shared likewise, one level down), stay the copy's; a
+    sublayer no attribute holds keeps its copy (`copy_weights` fills it)."""
+    old_children, new_children = sublayers(original), sublayers(new)
+    _same_count(original, old_children, new_children)
+    for index, old_child in enumerate(old_children):
+        if isinstance(old_child, _from_keras.CONVERTIBLE) or hub_attention.row(
+            old_child
+        ):
+            continue
+        if not isinstance(old_child, keras.Model) and holds_attention(old_child):
+            share_sublayers(old_child, new_children[index])
+        else:
+            _replaced(new, index, old_child)
+
+
+def _replaced(parent, index: int, new) -> bool:
+    """Whether the sublayer of `parent` at `index` (of `sublayers`) is now
+    `new`, in the attribute (or list or dict item) that held it and in
+    `_layers`; False where no attribute held it (nothing changed)."""
+    tracked = sublayers(parent)
+    old = tracked[index]
+    with unlocked(parent):
+        if not _replace_attribute(parent, old, new):
+            return False
+        # Keras's tracker appends the new layer: it takes the old one's place.
+        tracked[:] = [layer for layer in tracked if layer is not new]
+        tracked[index] = new
+    return True
+
+
+def _replace_attribute(parent, old, new) -> bool:
     modules = getattr(parent, "_modules", None) or {}  # torch.nn.Module's
     # Framework bookkeeping (`_layers`, TensorFlow's `_self_...` tracking)
     # follows the attribute; the attribute is the user's.
@@ -196,29 +231,20 @@ def _replace_attribute(parent, old, new) -> None:
     for name, value in held:
         if value is old:
             setattr(parent, name, new)
-            return
+            return True
     for name, value in held:
         if name == "_layers" or name.startswith("_self_unconditional"):
             continue
         if isinstance(value, list) and any(item is old for item in value):
             value[next(i for i, item in enumerate(value) if item is old)] = new
-            return
+            return True
         if isinstance(value, dict) and any(item is old for item in value.values()):
             value[next(k for k, item in value.items() if item is old)] = new
-            return
-    raise ValueError(
-        f"Cannot convert '{old.name}' inside {type(parent).__name__} "
-        f"'{parent.name}': no attribute of the layer holds it. "
-        f"Received: layer={old.name!r}"
-    )
+            return True
+    return False
 
 
-def copy_weights(original, new) -> None:
-    """Copies the variables of every sublayer of `original` to the one at
-    the same place in `new`, adapters (which hold their own) left out."""
-    if isinstance(new, AttentionAdapter):
-        return
-    old_children, new_children = sublayers(original), sublayers(new)
+def _same_count(original, old_children: list, new_children: list) -> None:
     if len(old_children) != len(new_children):
         raise ValueError(
             f"Cannot copy the weights of {type(original).__name__} "
@@ -226,6 +252,16 @@ def copy_weights(original, new) -> None:
             f"{len(new_children)} sublayers where it holds "
             f"{len(old_children)}. Received: layer={original.name!r}"
         )
+
+
+def copy_weights(original, new) -> None:
+    """Copies the variables of every sublayer of `original` to the one at
+    the same place in `new`, adapters (which hold their own) and the
+    sublayers `new` shares with `original` left out."""
+    if isinstance(new, AttentionAdapter) or new is original:
+        return
+    old_children, new_children = sublayers(original), sublayers(new)
+    _same_count(original, old_children, new_children)
     store: dict = {}
     original.save_own_variables(store)
     # Copies: on JAX an assigned array is shared, and Keras's compiled

@@ -25,7 +25,9 @@ from keras_selfattn.migration.model import convert
 _INPUTS = ("padding_mask", "token_ids")
 
 
-def convert_causal_lm(causal_lm: keras.Model) -> keras.Model:
+def convert_causal_lm(
+    causal_lm: keras.Model, share_weights: bool = True
+) -> keras.Model:
     """A keras-hub causal LM with SelfAttention in place of its attention,
     taking token ids.
 
@@ -34,6 +36,11 @@ def convert_causal_lm(causal_lm: keras.Model) -> keras.Model:
             inputs are `token_ids` and `padding_mask` and whose output is
             the logits `(batch, time, vocabulary)`. Its preprocessor and
             tokenizer are not part of it: tokenize with keras-hub's.
+        share_weights: `convert`'s: whether the new model holds the
+            layers of `causal_lm` it does not convert (its embeddings,
+            feed-forward layers, norms), weights held once, rather than
+            copies. Quantizing, training or `enable_lora` on either model
+            then changes both.
 
     Returns:
         A Functional model from int32 `tokens` `(batch, time)` to the
@@ -65,7 +72,7 @@ def convert_causal_lm(causal_lm: keras.Model) -> keras.Model:
             f"and padding_mask. Received: inputs={list(names)}"
         )
     hub_families.refuse_unmapped(causal_lm)
-    converted = convert(causal_lm)
+    converted = convert(causal_lm, share_weights)
     hub_families.refuse_unconverted(causal_lm, converted.conversion_report)
     tokens = keras.Input((None,), dtype="int32", name="tokens")
     logits = _inlined(

@@ -3,8 +3,11 @@ place of every self-attention call of Keras's attention layers, at the top
 level (here) or inside other layers (`blocks`, behind an adapter).
 
 The graph is rerun node by node (`_keras_private.run_through_graph`, what
-`keras.models.clone_model` runs): each layer is copied (its config, then its
-weights), nested models are converted in turn, and each layer of
+`keras.models.clone_model` runs): each layer holding no attention is the
+new model's too (or, not sharing weights, copied: its config, then its
+weights), a layer holding attention is copied holding the original's other
+sublayers (`blocks.share_sublayers`), nested models are converted in turn,
+and each layer of
 `_from_keras.CONVERTIBLE` whose every call in the model is a self-attention
 call becomes the SelfAttention of `_from_keras.from_multi_head_attention`.
 The attention inside other layers is then recorded on one run of that new
@@ -141,8 +144,9 @@ def _hub_adapter(attention, parent, calls):
 
 
 class _Converter:
-    def __init__(self, report: ConversionReport):
+    def __init__(self, report: ConversionReport, share_weights: bool):
         self.report = report
+        self.share_weights = share_weights
         self.calls = {}  # id(attention inside an original layer) -> its calls
         self.copies = {}  # id(original) -> (original, new layer)
         self.adapters = {}  # id(attention inside a layer) -> its adapter
@@ -178,19 +182,29 @@ class _Converter:
                 "differ (SelfAttention.from_multi_head_attention converts it "
                 "where it computes what its base class does)"
             )
-            new = configs.copy(layer)
+            new = self._kept(layer)
+        elif self.share_weights and not blocks.holds_attention(layer):
+            new = layer
+            self.blocks.append((layer, new, name))  # other attention: named
         else:
             new = configs.copy(layer)
             self._build_like(layer, new)
+            if self.share_weights:
+                blocks.share_sublayers(layer, new)
             self.blocks.append((layer, new, name))
         self.copies[id(layer)] = (layer, new)
         return new
+
+    def _kept(self, layer):
+        """A layer the new model holds as it is: `layer` itself, or with
+        `share_weights=False` its copy (`copy_weights` fills it)."""
+        return layer if self.share_weights else configs.copy(layer)
 
     def _attention(self, layer, name: str, calls: list[dict]):
         why = blocks.why_not(calls, in_block=False)
         if why is not None:
             self.report.kept.append(f"{name}: {why}")
-            return configs.copy(layer)
+            return self._kept(layer)
         causal = bool(calls[0].get("use_causal_mask"))
         sa = SelfAttention.from_multi_head_attention(layer, causal=causal)
         self.report.converted.append(
@@ -321,7 +335,7 @@ class _Converter:
 
     def copy_weights(self) -> None:
         for original, new in self.copies.values():
-            if isinstance(new, (keras.Model, SelfAttention)):
+            if new is original or isinstance(new, (keras.Model, SelfAttention)):
                 continue
             if blocks.holds_attention(original):
                 blocks.copy_weights(original, new)
@@ -329,21 +343,24 @@ class _Converter:
                 new.set_weights(original.get_weights())
 
 
-def convert(model: keras.Model) -> keras.Model:
+def convert(model: keras.Model, share_weights: bool = True) -> keras.Model:
     """A new model with SelfAttention in place of Keras's attention calls.
 
-    Every layer of a Functional or Sequential model (nested models included)
-    is copied with its weights; each `keras.layers.MultiHeadAttention` or
+    The new model holds every layer of a Functional or Sequential model
+    (nested models included) that holds no attention, the layer itself, so
+    the two models hold their weights once (`share_weights=False`: copies,
+    with their weights); each `keras.layers.MultiHeadAttention` or
     `GroupedQueryAttention` whose calls in the model are all self-attention
     calls (query, value and key the same tensor) becomes the SelfAttention of
     `SelfAttention.from_multi_head_attention`: `use_causal_mask=True`
     becomes `causal=True`, `attention_mask` and `return_attention_scores`
-    are passed on. The original model is left as it was.
+    are passed on. `convert` only reads the original model.
 
     Attention layers inside other layers (a user's subclassed block,
     keras-hub's `TransformerEncoder`) convert too: the layer is copied from
-    its config and holds a `MultiHeadAttentionAdapter` (a SelfAttention
-    behind MultiHeadAttention's call signature) in their place, so its own
+    its config, holding the original's other sublayers, and a
+    `MultiHeadAttentionAdapter` (a SelfAttention behind
+    MultiHeadAttention's call signature) in the attention's place, so its own
     code runs unchanged; how each is called is read from one run of the
     original model on example inputs (`migration.blocks`). A cross-attention
     call keeps its layer: the report names it. On Keras-masked inputs the
@@ -352,6 +369,12 @@ def convert(model: keras.Model) -> keras.Model:
 
     Args:
         model: A built Functional or Sequential `keras.Model`.
+        share_weights: Whether the new model holds the layers of `model`
+            that it does not convert (default), rather than their copies.
+            Shared, the weights take their memory once, and training,
+            quantizing or `enable_lora` on either model changes both; pass
+            False for a model of its own (twice the memory while both are
+            held).
 
     Returns:
         The new, uncompiled model; its `conversion_report` (a
@@ -377,8 +400,12 @@ def convert(model: keras.Model) -> keras.Model:
         raise ValueError(
             f"convert takes a keras.Model. Received: model={type(model).__name__}"
         )
+    if not isinstance(share_weights, bool):
+        raise ValueError(
+            f"share_weights is True or False. Received: share_weights={share_weights!r}"
+        )
     report = ConversionReport()
-    converter = _Converter(report)
+    converter = _Converter(report, share_weights)
     new = converter.model(model, "")
     converter.copy_weights()
     converter.record(new)
