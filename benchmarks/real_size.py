@@ -190,7 +190,9 @@ def _status(row: dict) -> str:
     if row["rc"] == -9:
         return "killed for memory (rc -9)"
     if row["rc"] != 0:
-        return f"failed (rc {row['rc']})"
+        lines = (row.get("stderr_tail") or "").strip().splitlines()
+        said = f": {lines[-1].split(': ', 1)[-1]}" if lines else ""
+        return f"failed (rc {row['rc']}){said}"
     if row["step"] == "generate":
         return "keras-hub's tokens" if row["tokens_equal"] else "tokens differ"
     return f"written ({row['written_gib']:.2f} GiB), checked in a fresh process"
