@@ -11,6 +11,10 @@ rounding where a mode says so):
   TensorStridedSliceUpdate they do not) and sampling selects between
   greedy and sampled tokens instead of branching (tf2onnx cannot convert
   the sampling ops inside an ONNX `If`).
+- `CONVERTER_BRANCHES`: with `FOR_CONVERTER`, for a converter that takes
+  TensorFlow's branches (LiteRT's writes `tf.cond` as its IF operator):
+  sampling branches on the temperature as it does outside converters, so
+  a greedy step skips the two sorts of the vocabulary.
 - `EXACT_UNCHUNKED`: calls take an exact unchunked path, never the chunked
   one (a loop over blocks), for formats that cannot hold that loop: the
   artifact computes attention whole, the chunked path's numbers up to
@@ -52,8 +56,9 @@ import contextvars
 from collections.abc import Iterator
 
 FOR_CONVERTER = "for_converter"
+CONVERTER_BRANCHES = "converter_branches"
 EXACT_UNCHUNKED = "exact_unchunked"
-MODES = (FOR_CONVERTER, EXACT_UNCHUNKED)
+MODES = (FOR_CONVERTER, CONVERTER_BRANCHES, EXACT_UNCHUNKED)
 
 FUSABLE_CORE_SCOPE = "fusable_attention_core"
 FUSABLE_STEP_SCOPE = "fusable_step_core"

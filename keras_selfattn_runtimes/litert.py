@@ -1,4 +1,11 @@
-"""A LiteRT (.tflite) file in LiteRT's interpreter."""
+"""A LiteRT (.tflite) file in LiteRT's interpreter.
+
+The interpreter runs on as many threads as this process has CPUs
+(`default_threads`): LiteRT's own default is one, and a generator's step
+at batch 8 is mostly matmuls that XNNPACK splits across them. On cores
+other work keeps busy, one thread can be faster (docs/performance.md):
+pass `num_threads=1`.
+"""
 
 from __future__ import annotations
 
@@ -15,18 +22,28 @@ from ._common import Loaded, natural
 _OPEN: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def _interpreter(path: str):
-    """The interpreter of the file at `path`, shared while one is in use."""
+def default_threads() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _interpreter(path: str, num_threads: int):
+    """The interpreter of the file at `path` on `num_threads` threads,
+    shared while one is in use."""
     from ai_edge_litert.interpreter import Interpreter
 
     try:
         stat = os.stat(path)
     except OSError:  # the interpreter's own error names it
-        return Interpreter(model_path=path)
-    key = (os.path.realpath(path), stat.st_mtime_ns, stat.st_size)
+        return Interpreter(model_path=path, num_threads=num_threads)
+    key = (os.path.realpath(path), stat.st_mtime_ns, stat.st_size, num_threads)
     interpreter = _OPEN.get(key)
     if interpreter is None:
-        interpreter = _OPEN[key] = Interpreter(model_path=path)
+        interpreter = Interpreter(model_path=path, num_threads=num_threads)
+        _OPEN[key] = interpreter
     return interpreter
 
 
@@ -38,8 +55,8 @@ class LiteRTInterpreter(Loaded):
             scales): LiteRT files carry no statement of their own.
     """
 
-    def __init__(self, path: str, signature: str):
-        interpreter = _interpreter(path)
+    def __init__(self, path: str, signature: str, num_threads: int):
+        interpreter = _interpreter(path, num_threads)
         self.int8_matrices = sum(
             detail["dtype"] == np.int8
             and len(detail["shape"]) == 2
@@ -86,7 +103,30 @@ class LiteRTInterpreter(Loaded):
         }
 
 
-def load(path: str, signature: str) -> LiteRTInterpreter:
+def load(
+    path: str, signature: str, num_threads: int | None = None
+) -> LiteRTInterpreter:
     """The LiteRT file `path`: its `signature` (its only one, whatever its
-    name), or its positional tensors when it has no signature."""
-    return LiteRTInterpreter(path, signature)
+    name), or its positional tensors when it has no signature.
+
+    Args:
+        path: The .tflite file.
+        signature: The signature to run.
+        num_threads: The interpreter's threads. None (default):
+            `default_threads()`.
+
+    Raises:
+        ValueError: if `num_threads` is not a positive int.
+    """
+    if num_threads is None:
+        num_threads = default_threads()
+    if (
+        not isinstance(num_threads, int)
+        or isinstance(num_threads, bool)
+        or num_threads < 1
+    ):
+        raise ValueError(
+            "`num_threads` must be a positive int. "
+            f"Received: num_threads={num_threads!r}"
+        )
+    return LiteRTInterpreter(path, signature, num_threads)

@@ -232,8 +232,14 @@ class LiteRTFormat(Format):
             converting(self.row.title, self.advice),
             target.traced(self.quantized_form),
             # Ops the converter takes (a decoding step's cache write as
-            # XlaDynamicUpdateSlice, its dynamic_update_slice).
-            tracing.traced_as(tracing.EXACT_UNCHUNKED, tracing.FOR_CONVERTER),
+            # XlaDynamicUpdateSlice, its dynamic_update_slice), and branches
+            # (LiteRT's IF: a greedy step skips sampling's two sorts of the
+            # vocabulary).
+            tracing.traced_as(
+                tracing.EXACT_UNCHUNKED,
+                tracing.FOR_CONVERTER,
+                tracing.CONVERTER_BRANCHES,
+            ),
             warnings.catch_warnings(),
         ):
             warnings.simplefilter("ignore")
