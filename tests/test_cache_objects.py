@@ -142,6 +142,37 @@ def test_call_arguments_are_read_by_name():
     }
 
 
+def traced_loop(model: keras.Model, caches=None):
+    """The concrete function of `model`'s greedy generation loop (4 steps,
+    8 positions) as a `tf.function` traces it, with `caches` (the loop's
+    default where None)."""
+    import tensorflow as tf
+
+    from keras_selfattn.generation import loop
+
+    layers = cached_model.read(model, "generate with").layers
+
+    @tf.function
+    def generate(prompts, lengths):
+        return loop.run(
+            model,
+            layers,
+            prompts,
+            lengths,
+            max_length=8,
+            capacity=4,
+            steps=4,
+            controls=loop.Controls(),
+            tokens=True,
+            greedy=True,
+            caches=caches,
+        )
+
+    return generate.get_concrete_function(
+        tf.TensorSpec((None, None), "int32"), tf.TensorSpec((None,), "int32")
+    )
+
+
 def _op_types(concrete) -> set[str]:
     """The op types of a concrete function, its loop bodies included."""
     graph = concrete.graph.as_graph_def()
@@ -161,8 +192,6 @@ def test_each_caller_gets_the_write_it_needs():
     Serving without XLA), XlaDynamicUpdateSlice for a converter, a gather
     for OpenVINO; the loop's steps without XLA with InplaceUpdate, for a
     converter with XlaDynamicUpdateSlice."""
-    import tensorflow as tf
-
     from keras_selfattn.export.decode_step.graph import build_decode_step
     from keras_selfattn.generation import loop
 
@@ -180,28 +209,8 @@ def test_each_caller_gets_the_write_it_needs():
     assert step_ops(converter) == {"XlaDynamicUpdateSlice"}
     assert step_ops(target.with_caches(cache_lib.GatheredCache)) == set()
 
-    layers = cached_model.read(model, "generate with").layers
-
     def loop_ops(caches=None):
-        @tf.function
-        def generate(prompts, lengths):
-            return loop.run(
-                model,
-                layers,
-                prompts,
-                lengths,
-                max_length=8,
-                capacity=4,
-                steps=4,
-                controls=loop.Controls(),
-                tokens=True,
-                greedy=True,
-                caches=caches,
-            )
-
-        prompts = tf.TensorSpec((None, None), "int32")
-        lengths = tf.TensorSpec((None,), "int32")
-        return _op_types(generate.get_concrete_function(prompts, lengths)) & WRITE_OPS
+        return _op_types(traced_loop(model, caches)) & WRITE_OPS
 
     assert loop_ops() == {"TensorStridedSliceUpdate", "InplaceUpdate"}
     converter = loop.CacheClasses(cache_lib.ConverterCache, cache_lib.CheckedCache)

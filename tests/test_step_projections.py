@@ -16,6 +16,7 @@ from keras_selfattn import SelfAttention, decoding
 from keras_selfattn.attention import cache as cache_lib
 from keras_selfattn.attention import heads as heads_lib
 from tests.backend import BACKEND
+from tests.test_cache_objects import traced_loop
 
 pytestmark = pytest.mark.skipif(
     BACKEND != "tensorflow", reason="TensorFlow graphs' projections"
@@ -108,34 +109,11 @@ def test_the_loop_body_projects_with_matmuls():
     """The generation loop as the SavedModel generator traces it (a
     TensorFlow graph without XLA): the prompt's projections are einsums,
     the steps' (one position each) MatMuls."""
-    import tensorflow as tf
-
-    from keras_selfattn.generation import cached_model, loop
-
     tokens = keras.Input((None,), dtype="int32", name="tokens")
     hidden = keras.layers.Embedding(11, 16)(tokens)
     hidden = SelfAttention(num_heads=2, causal=True, output_dim=16)(hidden)
     model = keras.Model(tokens, keras.layers.Dense(11)(hidden))
-    layers = cached_model.read(model, "generate with").layers
-
-    @tf.function
-    def generate(prompts, lengths):
-        return loop.run(
-            model,
-            layers,
-            prompts,
-            lengths,
-            max_length=8,
-            capacity=4,
-            steps=4,
-            controls=loop.Controls(),
-            tokens=True,
-            greedy=True,
-        )
-
-    graph = generate.get_concrete_function(
-        tf.TensorSpec((None, None), "int32"), tf.TensorSpec((None,), "int32")
-    ).graph.as_graph_def()
+    graph = traced_loop(model).graph.as_graph_def()
     outside = {node.op for node in graph.node}
     bodies = [f for f in graph.library.function if "body" in f.signature.name]
     assert len(bodies) == 1
