@@ -2,12 +2,12 @@
 
 A generator's token step reshapes every layer's activations, and tf2onnx
 computes each target shape from `Shape` of a tensor of the step (the batch
-is dynamic): a chain of small ops per reshape, every token. Where ONNX
-Runtime's symbolic shape inference finds such a tensor's shape made of
-fixed sizes and the graph inputs' named axes ("batch"), the `Shape` op
-becomes that shape, built once in front of the loop from the graph input's
-own `Shape`; `loop_invariant` then hoists the chain it feeds. Nothing is
-changed where the inference fails or finds another symbol.
+is dynamic): a chain of small ops per reshape, every token. Where the
+body's shapes (`shape_probes`) give such a tensor's shape as fixed sizes
+and the graph inputs' named axes ("batch"), the `Shape` op becomes that
+shape, built once in front of the loop from the graph input's own
+`Shape`; `loop_invariant` then hoists the chain it feeds. Nothing is
+changed where a dim is unknown.
 """
 
 from __future__ import annotations
@@ -16,16 +16,14 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from keras_selfattn.export.formats.onnx import loop_select
+from keras_selfattn.export.formats.onnx import shape_probes
 
 
 def fold_shapes(proto: onnx.ModelProto, loop: onnx.NodeProto) -> int:
     """Rewrites the body's `Shape` nodes of request-fixed shapes (module
     docstring) as Identity of a tensor computed before `loop`; returns how
     many."""
-    inferred = _infer(proto)
-    if inferred is None:
-        return 0
+    inferred = shape_probes.body_shapes(proto, loop)
     body = next(a.g for a in loop.attribute if a.name == "body")
     axes = _named_axes(proto.graph)
     graph = proto.graph
@@ -83,46 +81,3 @@ def _build(graph, dims, axes, name: str) -> str:
         pieces.append(piece)
     graph.node.append(onnx.helper.make_node("Concat", pieces, [name], axis=0))
     return name
-
-
-def _infer(proto: onnx.ModelProto) -> dict[str, list] | None:
-    """Tensor name -> dims (ints, symbols) of the Loop bodies' tensors by
-    ONNX Runtime's symbolic shape inference; None where it fails."""
-    try:
-        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-    except ImportError:
-        return None
-    model = loop_select.light_copy(proto)
-    for node in model.graph.node:  # the tool needs every Loop input named
-        if node.op_type == "Loop" and not node.input[0]:
-            model.graph.initializer.append(
-                numpy_helper.from_array(np.array(2**62, np.int64), "__trip_count")
-            )
-            node.input[0] = "__trip_count"
-    # `SymbolicShapeInference.infer_shapes`'s steps, without the file it
-    # writes into the working directory when the inference is incomplete.
-    inference = SymbolicShapeInference(2**31 - 1, True, False, 0)
-    try:
-        inference._preprocess(model)
-        complete = False
-        while inference.run_:
-            complete = inference._infer_impl()
-        inference._update_output_from_vi()
-    except Exception:  # noqa: BLE001 - an optimization: skipped where it fails
-        return None
-    if not complete:
-        return None
-    inferred = inference.out_mp_
-    shapes = {}
-    for node in inferred.graph.node:
-        for attribute in node.attribute:
-            if attribute.type != onnx.AttributeProto.GRAPH:
-                continue
-            for info in [*attribute.g.value_info, *attribute.g.input]:
-                shape = info.type.tensor_type
-                if shape.HasField("shape"):
-                    shapes[info.name] = [
-                        d.dim_value if d.HasField("dim_value") else d.dim_param
-                        for d in shape.shape.dim
-                    ]
-    return shapes
