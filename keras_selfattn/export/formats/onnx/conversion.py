@@ -63,14 +63,11 @@ def graph_def(concrete, inputs: list[str], outputs: list[str]):
     as tf2onnx's conversion does (`tf_loader.tf_optimize`), the weights'
     placeholders keeping their shapes."""
     import tensorflow as tf
-    from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
-    from tensorflow.python.framework import convert_to_constants
-    from tensorflow.python.grappler import tf_optimizer
+    from tensorflow.python.grappler import tf_optimizer  # tf2onnx's own way
     from tf2onnx import tf_loader
 
-    graph = convert_to_constants.disable_lower_using_switch_merge(
-        concrete.graph.as_graph_def()
-    )
+    graph = concrete.graph.as_graph_def()
+    _keep_control_flow(graph)
     captured = {inner.op.name for inner in concrete.graph.internal_captures}
     shapes = {}
     for node in graph.node:
@@ -79,11 +76,11 @@ def graph_def(concrete, inputs: list[str], outputs: list[str]):
             shapes[node.name] = [dim.size for dim in shape.dim]
             for dim in shape.dim:
                 dim.size = -1
-    config = config_pb2.ConfigProto()
+    config = tf.compat.v1.ConfigProto()
     rewrite = config.graph_options.rewrite_options
     rewrite.min_graph_nodes = -1
     rewrite.optimizers.append("function")
-    rewrite.function_optimization = rewriter_config_pb2.RewriterConfig.AGGRESSIVE
+    rewrite.function_optimization = rewrite.AGGRESSIVE
     with tf.Graph().as_default():
         meta_graph = tf.compat.v1.train.export_meta_graph(graph_def=graph)
         meta_graph.collection_def["train_op"].node_list.value.extend(inputs + outputs)
@@ -96,6 +93,23 @@ def graph_def(concrete, inputs: list[str], outputs: list[str]):
             ):
                 dim.size = size
     return graph
+
+
+def _keep_control_flow(graph) -> None:
+    """Marks the GraphDef's loops and conditionals, its functions' included,
+    to stay loops and conditionals through grappler (tf2onnx converts them
+    to `Loop` and `If`), as TensorFlow's freezing does
+    (`convert_to_constants.disable_lower_using_switch_merge`), in place."""
+    nodes = list(graph.node)
+    for function in graph.library.function:
+        nodes += function.node_def
+    for node in nodes:
+        if node.op in _CONTROL_FLOW_OPS:
+            node.attr["_lower_using_switch_merge"].b = False
+
+
+# The ops `_keep_control_flow` marks.
+_CONTROL_FLOW_OPS = frozenset({"If", "StatelessIf", "While", "StatelessWhile"})
 
 
 def optimize(process: Callable[[], object]):
