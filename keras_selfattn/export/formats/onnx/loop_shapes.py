@@ -25,15 +25,15 @@ def fold_shapes(proto: onnx.ModelProto, loop: onnx.NodeProto) -> int:
     many."""
     inferred = shape_probes.body_shapes(proto, loop)
     body = next(a.g for a in loop.attribute if a.name == "body")
-    axes = _named_axes(proto.graph)
+    axes = shape_probes.named_axes(proto.graph)
     graph = proto.graph
     built: dict[tuple, str] = {}
     count = 0
     for node in body.node:
         if node.op_type != "Shape" or node.attribute:
             continue
-        dims = inferred.get(node.input[0])
-        if dims is None or not all(isinstance(d, int) or d in axes for d in dims):
+        dims = inferred.get(node.input[0])  # sizes and named axes only
+        if dims is None:
             continue
         key = tuple(dims)
         if key not in built:
@@ -42,16 +42,6 @@ def fold_shapes(proto: onnx.ModelProto, loop: onnx.NodeProto) -> int:
         node.input[0] = built[key]
         count += 1
     return count
-
-
-def _named_axes(graph: onnx.GraphProto) -> dict[str, tuple[str, int]]:
-    """A graph input's named axis -> (that input, the axis)."""
-    axes: dict[str, tuple[str, int]] = {}
-    for info in graph.input:
-        for axis, dim in enumerate(info.type.tensor_type.shape.dim):
-            if dim.dim_param and dim.dim_param not in axes:
-                axes[dim.dim_param] = (info.name, axis)
-    return axes
 
 
 def _build(graph, dims, axes, name: str) -> str:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import onnx
 
+from keras_selfattn.export.formats.onnx import graph as graph_lib
 from keras_selfattn.export.formats.onnx import loop_select
 
 # Named axis k of probe p has size _SIZES[p + k].
@@ -50,7 +51,7 @@ def body_shapes(
     """Tensor name -> dims (sizes, named axes) of the tensors of `loop`'s
     body (a `Loop` of `proto`'s main graph) whose every dim is known
     (module docstring); empty where the inference fails."""
-    axes = sorted(_named_axes(proto.graph))
+    axes = sorted(named_axes(proto.graph))
     if len(axes) + _PROBES > len(_SIZES) + 1:
         return {}
     light = loop_select.light_copy(proto)
@@ -102,13 +103,14 @@ def _dim(sizes, axes, probes) -> int | str | None:
     return None
 
 
-def _named_axes(graph: onnx.GraphProto) -> set[str]:
-    return {
-        dim.dim_param
-        for info in graph.input
-        for dim in info.type.tensor_type.shape.dim
-        if dim.dim_param
-    }
+def named_axes(graph: onnx.GraphProto) -> dict[str, tuple[str, int]]:
+    """A graph input's named axis -> (that input, the axis)."""
+    axes: dict[str, tuple[str, int]] = {}
+    for info in graph.input:
+        for axis, dim in enumerate(info.type.tensor_type.shape.dim):
+            if dim.dim_param and dim.dim_param not in axes:
+                axes[dim.dim_param] = (info.name, axis)
+    return axes
 
 
 def _probe(
@@ -174,7 +176,8 @@ def _body_model(outer: onnx.ModelProto, loop: onnx.NodeProto) -> onnx.ModelProto
             info.type.CopyFrom(_initializer_type(initializers[source]))
     inner = {info.name for info in body.input} | {i.name for i in body.initializer}
     inner |= {name for node in body.node for name in node.output}
-    for name in sorted(_reads(body) - inner):
+    reads = set().union(*(graph_lib.node_inputs(node) for node in body.node))
+    for name in sorted(reads - inner):
         if name in initializers:
             body.initializer.append(initializers[name])  # light_copy: small
         elif name in types:
@@ -229,14 +232,3 @@ def _initializer_type(initializer: onnx.TensorProto) -> onnx.TypeProto:
     return onnx.helper.make_tensor_type_proto(
         initializer.data_type, list(initializer.dims)
     )
-
-
-def _reads(graph: onnx.GraphProto) -> set[str]:
-    """Every name the graph's nodes and their subgraphs read."""
-    names = set()
-    for node in graph.node:
-        names.update(name for name in node.input if name)
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                names |= _reads(attribute.g)
-    return names
