@@ -1,10 +1,12 @@
 """The generation loop compiled for the model's backend.
 
-TensorFlow: a `tf.function` (one trace per prompt shape and output size);
-JAX: `jax.jit` over the model's variable values (a `StatelessScope` maps
-them in, so the weights are arguments, not constants baked into the
-compiled program); PyTorch: eager under `torch.no_grad` (Keras runs the
-loop in Python there). Compiled functions are kept per model.
+TensorFlow: a `tf.function` (one trace per prompt shape and output size),
+compiled by XLA unless `jit_compile` is False; JAX: `jax.jit` over the
+model's variable values (a `StatelessScope` maps them in, so the weights
+are arguments, not constants baked into the compiled program), or traced
+op by op when `jit_compile` is False; PyTorch: eager under
+`torch.no_grad` (Keras runs the loop in Python there). Compiled functions
+are kept per model.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from keras_selfattn.generation import loop
 from keras_selfattn.generation.arguments import Model, Request
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# How TensorFlow says XLA cannot compile an op of the function.
+_XLA_REFUSED = "Detected unsupported operations when trying to compile"
 
 
 def _arguments(request: Request) -> tuple:
@@ -56,17 +60,38 @@ def _loop_function(read: Model, max_length: int, capacity: int, greedy: bool):
     return generate
 
 
-def _tensorflow(read: Model, max_length: int, capacity: int, greedy: bool):
+def _tensorflow(read: Model, max_length: int, capacity: int, greedy: bool, xla: bool):
     import tensorflow as tf
 
-    return tf.function(_loop_function(read, max_length, capacity, greedy))
+    function = tf.function(
+        _loop_function(read, max_length, capacity, greedy), jit_compile=xla
+    )
+    if not xla:
+        return function
+
+    def run(*arrays):
+        try:
+            return function(*arrays)
+        except tf.errors.InvalidArgumentError as error:
+            if _XLA_REFUSED not in str(error):
+                raise
+            # The message holds _XLA_REFUSED: its first line names the ops.
+            first_line = error.message.strip().splitlines()[0]
+            raise ValueError(
+                f"XLA cannot compile this model's generation loop: {first_line} "
+                "Pass `jit_compile=False` to run it as a tf.function without XLA."
+            ) from error
+
+    return run
 
 
-def _jax(read: Model, max_length: int, capacity: int, greedy: bool):
+def _jax(read: Model, max_length: int, capacity: int, greedy: bool, xla: bool):
     import jax
 
     variables = read.model.variables
     generate = _loop_function(read, max_length, capacity, greedy)
+    if not xla:
+        return generate
 
     @jax.jit
     def stateless(values, *arrays):
@@ -78,7 +103,8 @@ def _jax(read: Model, max_length: int, capacity: int, greedy: bool):
     return lambda *arrays: stateless([v.value for v in variables], *arrays)
 
 
-def _torch(read: Model, max_length: int, capacity: int, greedy: bool):
+def _torch(read: Model, max_length: int, capacity: int, greedy: bool, xla: bool):
+    del xla  # refused by `run` when True
     import torch
 
     generate = _loop_function(read, max_length, capacity, greedy)
@@ -93,19 +119,41 @@ def _torch(read: Model, max_length: int, capacity: int, greedy: bool):
 _BUILDERS = {"tensorflow": _tensorflow, "jax": _jax, "torch": _torch}
 
 
-def run(read: Model, request: Request) -> tuple[np.ndarray, np.ndarray]:
-    """Runs `request` on `read`'s model; returns numpy (generated, lengths),
-    generated cut to `request.max_new_tokens` columns."""
+def xla(jit_compile: bool | str) -> bool:
+    """Whether `generate(jit_compile=...)` compiles with XLA on this backend
+    ("auto": on TensorFlow and JAX); raises ValueError naming a bad value."""
     backend = keras.backend.backend()
     if backend not in _BUILDERS:
         raise ValueError(
             f"generate runs on the TensorFlow, JAX and PyTorch backends. "
             f"Received: KERAS_BACKEND={backend!r}"
         )
+    if isinstance(jit_compile, str) and jit_compile == "auto":
+        return backend != "torch"
+    if not isinstance(jit_compile, bool):
+        raise ValueError(
+            '`jit_compile` must be "auto", True or False. '
+            f"Received: jit_compile={jit_compile!r}"
+        )
+    if jit_compile and backend == "torch":
+        raise ValueError(
+            "`jit_compile=True` compiles the loop with XLA on TensorFlow and "
+            "JAX; on PyTorch it runs eagerly. Received: jit_compile=True on "
+            "KERAS_BACKEND='torch'"
+        )
+    return jit_compile
+
+
+def run(read: Model, request: Request, xla: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Runs `request` on `read`'s model, compiled by XLA when `xla` (as
+    `xla()` resolves it); returns numpy (generated, lengths), generated
+    cut to `request.max_new_tokens` columns."""
+    backend = keras.backend.backend()
     key = (
         request.max_length,
         request.max_new_tokens,
         request.controls.temperature == 0,
+        xla,
     )
     functions = _COMPILED.setdefault(read.model, {})
     if key not in functions:

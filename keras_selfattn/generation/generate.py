@@ -43,6 +43,7 @@ def generate(
     seed: int | None = None,
     end_token: int | None = None,
     check: bool = True,
+    jit_compile: bool | str = "auto",
 ) -> Generated:
     """Generates continuations of `prompts` with one key/value cache per
     SelfAttention layer, compiled on the model's backend.
@@ -89,6 +90,13 @@ def generate(
             pass first (a few calls on 2 rows of 5 positions, once per
             model). False skips it: the explicit opt-out for a model too
             large to run twice, whose tokens are then unchecked.
+        jit_compile: Whether the loop is compiled by XLA into one program:
+            "auto" (default) does on TensorFlow and JAX, where it is the
+            fastest (on TensorFlow the loop is otherwise a `tf.function`
+            run op by op); PyTorch runs the loop eagerly and refuses True.
+            False: for a model with ops XLA cannot compile (the error says
+            so). XLA compiles once per prompt shape and output size, as a
+            `tf.function` traces.
 
     Returns:
         A `Generated` (tokens or values, and each row's length).
@@ -97,8 +105,9 @@ def generate(
         ValueError: naming a bad argument: a prompt longer than
             `max_length`, `max_new_tokens` beyond the cache, `top_k <= 0`,
             `top_p` outside (0, 1], a negative or NaN temperature, an end
-            token outside the vocabulary, ids outside it; or a model that
-            cannot decode.
+            token outside the vocabulary, ids outside it, a `jit_compile`
+            other than "auto", True or False; or a model that cannot decode
+            (or that XLA cannot compile).
 
     Example:
 
@@ -114,6 +123,7 @@ def generate(
     print(result.tokens.shape, result.lengths)  # (2, 5) [5 5]
     ```
     """
+    xla = compiled.xla(jit_compile)
     read = arguments.read_structure(model)
     request = arguments.request(
         read,
@@ -130,11 +140,14 @@ def generate(
     # The request is checked before the model runs (the decode check).
     with decode_check.waived(not check):
         arguments.check_decodes(read)
-    return generated(read, request)
+    return generated(read, request, xla)
 
 
-def generated(read: arguments.Model, request: arguments.Request) -> Generated:
+def generated(
+    read: arguments.Model, request: arguments.Request, xla: bool
+) -> Generated:
     """`generate`'s result for a model already read and checked, and a
-    checked request (an exported generator's check runs it)."""
-    values, lengths = compiled.run(read, request)
+    checked request (an exported generator's check runs it), compiled by
+    XLA when `xla`."""
+    values, lengths = compiled.run(read, request, xla)
     return Generated(values, lengths)

@@ -98,7 +98,8 @@ def keras_generate(generator: Generator, request: dict) -> dict[str, np.ndarray]
         max_length=generator.max_length,
         **options,
     )
-    result = generated(read, checked)
+    # The reference: the loop as a tf.function, without an XLA compile.
+    result = generated(read, checked, xla=False)
     return dict(
         zip(generator.output_names, (result.tokens, result.lengths), strict=True)
     )
