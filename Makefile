@@ -96,6 +96,7 @@ bench: install
 		&& $(PY) -m benchmarks.quantized \
 		&& $(PY) -m benchmarks.generation && $(PY) -m benchmarks.nested \
 		&& $(foreach b,$(BACKENDS),KERAS_BACKEND=$(b) $(PY) -m benchmarks.keras_hub &&) \
+		$(foreach b,$(BACKENDS),KERAS_BACKEND=$(b) $(PY) -m benchmarks.keras_hub_153m &&) \
 		$(PY) -m benchmarks.score_mods \
 		&& $(PY) -m benchmarks.overhead
 

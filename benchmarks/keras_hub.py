@@ -14,10 +14,13 @@ backend the benchmark runs on, interleaved, as medians of per-round ratios
 (`benchmarks.timing`); the generated tokens are compared.
 
 Run: `python -m benchmarks.keras_hub [--quick] [--rounds N] [--out DIR]`
-(under `KERAS_BACKEND=jax` or `torch` for those backends).
+(under `KERAS_BACKEND=jax` or `torch` for those backends);
+`benchmarks.keras_hub_153m` times issue 56's 153 M Llama so.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import keras
 import numpy as np
@@ -25,9 +28,27 @@ import numpy as np
 from benchmarks import per_backend, timing
 from keras_selfattn import convert_causal_lm, generate
 
-VOCABULARY = 1024
-PROMPT = 16
-NEW_TOKENS = 32
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """What every case of a run shares: the vocabulary, the feed-forward
+    width as a multiple of the hidden one, the prompt's length and the
+    new tokens."""
+
+    vocabulary: int = 1024
+    intermediate_ratio: int = 2
+    prompt: int = 16
+    new_tokens: int = 32
+
+    def setting(self) -> str:
+        return (
+            f"prompt {self.prompt}, {self.new_tokens} new tokens, vocabulary "
+            f"{self.vocabulary}, feed-forward {self.intermediate_ratio}x hidden, "
+            "greedy, float32."
+        )
+
+
+SMALL = Sizes()
 # (family, hidden, query heads, key/value heads, layers, batch)
 CASES = (
     ("Llama", 128, 4, 2, 2, 4),
@@ -55,7 +76,6 @@ FAMILIES = {
 }
 # The Markdown's heading, the setting on its machine line, its targets.
 TITLE = "keras-hub's causal LMs converted vs keras-hub's own"
-SETTING = f"prompt {PROMPT}, {NEW_TOKENS} new tokens, greedy, float32."
 TARGETS = (
     "Targets: generate speedup (keras-hub time / converted time) at least "
     "1; forward time ratio (converted / keras-hub) at most 1.1."
@@ -69,7 +89,9 @@ COLUMNS = [
 ]
 
 
-def causal_lm(family: str, hidden: int, heads: int, kv_heads: int, layers: int):
+def causal_lm(
+    family: str, hidden: int, heads: int, kv_heads: int, layers: int, sizes: Sizes
+):
     """A random-weight causal LM of `family` and this size (keras-hub's
     classes)."""
     import keras_hub
@@ -77,12 +99,12 @@ def causal_lm(family: str, hidden: int, heads: int, kv_heads: int, layers: int):
     backbone_class, lm_class, extra = FAMILIES[family]
     keras.utils.set_random_seed(0)
     backbone = getattr(keras_hub.models, backbone_class)(
-        vocabulary_size=VOCABULARY,
+        vocabulary_size=sizes.vocabulary,
         num_layers=layers,
         num_query_heads=heads,
         num_key_value_heads=kv_heads,
         hidden_dim=hidden,
-        intermediate_dim=2 * hidden,
+        intermediate_dim=sizes.intermediate_ratio * hidden,
         **extra,
     )
     lm = getattr(keras_hub.models, lm_class)(backbone=backbone, preprocessor=None)
@@ -90,8 +112,8 @@ def causal_lm(family: str, hidden: int, heads: int, kv_heads: int, layers: int):
     return lm
 
 
-def _keras_hub_generate(lm, prompts: np.ndarray, outputs: dict):
-    length = prompts.shape[1] + NEW_TOKENS
+def _keras_hub_generate(lm, prompts: np.ndarray, new_tokens: int, outputs: dict):
+    length = prompts.shape[1] + new_tokens
     ids = np.zeros((len(prompts), length), "int32")
     ids[:, : prompts.shape[1]] = prompts
     padding = np.zeros(ids.shape, bool)
@@ -115,30 +137,33 @@ def _keras_hub_generate(lm, prompts: np.ndarray, outputs: dict):
     return call
 
 
-def _converted_generate(model, prompts: np.ndarray, outputs: dict):
+def _converted_generate(model, prompts: np.ndarray, new_tokens: int, outputs: dict):
     def call():
-        outputs["converted"] = np.asarray(generate(model, prompts, NEW_TOKENS).tokens)
+        outputs["converted"] = np.asarray(generate(model, prompts, new_tokens).tokens)
 
     return call
 
 
-def _row(
-    family: str, hidden: int, heads: int, kv_heads: int, layers: int, batch: int, rounds
-):
-    lm = causal_lm(family, hidden, heads, kv_heads, layers)
+def row(case: tuple, rounds: int, sizes: Sizes = SMALL) -> dict:
+    """One case's row: `case` is (family, hidden, query heads, key/value
+    heads, layers, batch), as `CASES`."""
+    family, hidden, heads, kv_heads, layers, batch = case
+    lm = causal_lm(family, hidden, heads, kv_heads, layers, sizes)
     tokens_model = convert_causal_lm(lm)
     rng = np.random.default_rng(0)
-    prompts = rng.integers(1, VOCABULARY, (batch, PROMPT)).astype("int32")
+    prompts = rng.integers(1, sizes.vocabulary, (batch, sizes.prompt)).astype("int32")
     outputs: dict[str, np.ndarray] = {}
+    new = sizes.new_tokens
     generation = timing.interleave(
         {
-            "keras_hub": _keras_hub_generate(lm, prompts, outputs),
-            "converted": _converted_generate(tokens_model, prompts, outputs),
+            "keras_hub": _keras_hub_generate(lm, prompts, new, outputs),
+            "converted": _converted_generate(tokens_model, prompts, new, outputs),
         },
         rounds=rounds,
         warmup=1,
     )
-    window = rng.integers(1, VOCABULARY, (batch, PROMPT + NEW_TOKENS)).astype("int32")
+    window = rng.integers(1, sizes.vocabulary, (batch, sizes.prompt + new))
+    window = window.astype("int32")
     request = {"token_ids": window, "padding_mask": np.ones_like(window, bool)}
     forward = timing.interleave(
         {
@@ -153,20 +178,20 @@ def _row(
         f"batch {batch}",
         "generate_speedup": generation.speedup("keras_hub", "converted"),
         "forward_time_ratio": 1 / forward.speedup("keras_hub", "converted"),
-        "converted_tokens_per_s": batch * NEW_TOKENS / generation.median("converted"),
+        "converted_tokens_per_s": batch * new / generation.median("converted"),
         "same_tokens": bool((outputs["keras_hub"] == outputs["converted"]).all()),
     }
 
 
 def run(quick: bool = False, rounds: int | None = None) -> dict:
     rounds = per_backend.rounds(quick, rounds)
-    rows = [_row(*case, rounds) for case in (CASES[:1] if quick else CASES)]
+    rows = [row(case, rounds) for case in (CASES[:1] if quick else CASES)]
     return per_backend.results(rounds, rows)
 
 
 def to_markdown(results: dict) -> str:
     """`run`'s results as Markdown (`per_backend.to_markdown`)."""
-    return per_backend.to_markdown(results, TITLE, SETTING, TARGETS, COLUMNS)
+    return per_backend.to_markdown(results, TITLE, SMALL.setting(), TARGETS, COLUMNS)
 
 
 if __name__ == "__main__":
