@@ -41,6 +41,7 @@ class Sizes:
     new_tokens: int = 32
 
     def setting(self) -> str:
+        """The Markdown machine line's setting."""
         return (
             f"prompt {self.prompt}, {self.new_tokens} new tokens, vocabulary "
             f"{self.vocabulary}, feed-forward {self.intermediate_ratio}x hidden, "
@@ -183,10 +184,17 @@ def row(case: tuple, rounds: int, sizes: Sizes = SMALL) -> dict:
     }
 
 
-def run(quick: bool = False, rounds: int | None = None) -> dict:
+def run_cases(
+    cases: tuple, sizes: Sizes, quick: bool = False, rounds: int | None = None
+) -> dict:
+    """The results of `cases` (only the first when `quick`) at `sizes`."""
     rounds = per_backend.rounds(quick, rounds)
-    rows = [row(case, rounds) for case in (CASES[:1] if quick else CASES)]
+    rows = [row(case, rounds, sizes) for case in (cases[:1] if quick else cases)]
     return per_backend.results(rounds, rows)
+
+
+def run(quick: bool = False, rounds: int | None = None) -> dict:
+    return run_cases(CASES, SMALL, quick, rounds)
 
 
 def to_markdown(results: dict) -> str:

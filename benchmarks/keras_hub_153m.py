@@ -27,9 +27,7 @@ TARGETS = (
 
 
 def run(quick: bool = False, rounds: int | None = None) -> dict:
-    rounds = per_backend.rounds(quick, rounds)
-    rows = [keras_hub.row(case, rounds, SIZES) for case in CASES[: 1 if quick else 2]]
-    return per_backend.results(rounds, rows)
+    return keras_hub.run_cases(CASES, SIZES, quick, rounds)
 
 
 def to_markdown(results: dict) -> str:
