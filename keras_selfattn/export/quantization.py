@@ -75,7 +75,7 @@ class QuantizedDense:
 
     Attributes:
         layer: The layer (a `ReversibleEmbedding` for its reverse projection:
-            `weight_only.describe_reverse`).
+            `integer_layers.describe_reverse`).
         mode: "int8", "int4", "float8", "gptq" or "awq".
         kernel: The dequantized float32 kernel `(in, out)`: what the float
             reference computes, by Keras's own formula.
@@ -414,7 +414,7 @@ def traced(
     """While the block runs, each layer computes with its dequantized kernel.
 
     Args:
-        layers: From `quantized_layers` (or `weight_only.weight_only_layers`,
+        layers: From `quantized_layers` (or `integer_layers.integer_layers`,
             whose reverse projections are traced in `DEQUANTIZED` forms: in
             another form they keep Keras's own call).
         form: `VARIABLES` (dequantize the stored integers per call),

@@ -14,7 +14,7 @@ from keras import ops
 from keras_selfattn import _checks
 from keras_selfattn.attention import cache as cache_lib
 from keras_selfattn.attention import nan_safe
-from keras_selfattn.export import weight_only
+from keras_selfattn.export import integer_layers
 from keras_selfattn.export.decode_step.graph import (
     build_decode_step,
 )
@@ -25,8 +25,8 @@ GENERATE_SIGNATURE = "generate"
 # The LiteRT file's decoding step: the prompt, then one new token a call.
 PREFILL_SIGNATURE = "prefill"
 DECODE_SIGNATURE = "decode"
-# The formats whose generator computes weight-only layers on integer kernels.
-WEIGHT_ONLY_FORMATS = ("onnx",)
+# The formats whose generator computes quantized layers on integer kernels.
+INTEGER_FORMATS = ("onnx",)
 CONTROLS = ("temperature", "top_k", "top_p", "seed", "end_token")
 _CONTROL_DTYPES = ("float32", "int32", "float32", "int32", "int32")
 
@@ -219,14 +219,15 @@ class Generator:
         """The generator as a `Signature`: signature "generate" (LiteRT:
         with "prefill" and "decode" beside it, `pair`).
 
-        For `export_format` "onnx" it carries the model's weight-only
-        quantized layers (`weight_only`): the file computes them on
-        `MatMulNBits` from Keras's integers. Every other quantized layer,
-        and every one elsewhere, runs Keras's own quantized call.
+        For `export_format` "onnx" it carries the model's `integer_layers`:
+        the file computes them on ONNX Runtime's integer kernels from
+        Keras's integers (weight-only layers on `MatMulNBits`, int8 with
+        activation quantization on `MatMulIntegerToFloat`). Every other
+        quantized layer, and every one elsewhere, runs Keras's own call.
         """
         quantized = ()
-        if export_format in WEIGHT_ONLY_FORMATS:
-            quantized = weight_only.weight_only_layers(self.read.model)
+        if export_format in INTEGER_FORMATS:
+            quantized = integer_layers.integer_layers(self.read.model)
         return Signature(
             self.read.model,
             self.inputs(),

@@ -147,22 +147,31 @@ def _branch(name: str, nodes: list[onnx.NodeProto]) -> onnx.GraphProto:
     return helper.make_graph(nodes, name, [], [output])
 
 
-def exact_int8(builder, x: str, output: str, quantized: QuantizedDense, cache) -> None:
+def exact_int8(
+    builder, x: str, output: str, quantized: QuantizedDense, cache, stored
+) -> None:
     """Keras's int8 scheme for one layer reading `x`: a `MatMulIntegerToFloat`
     of the input's codes (shared by the layers reading `x`: query, key and
     value) by the layer's kernel, times the row's 1 / scale; on the uint8 x
     int8 kernel where the probe finds it exact,
     else on uint8 x uint8 (module doc). One matmul per layer: measured
     faster than one over the three kernels side by side, whose wide output
-    a Split then copies apart."""
+    a Split then copies apart. The layer's integers and scales are stored
+    once (`stored`: a layer read in a generator's prompt pass and in its
+    loop body)."""
     codes, inverse = _quantized_input(builder, x, quantized.activations, cache)
     name = quantized.layer.name
-    kernel = builder.constant(f"{name}_kernel", quantized.integers.astype(np.int8))
+    if id(quantized) not in stored:
+        stored[id(quantized)] = (
+            builder.constant(f"{name}_kernel", quantized.integers.astype(np.int8)),
+            builder.constant(
+                f"{name}_inverse_scale", (1.0 / quantized.scale).astype("float32")
+            ),
+        )
+    kernel, inverse_scale = stored[id(quantized)]
     operands = [
         builder.constant(f"{name}_unit", np.float32(1.0)),
-        builder.constant(
-            f"{name}_inverse_scale", (1.0 / quantized.scale).astype("float32")
-        ),
+        inverse_scale,
         builder.constant(f"{name}_zero_point", np.uint8(128)),
     ]
     signed = builder.make(

@@ -35,8 +35,8 @@ from onnx import helper, numpy_helper
 
 from keras_selfattn.export.formats.onnx import graph as og
 from keras_selfattn.export.formats.onnx import int8_layers
+from keras_selfattn.export.integer_layers import nbits_fits
 from keras_selfattn.export.quantization import QuantizedDense
-from keras_selfattn.export.weight_only import nbits_fits
 
 METADATA_KEY = "keras_selfattn.quantization"
 CONTRIB_DOMAIN = "com.microsoft"
@@ -260,6 +260,20 @@ def _constant(scopes: Sequence[onnx.GraphProto], name: str):
     return None
 
 
+def _same_rows(scopes, producers, x: str, seen: dict) -> str:
+    """`x`, or the equal tensor an earlier int8 layer read: tf2onnx writes a
+    `Reshape` to rows in front of each layer's matmul (a `Loop` body's
+    query, key and value each reshape the same input by equal constant
+    shapes), so layers reading one input share its quantization."""
+    node = producers.get(x)
+    if node is None or node.op_type != "Reshape":
+        return x
+    shape = _constant(scopes, node.input[1])
+    if shape is None:
+        return x
+    return seen.setdefault((node.input[0], np.asarray(shape).tobytes()), x)
+
+
 def _rewrite_graph(builder, scopes, by_value, schemes, stored) -> None:
     """`rewrite`'s pass over the innermost of `scopes` and its subgraphs: its
     new nodes go into it (each graph with its own int8 input quantization
@@ -268,6 +282,8 @@ def _rewrite_graph(builder, scopes, by_value, schemes, stored) -> None:
     outer_nodes, builder.nodes = builder.nodes, []
     builder.take(graph)
     cache: dict = {}  # each input's codes, shared by its readers; the probe
+    producers = {out: node for node in graph.node for out in node.output}
+    reshaped: dict = {}  # `_same_rows`
     kept = []
     for node in graph.node:
         for attribute in node.attribute:
@@ -286,7 +302,8 @@ def _rewrite_graph(builder, scopes, by_value, schemes, stored) -> None:
         name = match.layer.name
         x, output = node.input[0], node.output[0]
         if match.mode == "int8" and match.activations is not None:
-            int8_layers.exact_int8(builder, x, output, match, cache)
+            x = _same_rows(scopes, producers, x, reshaped)
+            int8_layers.exact_int8(builder, x, output, match, cache, stored)
             schemes[name] = LayerScheme(name, EXACT_INT8 + INT8_KERNEL, True)
             continue
         try:

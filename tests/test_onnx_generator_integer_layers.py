@@ -1,12 +1,15 @@
-"""An int4 (weight-only) model's ONNX generator computes its layers on
-ONNX Runtime's `MatMulNBits` from Keras's integers, in the prompt pass and
-in the `Loop` body, and generates the quantized Keras model's tokens.
+"""A quantized model's ONNX generator computes its layers on ONNX Runtime's
+integer kernels from Keras's integers, in the prompt pass and in the `Loop`
+body, and generates the quantized Keras model's tokens: int4 (weight-only)
+on `MatMulNBits`, int8 with Keras's activation quantizer on
+`MatMulIntegerToFloat` (the kernel a probe of the CPU picks, both of its
+choices run here).
 
 The fast test rewrites a hand-made `Loop` whose body multiplies by an int4
 `Dense` layer's dequantized kernel (`integer.rewrite`), against numpy. The
-slow one exports a small int4 language model (its LM head the reverse
-projection of an untied `ReversibleEmbedding`, as in keras-hub) and reads
-the file back.
+slow ones export a small int4 and int8 language model (its LM head the
+reverse projection of an untied `ReversibleEmbedding`, as in keras-hub) and
+read the files back.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ HIDDEN = 64
 MAX_LENGTH = 24
 # Ops that unpack 4-bit codes (Keras's `unpack_int4` as converted).
 UNPACKING = ("BitShift", "BitwiseAnd", "BitwiseOr")
+# The names of an int8 file's probe of the machine's kernel (one per graph).
+PROBE = "int8_probe_"
 
 
 def _subgraphs(graph):
@@ -122,7 +127,7 @@ def test_rewrite_reaches_a_loop_body_and_stores_the_codes_once():
     np.testing.assert_allclose(stacked, np.stack([want, want]), rtol=1e-5, atol=1e-5)
 
 
-def _language_model() -> keras.Model:
+def _language_model(mode: str) -> keras.Model:
     from keras_selfattn import SelfAttention
 
     keras.utils.set_random_seed(0)
@@ -138,41 +143,77 @@ def _language_model() -> keras.Model:
     up = keras.layers.Dense(2 * HIDDEN, activation="gelu", name="up")(x)
     x = keras.layers.Add()([x, keras.layers.Dense(HIDDEN, name="down")(up)])
     model = keras.Model(tokens, embedding(x, reverse=True))
-    model.quantize("int4")
+    model.quantize(mode)
     return model
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """(model, ONNX generator path): exported with its own check (a fresh
-    ONNX Runtime process against `generate`)."""
+@pytest.fixture(scope="module", params=["int4", "int8"])
+def exported(request, tmp_path_factory):
+    """(mode, model, ONNX generator path): exported with its own check (a
+    fresh ONNX Runtime process against `generate`)."""
     from keras_selfattn.export import export_generator
 
-    model = _language_model()
-    path = tmp_path_factory.mktemp("int4") / "lm.onnx"
-    return model, export_generator(model, path, "onnx", max_length=MAX_LENGTH)
+    model = _language_model(request.param)
+    path = tmp_path_factory.mktemp(request.param) / "lm.onnx"
+    path = export_generator(model, path, "onnx", max_length=MAX_LENGTH)
+    return request.param, model, path
+
+
+def _int8_layers(graph) -> list:
+    """The graph's int8 layers: each an `If` on the probe whose branches
+    multiply on `MatMulIntegerToFloat` (uint8 x int8, uint8 x uint8)."""
+    found = []
+    for node in graph.node:
+        branches = {a.name: [n.op_type for n in a.g.node] for a in node.attribute}
+        if node.op_type == "If" and node.input[0].startswith(PROBE):
+            assert branches["then_branch"] == ["MatMulIntegerToFloat"], node.name
+            assert branches["else_branch"][-1] == "MatMulIntegerToFloat", node.name
+            found.append(node)
+    return found
 
 
 @pytest.mark.slow
 @pytest.mark.tensorflow_only("ONNX generators are written by TensorFlow")
-def test_int4_generator_runs_matmul_nbits_in_its_loop(exported):
+def test_generator_runs_integer_kernels_in_its_loop(exported):
     import onnx
 
-    model, path = exported
+    mode, model, path = exported
     proto = onnx.load(path)
-    # Keras's int4 layers: every Dense (SelfAttention's projections too) and
-    # the reverse projection, independently of the export's own lookup.
+    # Keras's quantized layers: every Dense (SelfAttention's projections
+    # too) and the reverse projection, independently of the export's lookup.
     dense = [
         layer
         for layer in model._flatten_layers()
-        if isinstance(layer, keras.layers.Dense) and layer.quantization_mode == "int4"
+        if isinstance(layer, keras.layers.Dense) and layer.quantization_mode == mode
     ]
     assert len(dense) == 5  # query, key, value, up, down
     body = _loop_body(proto)
-    assert _ops(body).count("MatMulNBits") == len(dense) + 1
-    assert _ops(proto.graph).count("MatMulNBits") == len(dense) + 1
     nested = [op for graph in _subgraphs(body) for op in _ops(graph)]
-    assert not set(UNPACKING) & set(_ops(body) + nested)
+    if mode == "int4":
+        assert _ops(body).count("MatMulNBits") == len(dense) + 1
+        assert _ops(proto.graph).count("MatMulNBits") == len(dense) + 1
+        assert not set(UNPACKING) & set(_ops(body) + nested)
+    else:
+        assert len(_int8_layers(body)) == len(dense) + 1
+        assert len(_int8_layers(proto.graph)) == len(dense) + 1
+        # No integer matmul but the probes (Keras's own int8 x int8 call).
+        for graph in [proto.graph, body]:
+            integer = [n for n in graph.node if n.op_type == "MatMulInteger"]
+            assert [n.name.startswith(PROBE) for n in integer] == [True]
+        # query, key and value quantize their one input once, each pass.
+        assert _ops(body).count("QuantizeLinear") == len(dense) + 1 - 2
+        # Each kernel's integers stored once, read by both passes.
+        stored = sorted(
+            tuple(tensor.dims)
+            for tensor in proto.graph.initializer
+            if tensor.data_type == onnx.TensorProto.INT8
+            and len(tensor.dims) == 2
+            and not tensor.name.startswith(PROBE)
+        )
+        kernels = [tuple(layer._kernel.shape) for layer in dense]
+        table = tuple(model.get_layer("embedding")._embeddings.shape)
+        assert stored == sorted([*kernels, (HIDDEN, VOCABULARY), table])
+    assert "MatMul" not in _ops(body) + nested
     kernels = {(HIDDEN, VOCABULARY)} | {
         (layer.kernel.shape[0], layer.kernel.shape[1]) for layer in dense
     }
@@ -185,30 +226,55 @@ def test_int4_generator_runs_matmul_nbits_in_its_loop(exported):
     assert not kernels & set(floats)
 
 
+def _inexact_probes(proto):
+    """A copy of an int8 file whose probes find the kernel inexact, so its
+    sessions take the uint8 x uint8 branches (what x86 CPUs without VNNI or
+    AMX run)."""
+    from onnx import numpy_helper
+
+    copy = type(proto)()
+    copy.CopyFrom(proto)
+    changed = 0
+    for index, tensor in enumerate(copy.graph.initializer):
+        if tensor.name.startswith(f"{PROBE}exact"):
+            wrong = numpy_helper.to_array(tensor) + 1
+            copy.graph.initializer[index].CopyFrom(
+                numpy_helper.from_array(wrong, tensor.name)
+            )
+            changed += 1
+    assert changed == 2  # the prompt pass's probe and the loop body's
+    return copy
+
+
 @pytest.mark.slow
 @pytest.mark.tensorflow_only("ONNX generators are written by TensorFlow")
-def test_int4_generator_gives_the_quantized_models_tokens(exported):
+def test_generator_gives_the_quantized_models_tokens(exported):
+    import onnx
     import onnxruntime
 
     import keras_selfattn
 
-    model, path = exported
+    mode, model, path = exported
     prompts = np.random.default_rng(3).integers(1, VOCABULARY, (3, 7))
     steps = 12
     expected = keras_selfattn.generate(model, prompts, steps, max_length=MAX_LENGTH)
-    session = onnxruntime.InferenceSession(str(path))
-    tokens, lengths = session.run(
-        ["tokens", "lengths"],
-        {
-            "prompt_tokens": prompts.astype(np.int32),
-            "prompt_lengths": np.full(3, 7, np.int32),
-            "max_new_tokens": np.asarray(steps, np.int32),
-            "temperature": np.asarray(0.0, np.float32),
-            "top_k": np.asarray(VOCABULARY, np.int32),
-            "top_p": np.asarray(1.0, np.float32),
-            "seed": np.asarray(0, np.int32),
-            "end_token": np.asarray(-1, np.int32),
-        },
-    )
-    np.testing.assert_array_equal(tokens, expected.tokens)
-    np.testing.assert_array_equal(lengths, np.full(3, steps))
+    files = [str(path)]
+    if mode == "int8":
+        files.append(_inexact_probes(onnx.load(path)).SerializeToString())
+    for file in files:
+        session = onnxruntime.InferenceSession(file)
+        tokens, lengths = session.run(
+            ["tokens", "lengths"],
+            {
+                "prompt_tokens": prompts.astype(np.int32),
+                "prompt_lengths": np.full(3, 7, np.int32),
+                "max_new_tokens": np.asarray(steps, np.int32),
+                "temperature": np.asarray(0.0, np.float32),
+                "top_k": np.asarray(VOCABULARY, np.int32),
+                "top_p": np.asarray(1.0, np.float32),
+                "seed": np.asarray(0, np.int32),
+                "end_token": np.asarray(-1, np.int32),
+            },
+        )
+        np.testing.assert_array_equal(tokens, expected.tokens)
+        np.testing.assert_array_equal(lengths, np.full(3, steps))
