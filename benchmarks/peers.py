@@ -26,7 +26,10 @@ the same checkpoint (`-p int4 -e cpu`, `GENAI_QUANTIZED`: blocks of 128,
 its CPU default accuracy level 4, int8 activations) with the ONNX
 generator (and any `--generators`) and `keras_selfattn.generate` of the
 quantized model, whose tokens are the reference (onnxruntime-genai's
-quantized tokens differ: its own rounding; reported, not required);
+quantized tokens differ: its own rounding; reported, not required; int8's
+tokens part from any other computation's within a few tokens on this
+model, its per-token activation rounding: `benchmarks.forced_tokens`
+compares them on the same prefixes);
 keras-hub's `generate` is left out (its attention stays float).
 `--batch`, `--prompt` and `--new` set the request (default batch 1, a
 16-token prompt, 64 new tokens); `--busy K` keeps K other processes
