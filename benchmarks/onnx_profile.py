@@ -70,8 +70,15 @@ def profile(path: str, request: dict, spinning: bool = True) -> list[dict]:
 
 
 def summary(path: str, events: list[dict], new: int) -> dict:
-    """Kernels per token and milliseconds by op type, body and outside."""
+    """Kernels per token and milliseconds by op type, body and outside.
+
+    A body node is one of the file's `Loop` bodies, or one that ran more
+    than once in the request: ONNX Runtime renames the nodes of an `If`
+    it folds into the body when the session loads (an int8 layer's
+    choice of kernel)."""
     body = body_nodes(path)
+    names = [event["name"][: -len("_kernel_time")] for event in events]
+    body |= {name for name, count in collections.Counter(names).items() if count > 1}
     runs = collections.Counter()
     times: dict[str, collections.Counter] = {
         "body": collections.Counter(),
