@@ -48,7 +48,9 @@ from keras_selfattn.export.quantization import QuantizedDense
 PROBE_INNER = 64
 
 
-def _quantized_input(builder, x: str, activations, cache: dict) -> tuple:
+def _quantized_input(
+    builder, x: str, activations, cache: dict, few_rows: bool
+) -> tuple:
     """(uint8 codes, per-row 1 / scale) of `x` by Keras's AbsMaxQuantizer; shared
     by every layer reading the same tensor. The codes are Keras's integers +
     128."""
@@ -56,12 +58,17 @@ def _quantized_input(builder, x: str, activations, cache: dict) -> tuple:
         return cache[(x, activations)]
     low, high, epsilon = activations
     prefix = f"{x.replace(':', '_')}_int8"
-    # max |x| as max(max x, -min x): two reading passes, where Abs would
-    # write a whole copy of x first (the same value, bit for bit).
-    highest = builder.reduce("ReduceMax", x, f"{prefix}_max")
-    lowest = builder.reduce("ReduceMin", x, f"{prefix}_min")
-    negated = builder.node("Neg", [lowest], f"{prefix}_neg")
-    largest = builder.node("Max", [highest, negated], f"{prefix}_abs")
+    if few_rows:  # a loop body's new token: the fewest kernels
+        largest = builder.reduce(
+            "ReduceMax", builder.node("Abs", [x], f"{prefix}_abs_x"), f"{prefix}_abs"
+        )
+    else:
+        # max |x| as max(max x, -min x): two reading passes, where Abs
+        # would write a whole copy of x first (the same value, bit for bit).
+        highest = builder.reduce("ReduceMax", x, f"{prefix}_max")
+        lowest = builder.reduce("ReduceMin", x, f"{prefix}_min")
+        negated = builder.node("Neg", [lowest], f"{prefix}_neg")
+        largest = builder.node("Max", [highest, negated], f"{prefix}_abs")
     denominator = builder.node(
         "Add",
         [largest, builder.constant(f"{prefix}_eps", np.float32(epsilon))],
@@ -148,7 +155,13 @@ def _branch(name: str, nodes: list[onnx.NodeProto]) -> onnx.GraphProto:
 
 
 def exact_int8(
-    builder, x: str, output: str, quantized: QuantizedDense, cache, stored
+    builder,
+    x: str,
+    output: str,
+    quantized: QuantizedDense,
+    cache,
+    stored,
+    few_rows: bool = False,
 ) -> None:
     """Keras's int8 scheme for one layer reading `x`: a `MatMulIntegerToFloat`
     of the input's codes (shared by the layers reading `x`: query, key and
@@ -158,8 +171,12 @@ def exact_int8(
     faster than one over the three kernels side by side, whose wide output
     a Split then copies apart. The layer's integers and scales are stored
     once (`stored`: a layer read in a generator's prompt pass and in its
-    loop body)."""
-    codes, inverse = _quantized_input(builder, x, quantized.activations, cache)
+    loop body). `few_rows` (a generator's loop body, one new token a row):
+    max |x| as `ReduceMax(Abs(x))`, two kernels where the main graph's
+    two-pass form takes four."""
+    codes, inverse = _quantized_input(
+        builder, x, quantized.activations, cache, few_rows
+    )
     name = quantized.layer.name
     if id(quantized) not in stored:
         stored[id(quantized)] = (
