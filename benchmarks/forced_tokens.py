@@ -20,7 +20,7 @@ pass's own greedy tokens. At each prefix the next token of
 is recorded, and the results file counts agreements by the reference's gap.
 
     make bench-peers PEERS_ARGS="--quantize int8"   # makes the checkpoint
-    .venv/bin/python -m benchmarks.forced_tokens --quantize int8
+    .venv/bin/python -m benchmarks.forced_tokens --quantize int8 [--size 153m]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import sys
 import numpy as np
 
 from benchmarks import machine, report
+from benchmarks.peers_child import SIZES
 
 # The reference's top-two gaps the summary splits at.
 GAPS = (0.05, 0.1, 0.15)
@@ -100,7 +101,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "machine": machine.describe(),
         "quantize": args.quantize,
-        "size": "153m",
+        "size": args.size,
         "rows": rows,
         "summary": _summary(rows),
     }
@@ -163,18 +164,18 @@ def to_markdown(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="153m")
     parser.add_argument("--quantize", choices=("int8", "int4"), default="int8")
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=48, help="prefixes compared")
     parser.add_argument(
-        "--work",
-        default="/tmp/keras_selfattn_peers_153m",
-        help="benchmarks.peers' folder (its checkpoint/)",
+        "--work", default=None, help="benchmarks.peers' folder (its checkpoint/)"
     )
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
+    args.work = args.work or os.path.join("/tmp", f"keras_selfattn_peers_{args.size}")
     results = run(args)
-    stem = f"forced_tokens_153m_{args.quantize}"
+    stem = f"forced_tokens_{args.size}_{args.quantize}"
     paths = report.write(results, args.out, stem=stem, markdown=to_markdown)
     sys.stdout.write(to_markdown(results) + f"\n{paths[0]}\n")
 

@@ -13,9 +13,9 @@ and in the `Loop` body:
   unpacks a whole kernel;
 - int8 with Keras's activation quantizer on `MatMulIntegerToFloat`
   (`formats.onnx.int8_layers`): Keras's exact scheme, its kernel chosen by
-  a probe of the CPU that runs the file (exact on every CPU, where Keras's
-  own call, an int8 x int8 `MatMulInteger`, saturates on CPUs without
-  VNNI), the input's quantization shared by the layers that read it.
+  a probe of the CPU that runs the file (exact on every CPU), the input's
+  quantization shared by the layers that read it, where Keras's own call
+  ran an int8 x int8 `MatMulInteger` behind a dozen float ops per layer.
 
 Besides `Dense` layers this covers the reverse projection of an untied
 int4 or int8 `ReversibleEmbedding` (keras-hub's LM head), which Keras

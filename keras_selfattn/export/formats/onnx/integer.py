@@ -303,6 +303,7 @@ def _rewrite_graph(builder, scopes, by_value, schemes, stored) -> None:
         x, output = node.input[0], node.output[0]
         if match.mode == "int8" and match.activations is not None:
             x = _same_rows(scopes, producers, x, reshaped)
+            # In a subgraph (a generator's loop body) rows are few.
             int8_layers.exact_int8(
                 builder, x, output, match, cache, stored, few_rows=len(scopes) > 1
             )
