@@ -79,6 +79,9 @@ def run(args: argparse.Namespace) -> dict:
     vocabulary = lm.backbone.vocabulary_size
     max_length = args.prompt + args.tokens + 1
     path = os.path.join(args.work, f"forced_{args.quantize}.onnx")
+    for name in os.listdir(args.work):  # this benchmark's file of a run before
+        if name.startswith(os.path.basename(path)):
+            os.remove(os.path.join(args.work, name))
     export_generator(model, path, "onnx", max_length=max_length, check=False)
     session = onnxruntime.InferenceSession(path)
     prefix = np.random.default_rng(0).integers(4, vocabulary, (1, args.prompt))
