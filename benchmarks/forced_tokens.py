@@ -38,8 +38,8 @@ from benchmarks.peers_child import SIZES
 GAPS = (0.05, 0.1, 0.15)
 
 
-def _next_tokens(model, session, prefix: np.ndarray, vocabulary: int):
-    """(reference token, its top-two gap, generate's, the ONNX session's)."""
+def _next_tokens(model, onnx_generator, prefix: np.ndarray, vocabulary: int):
+    """(reference token, its top-two gap, generate's, the ONNX file's)."""
     import keras
 
     import keras_selfattn
@@ -58,7 +58,7 @@ def _next_tokens(model, session, prefix: np.ndarray, vocabulary: int):
         "seed": np.array(0, np.int32),
         "end_token": np.array(-1, np.int32),
     }
-    (onnx_tokens,) = session.run(["tokens"], request)
+    onnx_tokens = onnx_generator(request)["tokens"]
     gap = float(logits[first] - logits[second])
     return int(first), gap, int(generated.tokens[0, 0]), int(onnx_tokens[0, 0])
 
@@ -67,8 +67,8 @@ def run(args: argparse.Namespace) -> dict:
     """Exports the quantized model's ONNX generator, then compares every
     prefix's next token (module docstring)."""
     import keras_hub
-    import onnxruntime
 
+    import keras_selfattn_runtimes as runtimes
     from keras_selfattn import convert_causal_lm
     from keras_selfattn.export import export_generator
 
@@ -83,13 +83,13 @@ def run(args: argparse.Namespace) -> dict:
         if name.startswith(os.path.basename(path)):
             os.remove(os.path.join(args.work, name))
     export_generator(model, path, "onnx", max_length=max_length, check=False)
-    session = onnxruntime.InferenceSession(path)
+    onnx_generator = runtimes.load("onnx", path)  # as benchmarks.peers
     prefix = np.random.default_rng(0).integers(4, vocabulary, (1, args.prompt))
     prefix = prefix.astype(np.int32)
     rows = []
     for index in range(args.tokens):
         reference, gap, generated, onnx_token = _next_tokens(
-            model, session, prefix, vocabulary
+            model, onnx_generator, prefix, vocabulary
         )
         rows.append(
             {

@@ -18,13 +18,13 @@ import keras
 import numpy as np
 import pytest
 
+from tests.int8_probes import PROBE, with_inexact_probes
+
 VOCABULARY = 96
 HIDDEN = 64
 MAX_LENGTH = 24
 # Ops that unpack 4-bit codes (Keras's `unpack_int4` as converted).
 UNPACKING = ("BitShift", "BitwiseAnd", "BitwiseOr")
-# The names of an int8 file's probe of the machine's kernel (one per graph).
-PROBE = "int8_probe_"
 
 
 def _subgraphs(graph):
@@ -226,26 +226,6 @@ def test_generator_runs_integer_kernels_in_its_loop(exported):
     assert not kernels & set(floats)
 
 
-def _inexact_probes(proto):
-    """A copy of an int8 file whose probes find the kernel inexact, so its
-    sessions take the uint8 x uint8 branches (what x86 CPUs without VNNI or
-    AMX run)."""
-    from onnx import numpy_helper
-
-    copy = type(proto)()
-    copy.CopyFrom(proto)
-    changed = 0
-    for index, tensor in enumerate(copy.graph.initializer):
-        if tensor.name.startswith(f"{PROBE}exact"):
-            wrong = numpy_helper.to_array(tensor) + 1
-            copy.graph.initializer[index].CopyFrom(
-                numpy_helper.from_array(wrong, tensor.name)
-            )
-            changed += 1
-    assert changed == 2  # the prompt pass's probe and the loop body's
-    return copy
-
-
 @pytest.mark.slow
 @pytest.mark.tensorflow_only("ONNX generators are written by TensorFlow")
 def test_generator_gives_the_quantized_models_tokens(exported):
@@ -260,7 +240,7 @@ def test_generator_gives_the_quantized_models_tokens(exported):
     expected = keras_selfattn.generate(model, prompts, steps, max_length=MAX_LENGTH)
     files = [str(path)]
     if mode == "int8":
-        files.append(_inexact_probes(onnx.load(path)).SerializeToString())
+        files.append(with_inexact_probes(onnx.load(path), probes=2).SerializeToString())
     for file in files:
         session = onnxruntime.InferenceSession(file)
         tokens, lengths = session.run(

@@ -29,13 +29,12 @@ from keras_selfattn.export import (
     export_saved_model,
     verify,
 )
+from tests.int8_probes import PROBE, with_inexact_probes
 
 pytestmark = pytest.mark.tensorflow_only("the four TensorFlow export formats")
 
 FEATURES = 512
 PROJECTIONS = ("query", "key", "value", "output")
-# The names of the default int8 ONNX file's probe of the machine's kernel.
-PROBE = "int8_probe_"
 # The size the issue asks of an int8 file against its float one.
 INT8_SIZE_SHARE = 0.3
 INT4_SIZE_SHARE = 0.2
@@ -230,24 +229,6 @@ def test_each_file_stores_kerass_integers_once(int8):
         assert total == sum(kernel.size for kernel in wanted.values()), artifact
 
 
-def _uint8_x_uint8(proto):
-    """A copy of a default int8 file whose probe finds the kernel inexact, so
-    its sessions take the uint8 x uint8 branch (what x86 CPUs without VNNI
-    or AMX run)."""
-    from onnx import numpy_helper
-
-    copy = type(proto)()
-    copy.CopyFrom(proto)
-    for index, tensor in enumerate(copy.graph.initializer):
-        if tensor.name == f"{PROBE}exact":
-            wrong = numpy_helper.to_array(tensor) + 1
-            copy.graph.initializer[index].CopyFrom(
-                numpy_helper.from_array(wrong, tensor.name)
-            )
-            return copy
-    raise AssertionError("no probe in the file")
-
-
 @pytest.mark.slow  # the same exports
 def test_onnx_int8_layers_choose_an_exact_kernel(int8):
     """Each int8 layer multiplies Keras's integers + 128 (uint8, zero point
@@ -298,7 +279,7 @@ def test_onnx_int8_layers_choose_an_exact_kernel(int8):
     x = np.random.default_rng(3).standard_normal((2, 9, FEATURES)).astype("float32")
     expected = keras.ops.convert_to_numpy(model(x))
     results = []
-    for variant in (proto, _uint8_x_uint8(proto)):
+    for variant in (proto, with_inexact_probes(proto, probes=1)):
         session = onnxruntime.InferenceSession(
             variant.SerializeToString(), providers=["CPUExecutionProvider"]
         )
@@ -314,7 +295,7 @@ def test_onnx_int8_layers_choose_an_exact_kernel(int8):
 def test_the_default_int8_file_is_exact_at_the_extreme_codes(tmp_path):
     """Activation and kernel integers at +-127, the largest pair sums the
     shifted codes can form (255 x 127 and 1 x -127): ONNX Runtime's result,
-    on either of the file's kernels (`_uint8_x_uint8`), is the quantized
+    on either of the file's kernels (`with_inexact_probes`), is the quantized
     Keras model's, and (+-2.5 and +-1 are exact at those codes) numpy's
     float product's."""
     import onnx
@@ -330,7 +311,7 @@ def test_the_default_int8_file_is_exact_at_the_extreme_codes(tmp_path):
     rows[0, 0] = np.linspace(-2.5, 2.5, 16)  # codes between the extremes too
     rows = rows.astype("float32")
     expected = keras.ops.convert_to_numpy(model(rows))
-    for variant in (proto, _uint8_x_uint8(proto)):
+    for variant in (proto, with_inexact_probes(proto, probes=1)):
         session = onnxruntime.InferenceSession(
             variant.SerializeToString(), providers=["CPUExecutionProvider"]
         )
