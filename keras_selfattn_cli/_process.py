@@ -11,6 +11,7 @@ bury that line.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import re
 import signal
@@ -111,16 +112,19 @@ def _signals_recorded(received: list[int]) -> Iterator[Callable[[], None]]:
 
     Yields a function that stops the raising (once the work is over, a
     signal is only recorded, so it cannot escape `run` as a traceback).
-    After a signal, `sys.stderr` is silenced until the end: what Python and
-    libraries print about the cut-off work (an exception ignored in a
-    `__del__`, a SystemError from a C callback) would bury the one line that
-    `run` prints to the stream it saved.
+    After a signal, what Python and libraries print about the cut-off work
+    would bury the one line that `run` prints to the stream it saved, so it
+    is silenced until the end: `sys.stderr` (a SystemError from a C
+    callback), and exceptions ignored in a `__del__` through
+    `sys.unraisablehook`, which a library restoring `sys.stderr` on its way
+    out (`contextlib.redirect_stderr`) cannot undo. Objects the cut-off work
+    left in reference cycles are collected before the end, while silenced.
     """
     armed = [True]
     if threading.current_thread() is not threading.main_thread():
         yield armed.clear
         return
-    original = sys.stderr
+    original, unraisable = sys.stderr, sys.unraisablehook
     quiet = open(os.devnull, "w")
 
     def handler(signum, frame):
@@ -129,13 +133,20 @@ def _signals_recorded(received: list[int]) -> Iterator[Callable[[], None]]:
         if armed:
             raise _SIGNALS[signum][2]
 
+    def report_unless_signalled(report) -> None:
+        if not received:
+            unraisable(report)
+
     previous = {signum: signal.signal(signum, handler) for signum in _SIGNALS}
+    sys.unraisablehook = report_unless_signalled
     try:
         yield armed.clear
     finally:
+        if received:
+            gc.collect()
         for signum, action in previous.items():
             signal.signal(signum, action)
-        sys.stderr = original
+        sys.stderr, sys.unraisablehook = original, unraisable
         quiet.close()
 
 

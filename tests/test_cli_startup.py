@@ -136,3 +136,49 @@ def test_help_states_the_default_tolerances_of_verify(command, capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert f"absolute tolerance (default {DEFAULT_ATOL:g})" in text
     assert f"relative tolerance (default {DEFAULT_RTOL:g})" in text
+
+
+# A command cut off by SIGINT inside an object's `__init__` (as TensorFlow's
+# `ApiDefMap` can be), under a library that restores `sys.stderr` on the way
+# out (`contextlib.redirect_stderr`, as the converters' log capture does).
+# The half-built object's `__del__` fails ("Exception ignored in ...") when
+# the interrupt is dropped, or, in a reference cycle, when it is collected.
+HALF_BUILT = textwrap.dedent(
+    """
+    import contextlib, io, signal, sys
+    from keras_selfattn_cli import _process
+
+    class HalfBuilt:
+        def __init__(self, cyclic):
+            if cyclic:
+                self.me = self
+            signal.raise_signal(signal.SIGINT)
+            self.handle = 1
+
+        def __del__(self):
+            del self.handle
+
+    def command():
+        with contextlib.redirect_stderr(io.StringIO()):
+            HalfBuilt(sys.argv[1] == "cyclic")
+        return 0
+
+    sys.exit(_process.run(command, prog="keras-selfattn", verbose=False))
+    """
+)
+
+
+@pytest.mark.parametrize("kept", ["freed", "cyclic"])
+def test_an_interrupt_prints_one_line_whatever_restores_stderr(kept):
+    """In its own interpreter: pytest catches unraisable exceptions itself."""
+    result = subprocess.run(
+        [sys.executable, "-c", HALF_BUILT, kept],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 130, result.stderr
+    assert result.stderr == (
+        "keras-selfattn: error: interrupted; nothing partial was left on disk\n"
+    )
