@@ -20,11 +20,16 @@ machine) or it ran past `--timeout`. The machine (CPU, cores, memory, load
 before and after each step) is in the results file.
 
 A run of some steps (`--steps onnx`) keeps the results file's rows of the
-other steps, each with the date of its own run.
+other steps, each with the date of its own run. Each row names whether
+TensorFlow's oneDNN ops were on in its processes (`TF_ENABLE_ONEDNN_OPTS`,
+on unless "0" in the environment the run is given): oneDNN's CPU allocator
+keeps the memory it once held (docs/export.md), so a run with it off is a
+row of its own.
 
     make bench-real-size                          # llama-0.6b
     .venv/bin/python -m benchmarks.real_size --model tiny --out /tmp/rs
     .venv/bin/python -m benchmarks.real_size --steps onnx   # ONNX rerun
+    TF_ENABLE_ONEDNN_OPTS=0 make bench-real-size  # oneDNN off
 """
 
 from __future__ import annotations
@@ -114,6 +119,7 @@ def step_row(model: str, step: str, work: str, timeout_s: float) -> dict:
     row = {
         "model": model,
         "step": step,
+        "onednn": _onednn(),
         "date_utc": before["date_utc"],
         "load_before": before["load_average_1_5_15min"],
     }
@@ -124,6 +130,15 @@ def step_row(model: str, step: str, work: str, timeout_s: float) -> dict:
     row.update(measured)
     row["load_after"] = machine.describe()["load_average_1_5_15min"]
     return row
+
+
+def _onednn() -> str:
+    """ "on" or "off": TensorFlow's oneDNN ops in the steps' processes."""
+    return "off" if os.environ.get("TF_ENABLE_ONEDNN_OPTS") == "0" else "on"
+
+
+def _key(row: dict) -> tuple[str, str, str]:
+    return row["model"], row["step"], row.get("onednn", "on")
 
 
 def run(models: list[str], steps: list[str], work: str, timeout_s: float) -> dict:
@@ -164,14 +179,19 @@ def merged(results: dict, path: str) -> dict:
         return results
     with open(path, encoding="utf-8") as file:
         earlier = json.load(file)
-    ran = {(row["model"], row["step"]) for row in results["rows"]}
-    kept = [row for row in earlier["rows"] if (row["model"], row["step"]) not in ran]
+    ran = {_key(row) for row in results["rows"]}
+    kept = [row for row in earlier["rows"] if _key(row) not in ran]
     for row in kept:
         row.setdefault("date_utc", earlier["machine"]["date_utc"])
+        row.setdefault("onednn", "on")
     models = list(dict.fromkeys(row["model"] for row in [*kept, *results["rows"]]))
     rows = sorted(
         [*kept, *results["rows"]],
-        key=lambda row: (models.index(row["model"]), STEPS.index(row["step"])),
+        key=lambda row: (
+            models.index(row["model"]),
+            STEPS.index(row["step"]),
+            row["onednn"],
+        ),
     )
     return {**results, "rows": rows}
 
@@ -247,6 +267,7 @@ def to_markdown(results: dict) -> str:
                     "weights",
                 ),
                 ("step", "step"),
+                ("onednn", "oneDNN"),
                 (lambda r: f"{r['peak_rss_gib']:.2f} GiB", "peak RSS"),
                 (
                     lambda r: (

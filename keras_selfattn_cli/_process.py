@@ -5,7 +5,10 @@ one line `keras-selfattn: error: ...` on stderr (never a traceback), 130 for
 SIGINT, 143 for SIGTERM. Unless verbose, TensorFlow's native (C++) log, which
 it writes straight to file descriptor 2 (oneDNN, CUDA and CPU-feature notices
 while it is imported, and more while it works), is discarded so it cannot
-bury that line.
+bury that line. TensorFlow imported during the command runs without oneDNN's
+ops unless the environment sets `TF_ENABLE_ONEDNN_OPTS`, as the package's
+other processes that write exports do (`keras_selfattn.export.tensorflow_env`:
+oneDNN's allocator keeps every block it once held).
 """
 
 from __future__ import annotations
@@ -68,7 +71,8 @@ def run(command: Callable[[], int], *, prog: str, verbose: bool) -> int:
         prog: the name that starts the error line.
         verbose: keep TensorFlow's native log (else it is discarded, and
             `TF_CPP_MIN_LOG_LEVEL` is 2 unless set, for TensorFlow imported
-            during the command).
+            during the command). `TF_ENABLE_ONEDNN_OPTS` is 0 unless set,
+            either way.
 
     Returns:
         `command`'s status; 1 if it raised (the error in one line on stderr,
@@ -79,7 +83,7 @@ def run(command: Callable[[], int], *, prog: str, verbose: bool) -> int:
     received.clear()
     status, message = 0, ""
     quiet = contextlib.nullcontext() if verbose else _native_log_discarded()
-    with quiet, _signals_recorded(received) as disarm:
+    with _variables(verbose), quiet, _signals_recorded(received) as disarm:
         stderr = sys.stderr
         try:
             status = command()
@@ -150,16 +154,33 @@ def _signals_recorded(received: list[int]) -> Iterator[Callable[[], None]]:
         quiet.close()
 
 
+# The package's TensorFlow processes that write exports run without oneDNN's
+# ops (`keras_selfattn.export.tensorflow_env`, not imported here: it imports
+# Keras, and the variable must be set before TensorFlow is imported).
+_ONEDNN = "TF_ENABLE_ONEDNN_OPTS"
+
+
+@contextlib.contextmanager
+def _variables(verbose: bool) -> Iterator[None]:
+    """While active, each unless set: `TF_ENABLE_ONEDNN_OPTS` 0 and, unless
+    `verbose`, `TF_CPP_MIN_LOG_LEVEL` 2 (for TensorFlow imported meanwhile)."""
+    defaults = {_ONEDNN: "0", **({} if verbose else {"TF_CPP_MIN_LOG_LEVEL": "2"})}
+    unset = [name for name in defaults if name not in os.environ]
+    os.environ.update({name: defaults[name] for name in unset})
+    try:
+        yield
+    finally:
+        for name in unset:
+            os.environ.pop(name, None)
+
+
 @contextlib.contextmanager
 def _native_log_discarded() -> Iterator[None]:
-    """Points fd 2 at /dev/null (Python's `sys.stderr` keeps the real one)
-    and sets TF_CPP_MIN_LOG_LEVEL=2 unless set.
+    """Points fd 2 at /dev/null (Python's `sys.stderr` keeps the real one).
 
-    The variable alone is not enough: TensorFlow 2.21 prints its oneDNN and
-    CUDA notices while it is imported whatever its value.
+    `TF_CPP_MIN_LOG_LEVEL` alone is not enough: TensorFlow 2.21 prints its
+    oneDNN and CUDA notices while it is imported whatever its value.
     """
-    level_was_set = "TF_CPP_MIN_LOG_LEVEL" in os.environ
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.stderr.flush()
     saved = os.dup(2)
     try:
@@ -181,5 +202,3 @@ def _native_log_discarded() -> Iterator[None]:
         if python_uses_fd2:
             sys.stderr.close()
             sys.stderr = original
-        if not level_was_set:
-            os.environ.pop("TF_CPP_MIN_LOG_LEVEL", None)

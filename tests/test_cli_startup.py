@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from keras_selfattn.export import tensorflow_env
 from keras_selfattn.export.forward.check import DEFAULT_ATOL, DEFAULT_RTOL
 from keras_selfattn_cli import _process, build_parser
 
@@ -95,10 +96,12 @@ def test_native_log_discarded_unless_verbose(verbose, capfd, monkeypatch):
     """TensorFlow writes its native log to file descriptor 2, as this command
     does; the error line still reaches stderr."""
     monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
-    level = []
+    monkeypatch.delenv("TF_ENABLE_ONEDNN_OPTS", raising=False)
+    level, onednn = [], []
 
     def command() -> int:
         level.append(os.environ.get("TF_CPP_MIN_LOG_LEVEL"))
+        onednn.append(os.environ.get("TF_ENABLE_ONEDNN_OPTS"))
         os.write(2, b"I0000 cpu_feature_guard.cc:227] native\n")
         raise ValueError("`x` is bad")
 
@@ -113,7 +116,28 @@ def test_native_log_discarded_unless_verbose(verbose, capfd, monkeypatch):
     else:
         assert err == "keras-selfattn: error: `x` is bad\n"
     assert level == [None if verbose else "2"]
+    assert onednn == ["0"]  # oneDNN's allocator off either way
     assert "TF_CPP_MIN_LOG_LEVEL" not in os.environ
+    assert "TF_ENABLE_ONEDNN_OPTS" not in os.environ
+
+
+def test_variables_set_by_the_user_are_kept(monkeypatch):
+    monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", "1")
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "0")
+    seen = []
+
+    def command() -> int:
+        seen.append(
+            (os.environ["TF_ENABLE_ONEDNN_OPTS"], os.environ["TF_CPP_MIN_LOG_LEVEL"])
+        )
+        return 0
+
+    assert _process.run(command, prog="keras-selfattn", verbose=False) == 0
+    assert seen == [("1", "0")]
+    assert tensorflow_env.writer_env(X="y")["TF_ENABLE_ONEDNN_OPTS"] == "1"
+    monkeypatch.delenv("TF_ENABLE_ONEDNN_OPTS")
+    assert tensorflow_env.writer_env(X="y")["TF_ENABLE_ONEDNN_OPTS"] == "0"
+    assert os.environ.get("TF_ENABLE_ONEDNN_OPTS") is None
 
 
 @pytest.mark.parametrize(

@@ -34,25 +34,58 @@ def _request():
 
 
 def test_onnx_generator_past_the_limit_keeps_external_data(monkeypatch, tmp_path):
+    """The weights go to the data file as they are converted: the proto
+    handed to `save` holds none of their bytes, and each starts on a page
+    (ONNX's own writing of external data does not align them). Weights of
+    more than 300 elements are stored so here (this model's largest have
+    368), and its kernels of 256 are appended by `format.save` after them."""
     import onnx
     import onnxruntime
 
+    from keras_selfattn.export.formats.onnx import external
     from keras_selfattn.export.formats.onnx import format as onnx_format
 
     monkeypatch.setattr(onnx_format, "EXTERNAL_DATA_BYTES", 0)
+    monkeypatch.setattr(external, "STORED_ELEMENTS", 300)
+    saved = []
+    save = onnx_format.save
+
+    def save_and_keep(proto, path, external):
+        saved.append(onnx.ModelProto.FromString(proto.SerializeToString()))
+        save(proto, path, external)
+
+    monkeypatch.setattr(onnx_format, "save", save_and_keep)
     model = token_model()
     path = export_generator(model, tmp_path / "lm.onnx", "onnx", max_length=MAX_LENGTH)
     assert sorted(os.listdir(tmp_path)) == ["lm.onnx", "lm.onnx.data"]
+    large = [w for w in model.weights if np.prod(w.shape) > external.STORED_ELEMENTS]
+    assert large
+    (handed,) = saved
+    data = (tmp_path / "lm.onnx.data").read_bytes()
+    in_proto, in_file = set(), set()
+    for tensor in handed.graph.initializer:
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            in_proto.add(tensor.raw_data)
+        else:
+            entry = {
+                e.key: int(e.value) for e in tensor.external_data if e.key != "location"
+            }
+            assert entry["offset"] % external.ALIGNMENT == 0, tensor.name
+            in_file.add(data[entry["offset"] : entry["offset"] + entry["length"]])
+    for weight in large:
+        value = np.asarray(weight).tobytes()
+        assert value in in_file and value not in in_proto, weight.path
     stored = onnx.load(path, load_external_data=False)
-    external = [
+    outside = [
         tensor
         for tensor in stored.graph.initializer
         if tensor.data_location == onnx.TensorProto.EXTERNAL
     ]
-    assert external, "no tensor went to the external data file"
+    kilobyte = [w for w in model.weights if 4 * np.prod(w.shape) >= 1024]
+    assert len(outside) >= len(kilobyte) > len(large)
     locations = {
         entry.value
-        for tensor in external
+        for tensor in outside
         for entry in tensor.external_data
         if entry.key == "location"
     }
@@ -70,9 +103,11 @@ def test_onnx_forward_export_past_the_limit_keeps_external_data(monkeypatch, tmp
     import onnxruntime
 
     from keras_selfattn.export import export_onnx
+    from keras_selfattn.export.formats.onnx import external
     from keras_selfattn.export.formats.onnx import format as onnx_format
 
     monkeypatch.setattr(onnx_format, "EXTERNAL_DATA_BYTES", 0)
+    monkeypatch.setattr(external, "STORED_ELEMENTS", 300)
     model = token_model()
     path = export_onnx(model, tmp_path / "m.onnx")
     assert sorted(os.listdir(tmp_path)) == ["m.onnx", "m.onnx.data"]

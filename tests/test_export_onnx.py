@@ -156,7 +156,7 @@ def test_model_loaded_from_keras_file(tmp_path):
 
 def test_exact_gelu_exports(tmp_path):
     """Keras's exact GELU is erfc on TensorFlow, which tf2onnx cannot
-    convert by itself (`onnx.format.CUSTOM_OP_HANDLERS`); its tail rounds
+    convert by itself (`onnx.tf2onnx_handlers`); its tail rounds
     to 0 (inputs -6)."""
     keras.utils.set_random_seed(0)
     x = keras.Input((None, 8), name="x")
@@ -228,8 +228,8 @@ def test_graph_that_miscomputes_is_refused(tmp_path, small_model, monkeypatch):
     impostor = model_zoo.attention_only(seed=2)
     real_convert = onnx_module.convert_to_onnx
 
-    def convert_impostor(target, opset):
-        return real_convert(build_endpoint(impostor).target(), opset)
+    def convert_impostor(target, opset, weights=None):
+        return real_convert(build_endpoint(impostor).target(), opset, weights)
 
     monkeypatch.setattr(onnx_module, "convert_to_onnx", convert_impostor)
     with pytest.raises(ParityError, match="differ from Keras") as caught:

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import keras
 
 from keras_selfattn import _tensorflow_extra
+from keras_selfattn.export import tensorflow_env
 from keras_selfattn.export.formats import ExportError, Writer, one_line
 from keras_selfattn.export.signature import Signature
 from keras_selfattn.generation import decode_check
@@ -114,12 +115,11 @@ def writer(
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
         search = [package_root, *sorted(set(modules.values()))]
         search.append(os.environ.get("PYTHONPATH", ""))
-        env = {
-            **os.environ,
-            "KERAS_BACKEND": WRITER_BACKEND,
-            "TF_CPP_MIN_LOG_LEVEL": "3",
-            "PYTHONPATH": os.pathsep.join(p for p in search if p),
-        }
+        env = tensorflow_env.writer_env(
+            KERAS_BACKEND=WRITER_BACKEND,
+            TF_CPP_MIN_LOG_LEVEL="3",
+            PYTHONPATH=os.pathsep.join(p for p in search if p),
+        )
         completed = subprocess.run(
             [sys.executable, "-m", WORKER, json.dumps(request)],
             capture_output=True,

@@ -1,6 +1,6 @@
 """ONNX: tf2onnx on TensorFlow, Keras's jax2onnx / torch.onnx route elsewhere.
 
-Conversion (tf2onnx's missing conversions: `CUSTOM_OP_HANDLERS`) ->
+Conversion (tf2onnx's missing conversions: `tf2onnx_handlers`) ->
 dynamic axes named "batch" and "time" -> (`fuse_attention`:
 each SelfAttention core becomes one ONNX `Attention` node) -> quantized
 layers stored as Keras's integers on ONNX Runtime's integer kernels
@@ -13,7 +13,8 @@ and the model holds them once. Protobuf serializes at most 2 GiB, so a
 model whose weights come near it is written with its weights as ONNX
 external data: `model.onnx` beside one file `model.onnx.data`
 (`external_data_file`), which ONNX Runtime reads from the .onnx file's path
-alone. Smaller models stay one file.
+alone, each weight written there as it is converted (`external`). Smaller
+models stay one file.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import keras
-import numpy as np
 
 from keras_selfattn import _checks, tracing
 from keras_selfattn.attention.cache import ConverterCache
@@ -36,6 +36,7 @@ from keras_selfattn.export.formats._base import (
     converting,
     weight_bytes,
 )
+from keras_selfattn.export.formats.onnx import external
 from keras_selfattn.export.signature import BATCH_AXIS, TIME_AXIS, Signature
 from keras_selfattn_runtimes import table
 
@@ -87,7 +88,9 @@ def check_opset(opset: object, backend: str | None = None) -> int | None:
     return opset
 
 
-def convert_to_onnx(target: Signature, opset: int) -> onnx.ModelProto:
+def convert_to_onnx(
+    target: Signature, opset: int, weights: external.WeightFile | None = None
+) -> onnx.ModelProto:
     """Converts the target's `tf.function` with tf2onnx (TensorFlow backend).
 
     Inputs keep the target's input names (through named TensorSpecs) and
@@ -101,15 +104,17 @@ def convert_to_onnx(target: Signature, opset: int) -> onnx.ModelProto:
     A tensor the trace captured otherwise (a constant the model computed
     when built, as keras-hub's `GemmaBackbone` does its embedding scale) is
     stored the same way. The returned model holds the weights once, in
-    memory (a proto past 2 GiB: `save` writes them as external data).
+    memory, or, given `weights`, in its file (the model's weights past 2
+    GiB: `external`).
     """
     import tensorflow as tf
     from onnx import numpy_helper
+    from tf2onnx import tf_loader
     from tf2onnx.convert import tensor_names_from_structed
     from tf2onnx.tf_utils import compress_graph_def
     from tf2onnx.tfonnx import process_tf_graph
 
-    from keras_selfattn.export.formats.onnx import conversion
+    from keras_selfattn.export.formats.onnx import conversion, tf2onnx_handlers
 
     concrete = conversion.traced(target)
     inputs = [tensor.name for tensor in concrete.inputs]
@@ -129,7 +134,7 @@ def convert_to_onnx(target: Signature, opset: int) -> onnx.ModelProto:
                 return process_tf_graph(
                     graph,
                     const_node_values=constants,
-                    custom_op_handlers=dict(CUSTOM_OP_HANDLERS),
+                    custom_op_handlers=dict(tf2onnx_handlers.CUSTOM_OP_HANDLERS),
                     continue_on_error=True,
                     opset=opset,
                     input_names=inputs,
@@ -137,31 +142,27 @@ def convert_to_onnx(target: Signature, opset: int) -> onnx.ModelProto:
                     tensors_to_rename=renames,
                 )
 
-            converted = conversion.optimize(process)
-            proto = converted.make_model(f"converted from {concrete.name}")
+            try:
+                converted = conversion.optimize(process)
+                proto = converted.make_model(f"converted from {concrete.name}")
+            finally:
+                # tf2onnx keeps the graphs of the functions it converted (a
+                # generator's loop body) until its next conversion starts:
+                # 0.48 of the 0.85 GiB a 28-layer generator's conversion
+                # left resident.
+                tf_loader.clear_functions()
+            del converted
     captured = {inner.name: outer for outer, inner in concrete.graph.captures}
     for value_info in list(proto.graph.input):
         if value_info.name in captured:
             proto.graph.input.remove(value_info)
+            value = captured[value_info.name].numpy()
             proto.graph.initializer.append(
-                numpy_helper.from_array(
-                    captured[value_info.name].numpy(), value_info.name
-                )
+                weights.initializer(value_info.name, value)
+                if weights
+                else numpy_helper.from_array(value, value_info.name)
             )
     return proto
-
-
-def _return_freed_memory() -> None:
-    """Gives the memory this process freed back to the system (glibc's
-    `malloc_trim`; nothing elsewhere)."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):  # not glibc
-        pass
 
 
 def external_data_file(path: str) -> str:
@@ -172,7 +173,8 @@ def external_data_file(path: str) -> str:
 def save(proto: onnx.ModelProto, path: str, external: bool) -> None:
     """Writes `proto` at `path` and checks the file (`onnx.checker`, full);
     with `external` (its model's weights past `EXTERNAL_DATA_BYTES`), every
-    tensor of 1 KiB or more in `external_data_file(path)`, referred to by its
+    tensor of 1 KiB or more not yet in `external_data_file(path)` (the
+    weights `external.WeightFile` wrote) appended to it, referred to by its
     base name (moved out of `proto`)."""
     import onnx
 
@@ -190,71 +192,6 @@ def save(proto: onnx.ModelProto, path: str, external: bool) -> None:
         )
     # The file, not the proto: checking a proto serializes a copy of it.
     onnx.checker.check_model(path, full_check=True)
-
-
-# tf2onnx handlers of TensorFlow ops it has no conversion for, passed to
-# tf2onnx's `process_tf_graph` by `convert_to_onnx`:
-# - XlaDynamicUpdateSlice: the key/value cache write on TensorFlow (decoding
-#   steps, generators).
-# - Erfc: Keras's exact GELU on TensorFlow (`0.5 x erfc(-x / sqrt 2)`), as
-#   1 - Erf(x). 1 - erf(x) rounds erfc's tail below float32's epsilon to 0
-#   (erfc(4) = 1.5e-8): GELU of x < -5.6 gives exactly 0 instead of about
-#   -1e-8, an absolute error far below the float32 tolerance.
-
-
-def dynamic_update_slice(ctx, node, name: str, args: list) -> None:
-    """Rewrites an XlaDynamicUpdateSlice node into ONNX ops in place.
-
-    `operand` with `update` written at `start` (clamped into the operand as
-    XLA does): Where(Pad(ones, pads), Pad(update, pads), operand), with pads
-    (start, operand.shape - update.shape - start) on every axis.
-    """
-    from onnx import TensorProto, helper
-    from tf2onnx.utils import make_name
-
-    operand, update, indices = node.input
-    start = ctx.make_node("Cast", [indices], attr={"to": TensorProto.INT64})
-    operand_shape = ctx.make_node("Shape", [operand])
-    update_shape = ctx.make_node("Shape", [update])
-    limit = ctx.make_node("Sub", [operand_shape.output[0], update_shape.output[0]])
-    zero = ctx.make_const(make_name(f"{name}_zero"), np.zeros(1, np.int64))
-    start = ctx.make_node("Min", [start.output[0], limit.output[0]])
-    start = ctx.make_node("Max", [start.output[0], zero.output[0]])
-    end = ctx.make_node("Sub", [limit.output[0], start.output[0]])
-    pads = ctx.make_node("Concat", [start.output[0], end.output[0]], attr={"axis": 0})
-    padded = ctx.make_node("Pad", [update, pads.output[0]])
-    ones = ctx.make_node(
-        "ConstantOfShape",
-        [update_shape.output[0]],
-        attr={"value": helper.make_tensor("one", TensorProto.UINT8, [1], [1])},
-    )
-    mask = ctx.make_node("Pad", [ones.output[0], pads.output[0]])
-    mask = ctx.make_node("Cast", [mask.output[0]], attr={"to": TensorProto.BOOL})
-    node.type = "Where"
-    node.attr.clear()
-    ctx.replace_inputs(node, [mask.output[0], padded.output[0], operand])
-
-
-def complementary_error_function(ctx, node, name: str, args: list) -> None:
-    """Rewrites an Erfc node into Sub(1, Erf(x)) in place."""
-    (x,) = node.input
-    dtype = ctx.get_dtype(x)
-    from onnx import helper
-
-    one = ctx.make_const(
-        f"{name}_one", np.ones((), helper.tensor_dtype_to_np_dtype(dtype))
-    )
-    erf = ctx.make_node("Erf", [x])
-    node.type = "Sub"
-    node.attr.clear()
-    ctx.replace_inputs(node, [one.output[0], erf.output[0]])
-
-
-# tf2onnx's `custom_op_handlers`: op type -> (handler, extra args).
-CUSTOM_OP_HANDLERS = {
-    "XlaDynamicUpdateSlice": (dynamic_update_slice, []),
-    "Erfc": (complementary_error_function, []),
-}
 
 
 def name_dynamic_axes(proto: onnx.ModelProto) -> onnx.ModelProto:
@@ -378,64 +315,82 @@ class OnnxFormat(Format):
     ) -> None:
         import onnx
 
+        from keras_selfattn.export.formats.onnx import graph as og
+
         opset = options["opset"]
         size = weight_bytes(target)
+        large = size >= EXTERNAL_DATA_BYTES
         backend = keras.backend.backend()
         nibbles = any(mode in NIBBLE_MODES for mode in quantization.modes(target.model))
         if nibbles and backend == "tensorflow" and not options["opset_given"]:
             opset = max(opset, NIBBLE_OPSET)
-        if backend != "tensorflow" and size >= EXTERNAL_DATA_BYTES:
+        if backend != "tensorflow" and large:
             raise ValueError(
                 f"ONNX export of {size / 2**30:.2f} GiB of weights on {backend}: "
                 "Keras's ONNX export writes one protobuf, which holds at most 2 "
                 "GiB; save the model as .keras and export it under "
                 "KERAS_BACKEND=tensorflow (weights as ONNX external data)"
             )
+        weights = external.WeightFile(external_data_file(path)) if large else None
         with (
             converting(self.row.title, self.advice),
             target.traced(self.quantized_form),
+            weights or contextlib.nullcontext(),
         ):
             if backend == "tensorflow":
                 # Ops tf2onnx converts (a decoding step's cache write as
                 # XlaDynamicUpdateSlice, for `dynamic_update_slice`).
                 with tracing.traced_as(tracing.FOR_CONVERTER):
-                    proto = convert_to_onnx(target.with_caches(ConverterCache), opset)
+                    proto = convert_to_onnx(
+                        target.with_caches(ConverterCache), opset, weights
+                    )
             else:
                 keras_export(target, path, opset)
                 proto = name_outputs(onnx.load(path), target.output_names)
-        proto = name_dynamic_axes(proto)
-        # The passes a float model without fusion does not run, imported
-        # when they run.
-        if options["fuse_attention"]:
-            from keras_selfattn.export.formats.onnx import fused
-
-            proto, _ = fused.fuse_attention(proto, target.model)
-        if any(node.op_type == "Loop" for node in proto.graph.node):  # a generator
-            from keras_selfattn.export.formats.onnx import (
-                generator_fusion,
-                loop_invariant,
-            )
-
-            proto = loop_invariant.optimize_loops(proto)
-            proto = generator_fusion.fuse_generator(proto, target.model)
-        if target.quantized:  # after the loop passes: their upgrade is onnx's
-            from keras_selfattn.export.formats.onnx import integer
-
-            proto, _ = integer.rewrite(proto, target.quantized)
-        from keras_selfattn.export.formats.onnx.graph import has_op
-
-        if nibbles and opset < NIBBLE_OPSET and has_op(proto.graph, "BitwiseAnd"):
-            raise ValueError(
-                f"ONNX export at opset {opset}: tf2onnx writes the unpacking of "
-                f"this model's 4-bit weights as BitwiseAnd, an opset "
-                f"{NIBBLE_OPSET} op; pass opset={NIBBLE_OPSET} or leave opset unset"
-            )
-        save(proto, path, external=size >= EXTERNAL_DATA_BYTES)
-        if size >= EXTERNAL_DATA_BYTES:
+        folder = os.path.dirname(path)
+        with og.external_data_in(folder) if large else contextlib.nullcontext():
+            proto = _rewritten(name_dynamic_axes(proto), target, options)
+            if (
+                nibbles
+                and opset < NIBBLE_OPSET
+                and og.has_op(proto.graph, "BitwiseAnd")
+            ):
+                raise ValueError(
+                    f"ONNX export at opset {opset}: tf2onnx writes the unpacking "
+                    f"of this model's 4-bit weights as BitwiseAnd, an opset "
+                    f"{NIBBLE_OPSET} op; pass opset={NIBBLE_OPSET} or leave opset "
+                    "unset"
+                )
+            save(proto, path, external=large)
+        if large:
             # The converted model's memory back to the system before the
             # fresh-process check (the allocator keeps freed blocks).
             del proto
-            _return_freed_memory()
+            external.return_freed_memory()
+
+
+def _rewritten(
+    proto: onnx.ModelProto, target: Signature, options: Mapping[str, object]
+) -> onnx.ModelProto:
+    """The converted `proto` after the passes its model and `options` take
+    (each imported when it runs: a float model without fusion runs none)."""
+    if options["fuse_attention"]:
+        from keras_selfattn.export.formats.onnx import fused
+
+        proto, _ = fused.fuse_attention(proto, target.model)
+    if any(node.op_type == "Loop" for node in proto.graph.node):  # a generator
+        from keras_selfattn.export.formats.onnx import (
+            generator_fusion,
+            loop_invariant,
+        )
+
+        proto = loop_invariant.optimize_loops(proto)
+        proto = generator_fusion.fuse_generator(proto, target.model)
+    if target.quantized:  # after the loop passes: their upgrade is onnx's
+        from keras_selfattn.export.formats.onnx import integer
+
+        proto, _ = integer.rewrite(proto, target.quantized)
+    return proto
 
 
 FORMAT = OnnxFormat()

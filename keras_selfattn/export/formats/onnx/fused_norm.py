@@ -36,7 +36,7 @@ import dataclasses
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from keras_selfattn.export.formats.onnx import graph as og
 
@@ -83,7 +83,7 @@ def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
     values = {}
     for initializer in graph.initializer:
         if len(initializer.dims) <= 1:
-            values[initializer.name] = numpy_helper.to_array(initializer)
+            values[initializer.name] = og.initializer_value(initializer)
     for node in graph.node:
         if node.op_type == "Constant":
             value = og.constant_value(graph, node.output[0])

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import heapq
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import onnx
 from onnx import numpy_helper
@@ -54,11 +56,33 @@ def consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
     return result
 
 
+# The folder of the file that holds the external data of the initializers
+# being read (`external.WeightFile`), while `external_data_in` runs.
+_EXTERNAL_FOLDER = contextvars.ContextVar("external_folder", default="")
+
+
+@contextlib.contextmanager
+def external_data_in(folder: str) -> Iterator[None]:
+    """Initializers' values (`initializer_value`) read from external data in
+    `folder` while active."""
+    token = _EXTERNAL_FOLDER.set(folder)
+    try:
+        yield
+    finally:
+        _EXTERNAL_FOLDER.reset(token)
+
+
+def initializer_value(initializer: onnx.TensorProto):
+    """The numpy value of `initializer`, read from its external data file
+    if it has one (in the folder of `external_data_in`)."""
+    return numpy_helper.to_array(initializer, base_dir=_EXTERNAL_FOLDER.get())
+
+
 def constant_value(graph: onnx.GraphProto, name: str):
     """The numpy value of an initializer or Constant node output, or None."""
     for initializer in graph.initializer:
         if initializer.name == name:
-            return numpy_helper.to_array(initializer)
+            return initializer_value(initializer)
     for node in graph.node:
         if node.op_type == "Constant" and name in node.output:
             for attribute in node.attribute:

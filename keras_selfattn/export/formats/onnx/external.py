@@ -1,0 +1,101 @@
+"""Past 2 GiB: the weights written to the external data file as they are
+converted.
+
+Protobuf serializes at most 2 GiB, so a model whose weights come near it is
+written as `model.onnx` beside `model.onnx.data` (`format.save`). Its
+weights go to that file as the conversion stores them (`WeightFile`): each
+is written from the memory it shares with its variable, and the converted
+proto refers to it by offset, so exporting holds the weights once (the
+model's) where the proto's initializers held them a second time until the
+file was written. Passes that read a stored weight's value read it from
+the file (`graph.constant_value` under `graph.external_data_in`);
+`format.save` appends the tensors the passes added.
+"""
+
+from __future__ import annotations
+
+import os
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:  # onnx is an extra, imported when a file is written
+    import onnx
+
+# Weights of more elements than this are written to the file as the
+# conversion stores them; fewer stay in the proto until `save` (the
+# generator's passes read the values of small initializers: axes, shapes,
+# scalars).
+STORED_ELEMENTS = 1024
+# Each stored weight starts at a multiple of this (a page: ONNX Runtime
+# can map it).
+ALIGNMENT = 4096
+
+
+class WeightFile:
+    """An ONNX file's external data file, written as weights are stored
+    (`initializer`); a context manager that creates and closes it.
+
+    Args:
+        path: The data file, beside the .onnx file, which refers to it by
+            its base name.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self._file = None
+
+    def __enter__(self) -> WeightFile:
+        self._file = open(self.path, "xb")
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._file.close()
+
+    def initializer(self, name: str, value: np.ndarray) -> onnx.TensorProto:
+        """`value` as the initializer `name`: written to the file (more than
+        `STORED_ELEMENTS` elements) or held in the proto."""
+        from onnx import TensorProto, helper, numpy_helper
+
+        if value.size <= STORED_ELEMENTS:
+            return numpy_helper.from_array(value, name)
+        value = np.ascontiguousarray(value, value.dtype.newbyteorder("<"))
+        file = self._file
+        offset = -file.tell() % ALIGNMENT + file.tell()
+        file.seek(offset)
+        file.write(memoryview(value).cast("B"))  # no copy of the weight
+        tensor = TensorProto(
+            name=name,
+            dims=value.shape,
+            data_type=helper.np_dtype_to_tensor_dtype(value.dtype),
+            data_location=TensorProto.EXTERNAL,
+        )
+        for key, entry in (
+            ("location", os.path.basename(self.path)),
+            ("offset", offset),
+            ("length", value.nbytes),
+        ):
+            tensor.external_data.add(key=key, value=str(entry))
+        return tensor
+
+
+def return_freed_memory() -> None:
+    """Collects reference cycles and gives the memory this process freed
+    back to the system (glibc's `malloc_trim`; nothing elsewhere)."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # not glibc
+        pass

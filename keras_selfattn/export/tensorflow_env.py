@@ -1,0 +1,26 @@
+"""The environment of the TensorFlow processes that write exports.
+
+oneDNN's ops (TensorFlow's default on x86 Linux) come with oneDNN's CPU
+allocator, which keeps every block it once held for reuse and never hands
+it back: building a Keras model of 2.41 GiB of random weights left its
+process at 4.81 GiB resident, 3.24 GiB with `TF_ENABLE_ONEDNN_OPTS=0`
+(docs/export.md, "Large models"). A process that builds a model to export
+it computes little, so the ones this package runs (its command line, the
+TensorFlow process writing a JAX or PyTorch model's generator) run with
+oneDNN's ops off unless the environment sets `TF_ENABLE_ONEDNN_OPTS`. The
+runtimes' checks and the LiteRT converter's process, which builds no model
+(its peak was the same either way: 7.45 against 7.41 GiB converting a
+generator of 0.81 GiB of weights), run as the environment says.
+"""
+
+from __future__ import annotations
+
+import os
+
+ONEDNN = "TF_ENABLE_ONEDNN_OPTS"
+
+
+def writer_env(**variables: str) -> dict[str, str]:
+    """This process's environment for a TensorFlow process that writes an
+    export: oneDNN's ops off unless set here, then `variables`."""
+    return {**os.environ, ONEDNN: os.environ.get(ONEDNN, "0"), **variables}
