@@ -253,7 +253,9 @@ def to_markdown(results: dict) -> str:
         "x weights: over the model's float32 weights. Each step is a fresh "
         "process that builds the model first (its time is in the total); "
         "the header's machine, load and commit are the last run's, each "
-        "row's run and load its own. "
+        "row's run and load its own. oneDNN: TensorFlow's oneDNN ops in the "
+        'step\'s processes ("off": `TF_ENABLE_ONEDNN_OPTS=0` in its environment; '
+        "its allocator keeps every block it once held). "
         f"{results['memory_available_gib_before']:.1f} GiB available before; "
         f"a step is stopped when the machine's falls under {RESERVE_GIB} GiB.",
         "",
