@@ -93,7 +93,6 @@ def return_freed_memory() -> None:
     import gc
 
     gc.collect()
-
     name = ctypes.util.find_library("c")
     try:
         ctypes.CDLL(name).malloc_trim(0)
