@@ -9,7 +9,8 @@ proto refers to it by offset, so exporting holds the weights once (the
 model's) where the proto's initializers held them a second time until the
 file was written. Passes that read a stored weight's value read it from
 the file (`graph.constant_value` under `graph.external_data_in`);
-`format.save` appends the tensors the passes added.
+`format.save` appends the other tensors of 1 KiB or more (smaller weights,
+and what the passes added).
 """
 
 from __future__ import annotations
