@@ -76,8 +76,9 @@ def _uncommitted() -> list[str]:
 
 
 def measure(args: list[str], timeout_s: float) -> dict:
-    """Runs `args` (on TensorFlow) in a child; its tree's peak RSS, wall
-    time, rc, stdout."""
+    """Runs `args` (on TensorFlow) in a child; its tree's peak RSS and
+    peak PSS (a page two of its processes share, TensorFlow's libraries,
+    counted once: what the machine holds), wall time, rc, stdout."""
     start = time.perf_counter()
     child = subprocess.Popen(
         args,
@@ -86,11 +87,13 @@ def measure(args: list[str], timeout_s: float) -> dict:
         text=True,
         env={**os.environ, "KERAS_BACKEND": "tensorflow"},
     )
-    root, peak, stopped = psutil.Process(child.pid), 0, None
+    root, peak, peak_pss, stopped = psutil.Process(child.pid), 0, 0, None
     while child.poll() is None:
         try:
             processes = [root, *root.children(recursive=True)]
             peak = max(peak, sum(p.memory_info().rss for p in processes))
+            pss = sum(p.memory_full_info().pss for p in processes)
+            peak_pss = max(peak_pss, pss)
         except psutil.Error:
             pass
         if stopped is None and _available_gib() < RESERVE_GIB:
@@ -105,6 +108,7 @@ def measure(args: list[str], timeout_s: float) -> dict:
         "rc": child.returncode,
         "stopped": stopped,
         "peak_rss_gib": peak / GIB,
+        "peak_pss_gib": peak_pss / GIB,
         "wall_s": time.perf_counter() - start,
         "stdout": out,
         "stderr_tail": err[-2000:],
@@ -250,7 +254,11 @@ def to_markdown(results: dict) -> str:
         f"{info.get('keras')}. Random weights (one seed); "
         f"{results['request']}. Peak RSS: the step's whole process tree "
         "(the export's fresh-process check included), polled every 0.2 s; "
-        "x weights: over the model's float32 weights. Each step is a fresh "
+        "x weights: over the model's float32 weights. Peak PSS: the same "
+        "tree's proportional set size (a page its processes share, such as "
+        "TensorFlow's libraries in the Keras process and a TensorFlow check, "
+        "counted once), polled likewise (rows before 2026-11-30 06:30 UTC "
+        "have none). Each step is a fresh "
         "process that builds the model first (its time is in the total); "
         "the header's machine, load and commit are the last run's, each "
         "row's run and load its own. oneDNN: TensorFlow's oneDNN ops in the "
@@ -276,6 +284,15 @@ def to_markdown(results: dict) -> str:
                         f"{r['peak_x_weights']:.1f}x" if "peak_x_weights" in r else ""
                     ),
                     "x weights",
+                ),
+                (
+                    lambda r: (
+                        f"{r['peak_pss_gib']:.2f} GiB "
+                        f"({r['peak_pss_gib'] / r['weights_gib']:.1f}x)"
+                        if "peak_pss_gib" in r and "weights_gib" in r
+                        else ""
+                    ),
+                    "peak PSS",
                 ),
                 (lambda r: f"{r['wall_s']:.0f} s", "total"),
                 (_phases, "phases"),

@@ -107,7 +107,10 @@ def run(step: str, model: str, work: str) -> dict:
         want = _keras_hub_tokens(lm, prompts)
         times["keras_hub_generate_s"] = time.perf_counter() - start
     start = time.perf_counter()
-    converted = convert_causal_lm(lm)
+    # Copies, not shared layers: a layer shared by two models keeps both
+    # graphs alive (Keras's nodes), and with them keras-hub's attention
+    # weights, after `lm` is dropped (docs/export.md, "Large models").
+    converted = convert_causal_lm(lm, share_weights=False)
     times["convert_s"] = time.perf_counter() - start
     del lm
     gc.collect()

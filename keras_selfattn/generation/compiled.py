@@ -6,12 +6,14 @@ model's variable values (a `StatelessScope` maps them in, so the weights
 are arguments, not constants baked into the compiled program), or traced
 op by op when `jit_compile` is False; PyTorch: eager under
 `torch.no_grad` (Keras runs the loop in Python there). Compiled functions
-are kept per model.
+are kept per model, except those compiled within `not_kept`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 
 import keras
 import numpy as np
@@ -161,3 +163,18 @@ def run(read: Model, request: Request, xla: bool) -> tuple[np.ndarray, np.ndarra
     generated, lengths = functions[key](*_arguments(request))
     generated = keras.ops.convert_to_numpy(generated)
     return generated[:, : request.max_new_tokens], keras.ops.convert_to_numpy(lengths)
+
+
+@contextlib.contextmanager
+def not_kept(model: keras.Model) -> Iterator[None]:
+    """Within the context, `run` compiles and runs as ever; the functions it
+    compiled for `model` meanwhile are dropped after it (an export's check
+    computes its reference once: its traced loops would stay for the
+    model's life)."""
+    before = set(_COMPILED.get(model, ()))
+    try:
+        yield
+    finally:
+        functions = _COMPILED.get(model, {})
+        for key in set(functions) - before:
+            del functions[key]

@@ -5,6 +5,7 @@ runtime against `keras_selfattn.generate` on the same requests, and the
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 
@@ -33,7 +34,8 @@ from keras_selfattn.export.parity.engine import (
 from keras_selfattn.export.parity.report import ParityReport, finish_report
 from keras_selfattn.export.parity.rules import ParityRow, parity_row
 from keras_selfattn.export.parity.runner import Artifact, Run
-from keras_selfattn.generation import arguments
+from keras_selfattn.export.pipeline import released
+from keras_selfattn.generation import arguments, compiled
 from keras_selfattn.generation.generate import generated
 from keras_selfattn_runtimes import table
 
@@ -105,6 +107,16 @@ def keras_generate(generator: Generator, request: dict) -> dict[str, np.ndarray]
     )
 
 
+def _reference(generator: Generator) -> contextlib.AbstractContextManager[None]:
+    """The context the reference is computed in: its traced loops are not
+    kept past it (`compiled.not_kept`, `pipeline.released`), so the fresh
+    processes after it run beside the model alone."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(released(generator.read.model))
+    stack.enter_context(compiled.not_kept(generator.read.model))
+    return stack
+
+
 def pair_run(
     generator: Generator, step: DecodeStep, seed: int = 0
 ) -> tuple[str, Run, dict]:
@@ -168,7 +180,8 @@ def _pair_row(
         [outputs[step.output_name][:, -1:] for outputs in outcome.outputs[0]], axis=1
     )
     produced = np.argmax(last, axis=-1) if generator.read.tokens else last
-    wanted = keras_generate(generator, request)[generator.output_names[0]]
+    with _reference(generator):
+        wanted = keras_generate(generator, request)[generator.output_names[0]]
     return parity_row(runtime, label, [(wanted, produced)], tolerance, tolerance)
 
 
@@ -223,7 +236,8 @@ def check_generator(
     labelled = requests(generator, seed)
     labels = [label for label, _ in labelled]
     runs = [Run((request,)) for _, request in labelled]
-    expected = [[keras_generate(generator, request)] for _, request in labelled]
+    with _reference(generator):
+        expected = [[keras_generate(generator, request)] for _, request in labelled]
     tolerance = 0.0 if generator.read.tokens else 1e-5
     rows = check_artifacts(
         generator.target(),

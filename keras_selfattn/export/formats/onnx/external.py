@@ -84,18 +84,3 @@ class WeightFile:
         ):
             tensor.external_data.add(key=key, value=str(entry))
         return tensor
-
-
-def return_freed_memory() -> None:
-    """Collects reference cycles and gives the memory this process freed
-    back to the system (glibc's `malloc_trim`; nothing elsewhere)."""
-    import ctypes
-    import ctypes.util
-    import gc
-
-    gc.collect()
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):  # not glibc
-        pass

@@ -362,11 +362,6 @@ class OnnxFormat(Format):
                     "unset"
                 )
             save(proto, path, external=large)
-        if large:
-            # The converted model's memory back to the system before the
-            # fresh-process check (the allocator keeps freed blocks).
-            del proto
-            external.return_freed_memory()
 
 
 def _rewritten(
