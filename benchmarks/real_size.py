@@ -91,9 +91,10 @@ def measure(args: list[str], timeout_s: float) -> dict:
     while child.poll() is None:
         try:
             processes = [root, *root.children(recursive=True)]
-            peak = max(peak, sum(p.memory_info().rss for p in processes))
-            pss = sum(p.memory_full_info().pss for p in processes)
-            peak_pss = max(peak_pss, pss)
+            # One read of each process's smaps_rollup: RSS and PSS alike.
+            infos = [p.memory_full_info() for p in processes]
+            peak = max(peak, sum(info.rss for info in infos))
+            peak_pss = max(peak_pss, sum(info.pss for info in infos))
         except psutil.Error:
             pass
         if stopped is None and _available_gib() < RESERVE_GIB:
@@ -257,7 +258,7 @@ def to_markdown(results: dict) -> str:
         "x weights: over the model's float32 weights. Peak PSS: the same "
         "tree's proportional set size (a page its processes share, such as "
         "TensorFlow's libraries in the Keras process and a TensorFlow check, "
-        "counted once), polled likewise (rows before 2026-11-30 06:30 UTC "
+        "counted once), read with it (rows before 2026-11-30 06:20 UTC "
         "have none). Each step is a fresh "
         "process that builds the model first (its time is in the total); "
         "the header's machine, load and commit are the last run's, each "
