@@ -91,7 +91,7 @@ def measure(args: list[str], timeout_s: float) -> dict:
     while child.poll() is None:
         try:
             processes = [root, *root.children(recursive=True)]
-            # One read of each process's smaps_rollup: RSS and PSS alike.
+            # RSS and PSS read together (statm, then smaps_rollup).
             infos = [p.memory_full_info() for p in processes]
             peak = max(peak, sum(info.rss for info in infos))
             peak_pss = max(peak_pss, sum(info.pss for info in infos))

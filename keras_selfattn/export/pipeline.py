@@ -19,9 +19,10 @@ every `tf.nn.silu` (the feed-forward layers of keras-hub's Llama, Mistral
 and Gemma call it) keeps the graph it was traced in alive for the life of
 the process. An export differentiates none of the graphs it traces (the
 artifact's function, the loop a generator's check runs as the reference),
-so `released` drops the registrations made within it, then collects and
-gives the freed memory back to the system, before the fresh-process check
-(docs/export.md, "Large models").
+so `released` drops the registrations made within it and, for a model of
+`COLLECTED_BYTES` of weights or more, collects and gives the freed memory
+back to the system, before the fresh-process check (docs/export.md,
+"Large models").
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import math
 import os
 import sys
 from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -41,6 +43,9 @@ from keras_selfattn.export import _files, formats
 from keras_selfattn.export.formats import Destination, Writer
 from keras_selfattn.export.signature import Signature
 from keras_selfattn_runtimes import table
+
+if TYPE_CHECKING:
+    import keras
 
 
 def check_destination(
@@ -213,7 +218,7 @@ def _gradient_registry() -> dict | None:
 
 
 @contextlib.contextmanager
-def released(model) -> Iterator[None]:
+def released(model: keras.Model) -> Iterator[None]:
     """Within the context, graphs of `model` may be traced; after it, the
     custom gradients they registered are dropped, and where the model
     holds `COLLECTED_BYTES` of weights or more, the memory they held goes
