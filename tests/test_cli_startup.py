@@ -138,6 +138,9 @@ def test_variables_set_by_the_user_are_kept(monkeypatch):
     monkeypatch.delenv("TF_ENABLE_ONEDNN_OPTS")
     assert tensorflow_env.writer_env(X="y")["TF_ENABLE_ONEDNN_OPTS"] == "0"
     assert os.environ.get("TF_ENABLE_ONEDNN_OPTS") is None
+    # The LiteRT converter's process: oneDNN's ops on, whatever is set.
+    monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", "0")
+    assert tensorflow_env.converter_env(X="y")["TF_ENABLE_ONEDNN_OPTS"] == "1"
 
 
 @pytest.mark.parametrize(

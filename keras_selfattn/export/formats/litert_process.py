@@ -100,7 +100,10 @@ def convert(
         "signature_keys": list(signature_keys),
         "large": large,
     }
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    # Imported here: run as a script, this file imports TensorFlow alone.
+    from keras_selfattn.export import tensorflow_env
+
+    env = tensorflow_env.converter_env(TF_CPP_MIN_LOG_LEVEL="3")
     with tempfile.TemporaryFile(mode="w+") as log:
         process = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), json.dumps(request)],
