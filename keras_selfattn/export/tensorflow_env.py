@@ -11,8 +11,8 @@ oneDNN's ops off unless the environment sets `TF_ENABLE_ONEDNN_OPTS`. The
 runtimes' checks run as the environment says. The LiteRT converter's
 process builds no model and ends after converting: it runs with oneDNN's
 ops on (`converter_env`), where it peaked lower converting a 0.59 B
-Llama's generator (16.10 GiB against 18.25 GiB off; the same, 7.41 against
-7.45 GiB, at 0.81 GiB of weights).
+Llama's generator (16.10 GiB against 18.25 GiB off; 7.41 and 7.45 GiB,
+one way and the other, at 0.81 GiB of weights).
 """
 
 from __future__ import annotations
