@@ -23,7 +23,9 @@ answering one generation per request):
 (`model.quantize`, its defaults: int4 weight-only in blocks of 128 inputs
 with zero points) and compares onnxruntime-genai's own quantized model of
 the same checkpoint (`-p int4 -e cpu`, `GENAI_QUANTIZED`: blocks of 128,
-its CPU default accuracy level 4, int8 activations) with the ONNX
+its CPU default accuracy level 4, int8 activations;
+`--genai-accuracy-level 1` builds it with float activations, as Keras's
+int4 computes) with the ONNX
 generator (and any `--generators`) and `keras_selfattn.generate` of the
 quantized model, whose tokens are the reference (onnxruntime-genai's
 quantized tokens differ: its own rounding; reported, not required; int8's
@@ -41,6 +43,7 @@ results file.
     .venv/bin/python -m benchmarks.peers --size tiny --rounds 5 \\
         --peers-python /work/peers-venv/bin/python --batch 8 --busy 2
     make bench-peers PEERS_ARGS="--quantize int4"
+    make bench-peers PEERS_ARGS="--quantize int4 --genai-accuracy-level 1"
 """
 
 from __future__ import annotations
@@ -96,18 +99,34 @@ def _child(python: str, *args: str) -> str:
     ).stdout
 
 
+def genai_options(quantize: str | None, accuracy_level: int | None) -> list[str]:
+    """onnxruntime-genai's builder's extra options for a `quantize` model:
+    `GENAI_QUANTIZED`'s, and `accuracy_level` where given (1: float
+    activations, as Keras's int4 and the ONNX generator compute; 4: int8)."""
+    if not quantize:
+        return []
+    level = [] if accuracy_level is None else [f"accuracy_level={accuracy_level}"]
+    return [*GENAI_QUANTIZED[quantize], *level]
+
+
 def _prepare(
-    python: str, work: str, size: str, quantize: str | None = None
+    python: str,
+    work: str,
+    size: str,
+    quantize: str | None = None,
+    accuracy_level: int | None = None,
 ) -> tuple[str, str]:
     """The checkpoint folder and onnxruntime-genai's model folder (fp32, or
-    `quantize` with `GENAI_QUANTIZED`'s options; made once per work
-    folder)."""
+    `quantize` with `genai_options`; made once per work folder)."""
     folder = os.path.join(work, "checkpoint")
     genai = os.path.join(work, f"genai_{quantize}" if quantize else "genai")
+    if quantize and accuracy_level is not None:
+        genai += f"_level{accuracy_level}"
     if not os.path.exists(os.path.join(folder, "config.json")):
         _child(python, "checkpoint", folder, size)
     if not os.path.exists(os.path.join(genai, "genai_config.json")):
-        extra = ["--extra_options", *GENAI_QUANTIZED[quantize]] if quantize else []
+        options = genai_options(quantize, accuracy_level)
+        extra = ["--extra_options", *options] if options else []
         subprocess.run(
             [python, "-m", "onnxruntime_genai.models.builder"]
             + ["-i", folder, "-o", genai, "-p", quantize or "fp32", "-e", "cpu"]
@@ -258,7 +277,9 @@ def run(args: argparse.Namespace, work: str) -> dict:
     """Times every candidate (module docstring) as `args` say."""
     os.makedirs(work, exist_ok=True)
     python = args.peers_python
-    folder, genai = _prepare(python, work, args.size, args.quantize)
+    folder, genai = _prepare(
+        python, work, args.size, args.quantize, args.genai_accuracy_level
+    )
     vocabulary = json.load(open(os.path.join(folder, "config.json")))["vocab_size"]
     prompts = np.random.default_rng(0).integers(
         4, vocabulary, (args.batch, args.prompt)
@@ -323,7 +344,8 @@ def run(args: argparse.Namespace, work: str) -> dict:
         "quantize": args.quantize,
         "onnxruntime_genai_builder": f"-p {args.quantize or 'fp32'} -e cpu"
         + (
-            f" --extra_options {' '.join(GENAI_QUANTIZED[args.quantize])}"
+            " --extra_options "
+            + " ".join(genai_options(args.quantize, args.genai_accuracy_level))
             if args.quantize
             else ""
         ),
@@ -385,6 +407,14 @@ def main(argv: list[str] | None = None) -> None:
         help="Keras's model.quantize(MODE) against onnxruntime-genai's MODE model",
     )
     parser.add_argument(
+        "--genai-accuracy-level",
+        type=int,
+        choices=(1, 2, 3, 4),
+        default=None,
+        help="with --quantize: onnxruntime-genai's MatMulNBits accuracy level "
+        "(1: float activations, as Keras's; its CPU default is 4: int8)",
+    )
+    parser.add_argument(
         "--generators",
         type=lambda text: text.split(","),
         default=None,
@@ -399,9 +429,13 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(args.generators) - set(GENERATORS))
     if unknown:
         parser.error(f"--generators: unknown {unknown}; of {sorted(GENERATORS)}")
+    if args.genai_accuracy_level is not None and not args.quantize:
+        parser.error("--genai-accuracy-level is for a --quantize model")
     work = args.work or os.path.join("/tmp", f"keras_selfattn_peers_{args.size}")
     results = run(args, work)
     stem = f"peers_{args.size}" + (f"_{args.quantize}" if args.quantize else "")
+    if args.quantize and args.genai_accuracy_level is not None:
+        stem += f"_genai_level{args.genai_accuracy_level}"
     if (args.batch, args.prompt, args.new) != (1, 16, 64):
         stem += f"_b{args.batch}_p{args.prompt}_n{args.new}"
     if args.busy:
