@@ -31,13 +31,10 @@ import contextlib
 import ctypes
 import ctypes.util
 import gc
-import math
 import os
 import sys
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from keras_selfattn.export import _files, formats
 from keras_selfattn.export.formats import Destination, Writer
@@ -232,10 +229,7 @@ def released(model: keras.Model) -> Iterator[None]:
             for name in [n for n in registry if n not in before]:
                 if name.startswith(_CUSTOM_GRADIENT):
                     del registry[name]
-        weights = sum(
-            math.prod(w.shape) * np.dtype(w.dtype).itemsize for w in model.weights
-        )
-        if weights >= COLLECTED_BYTES:
+        if formats.model_weight_bytes(model) >= COLLECTED_BYTES:
             return_freed_memory()
 
 

@@ -17,6 +17,7 @@ from keras_selfattn.export.formats._base import (
     ExportError,
     Format,
     Writer,
+    model_weight_bytes,
     one_line,
 )
 from keras_selfattn_runtimes import table
@@ -30,6 +31,7 @@ __all__ = [
     "ROWS",
     "Writer",
     "get",
+    "model_weight_bytes",
     "one_line",
     "table",
 ]

@@ -141,9 +141,14 @@ APART_BYTES = MESSAGE_LIMIT - 2**27
 
 def weight_bytes(target: Signature) -> int:
     """The bytes of the weights of the target's model."""
+    return model_weight_bytes(target.model)
+
+
+def model_weight_bytes(model: keras.Model) -> int:
+    """The bytes of `model`'s weights."""
     return sum(
         math.prod(weight.shape) * np.dtype(weight.dtype).itemsize
-        for weight in target.model.weights
+        for weight in model.weights
     )
 
 

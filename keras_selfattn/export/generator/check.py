@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import keras
 import numpy as np
@@ -107,14 +107,14 @@ def keras_generate(generator: Generator, request: dict) -> dict[str, np.ndarray]
     )
 
 
-def _reference(generator: Generator) -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def _reference(generator: Generator) -> Iterator[None]:
     """The context the reference is computed in: its traced loops are not
     kept past it (`compiled.not_kept`, `pipeline.released`), so the fresh
     processes after it run beside the model alone."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(released(generator.read.model))
-    stack.enter_context(compiled.not_kept(generator.read.model))
-    return stack
+    model = generator.read.model
+    with released(model), compiled.not_kept(model):
+        yield
 
 
 def pair_run(
