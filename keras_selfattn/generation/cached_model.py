@@ -100,6 +100,12 @@ class Reading:
         """The compute dtypes of the model's layers."""
         return {layer.compute_dtype for layer in self.every}
 
+    @property
+    def quantizes_inputs(self) -> bool:
+        """Whether a layer rounds its inputs to integers before its matmul
+        (Keras's int8 and int4 `Dense` and `EinsumDense`)."""
+        return any(getattr(layer, "inputs_quantizer", None) for layer in self.every)
+
 
 # The latest reading of each decoding model, for `layer_names`.
 _READINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
