@@ -6,6 +6,7 @@ runtime against `keras_selfattn.generate` on the same requests, and the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator, Mapping
 
@@ -17,6 +18,7 @@ from keras_selfattn.export.decode_step.graph import (
     DecodeStep,
     build_decode_step,
 )
+from keras_selfattn.export.generator import near_ties
 from keras_selfattn.export.generator.graph import (
     DECODE_SIGNATURE,
     PREFILL_SIGNATURE,
@@ -27,7 +29,6 @@ from keras_selfattn.export.generator.graph import (
 )
 from keras_selfattn.export.parity.engine import (
     artifact_paths,
-    check_artifacts,
     collect_artifacts,
     run_checked,
 )
@@ -160,9 +161,9 @@ def pair_runtime(export_format: str) -> str:
 
 def _pair_row(
     generator: Generator, artifact: Artifact, tolerance: float, seed: int
-) -> ParityRow:
+) -> tuple[ParityRow, str | None]:
     """The artifact's "prefill" and "decode" generating `pair_run` in a
-    fresh process, against `keras_selfattn.generate`."""
+    fresh process, against `keras_selfattn.generate` (`_near_ties`)."""
     read = generator.read
     step = build_decode_step(read.model, generator.max_length, read.reading)
     label, run, request = pair_run(generator, step, seed)
@@ -182,7 +183,31 @@ def _pair_row(
     produced = np.argmax(last, axis=-1) if generator.read.tokens else last
     with _reference(generator):
         wanted = keras_generate(generator, request)[generator.output_names[0]]
-    return parity_row(runtime, label, [(wanted, produced)], tolerance, tolerance)
+    row = parity_row(runtime, label, [(wanted, produced)], tolerance, tolerance)
+    counts = np.full(len(produced), produced.shape[1])
+    return _near_ties(generator, row, request, produced, counts)
+
+
+def _near_ties(
+    generator: Generator, row: ParityRow, request: dict, tokens, lengths
+) -> tuple[ParityRow, str | None]:
+    """`row`, judged by `near_ties` where its tokens differ and the model's
+    layers round their inputs to integers; with the report's note then."""
+    if row.ok or not (
+        generator.read.tokens and generator.read.reading.quantizes_inputs
+    ):
+        return row, None
+    found = near_ties.ties(
+        generator.read.model, request, generator.prompt_name, tokens, lengths
+    )
+    if found is None:
+        return row, None
+    return dataclasses.replace(row, ok=True), (
+        f"{row.runtime} on {row.shape}: {found} token(s) chosen where Keras's "
+        "logits on the runtime's own tokens tie within "
+        f"{near_ties.BAND:g} x their largest (a quantized model's rounding); "
+        "every other token is Keras's choice"
+    )
 
 
 def verify_generator(
@@ -239,17 +264,28 @@ def check_generator(
     with _reference(generator):
         expected = [[keras_generate(generator, request)] for _, request in labelled]
     tolerance = 0.0 if generator.read.tokens else 1e-5
-    rows = check_artifacts(
+    outcomes = run_checked(
         generator.target(),
         artifacts,
         runs,
-        expected,
         labels,
+        "generating {label}",
         tolerance,
         tolerance,
-        action="generating {label}",
     )
+    judged = []
+    names = generator.output_names
+    for index, (label, request) in enumerate(labelled):
+        (wanted,) = expected[index]
+        for runtime, outcome in outcomes.items():
+            (produced,) = outcome.outputs[index]
+            pairs = [(wanted[name], produced[name]) for name in names]
+            row = parity_row(runtime, label, pairs, tolerance, tolerance)
+            tokens = [produced[name] for name in names]
+            judged.append(_near_ties(generator, row, request, *tokens))
     for artifact in artifacts.values():
         if table.BY_NAME[artifact.format].extra_signatures:
-            rows += (_pair_row(generator, artifact, tolerance, seed),)
-    return finish_report(list(rows), tolerance, tolerance, "generations differ", "")
+            judged.append(_pair_row(generator, artifact, tolerance, seed))
+    rows = [row for row, _ in judged]
+    notes = [note for _, note in judged if note]
+    return finish_report(rows, tolerance, tolerance, "generations differ", "", notes)
