@@ -56,6 +56,8 @@ def _choosable(logits: np.ndarray, token: int, controls: dict) -> bool:
     """Whether the sampler chooses `token` from `logits` for some uniform:
     its choice grows with the uniform (inverse-CDF sampling in vocabulary
     order), so the smallest uniform choosing `token` or later is bisected."""
+    if controls["temperature"] <= 0:  # greedy: no uniform
+        return _pick(logits, 0.0, controls) == token
     low, high = 0.0, 1.0 - 2.0**-24
     if not _pick(logits, low, controls) <= token <= _pick(logits, high, controls):
         return False
