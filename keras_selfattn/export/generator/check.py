@@ -281,8 +281,8 @@ def check_generator(
             (produced,) = outcome.outputs[index]
             pairs = [(wanted[name], produced[name]) for name in names]
             row = parity_row(runtime, label, pairs, tolerance, tolerance)
-            tokens = [produced[name] for name in names]
-            judged.append(_near_ties(generator, row, request, *tokens))
+            tokens, lengths = (produced[name] for name in names)
+            judged.append(_near_ties(generator, row, request, tokens, lengths))
     for artifact in artifacts.values():
         if table.BY_NAME[artifact.format].extra_signatures:
             judged.append(_pair_row(generator, artifact, tolerance, seed))

@@ -70,7 +70,7 @@ def _choosable(logits: np.ndarray, token: int, controls: dict) -> bool:
     return _pick(logits, high, controls) == token
 
 
-def row_ties(
+def _row_ties(
     model, prompt, tokens, length: int, controls: dict, row: int
 ) -> int | None:
     """The tokens of one row chosen at a near tie of Keras's logits.
@@ -121,7 +121,7 @@ def row_ties(
 def ties(
     model, request: dict, prompt_name: str, tokens: np.ndarray, lengths: np.ndarray
 ) -> int | None:
-    """`row_ties` summed over a request's rows, whose `lengths` (the
+    """`_row_ties` summed over a request's rows, whose `lengths` (the
     runtime's) must count their tokens; None if a row fails."""
     prompts, widths = request[prompt_name], request["prompt_lengths"]
     tokens, lengths = np.asarray(tokens), np.asarray(lengths)
@@ -136,7 +136,7 @@ def ties(
     }
     total = 0
     for row, (prompt, width) in enumerate(zip(prompts, widths, strict=True)):
-        found = row_ties(model, prompt, tokens[row], int(width), controls, row)
+        found = _row_ties(model, prompt, tokens[row], int(width), controls, row)
         counted = int(np.sum(np.asarray(tokens[row]) != loop.NOT_GENERATED))
         if found is None or int(lengths[row]) != counted:
             return None
