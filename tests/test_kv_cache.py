@@ -342,7 +342,9 @@ def test_eager_torch_steps_write_their_caches_in_place(padded):
     np.testing.assert_array_equal(to_numpy(public), before)
 
     slots = LEFT_PADDED if padded else np.ones((2, 9), bool)
-    cache = public * torch.as_tensor(slots[:, None, :, None, None])
+    cache = public * torch.as_tensor(
+        slots[:, None, :, None, None], device=public.device
+    )
     outputs = [to_numpy(prefix)]
     with torch.no_grad():
         for index in range(5, 9):

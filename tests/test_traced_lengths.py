@@ -96,7 +96,7 @@ def _traced(fn, tracer: str, layer=None):
             strict=False,
         ).module()
     return lambda x, mask: (
-        traced(torch.from_numpy(x), torch.from_numpy(mask)).detach().numpy()
+        traced(torch.from_numpy(x), torch.from_numpy(mask)).detach().cpu().numpy()
     )
 
 
