@@ -228,3 +228,23 @@ def test_float8_training_updates_the_scales():
     loss = ours.fit(X, np.zeros((3, TIME, FEATURES)), epochs=2, verbose=0)
     assert np.all(np.isfinite(loss.history["loss"]))
     assert np.any(to_numpy(query.inputs_amax_history))
+
+
+def test_exports_hold_each_dequantized_kernel_once():
+    """An export's description of an int8 `Dense`: its kernel is Keras's
+    integers divided by the column scales (numpy's float32 quotient), and
+    on TensorFlow and PyTorch the numpy kernel is a view of the tensor that
+    traced calls capture (one copy of the float kernels for the whole
+    export, not one each)."""
+    from keras_selfattn.export import quantization
+
+    layer = keras.layers.Dense(16)
+    layer.build((None, 32))
+    layer.quantize("int8")
+    described = quantization.describe(layer)
+    integers = keras.ops.convert_to_numpy(layer._kernel).astype(np.float32)
+    scale = keras.ops.convert_to_numpy(layer.kernel_scale).astype(np.float32)
+    np.testing.assert_array_equal(described.kernel, integers / scale)
+    assert quantization.kernel_tensor(described) is described.tensor
+    shared = np.shares_memory(described.kernel, np.asarray(described.tensor))
+    assert shared == (keras.backend.backend() != "jax")

@@ -36,6 +36,7 @@ from keras_selfattn.export.quantization import (
     _grouped,
     _numpy,
     _unpack,
+    dequantized,
     quantized_layers,
 )
 
@@ -68,9 +69,16 @@ def describe_reverse(layer) -> QuantizedDense | None:
     bits = 8 if mode == "int8" else 4
     if mode == "int8" or getattr(layer, "_int4_block_size", None) in (None, -1):
         scale = _numpy(layer.reverse_embeddings_scale).astype(np.float32)
-        kernel = integers.astype(np.float32) / scale
+        kernel, tensor = dequantized(integers, scale)
         return QuantizedDense(
-            layer, mode, kernel, integers, scale, bits=bits, activations=activations
+            layer,
+            mode,
+            kernel,
+            integers,
+            scale,
+            bits=bits,
+            activations=activations,
+            tensor=tensor,
         )
     sz = (layer.reverse_embeddings_scale, layer.reverse_embeddings_zero)
     return _grouped(layer, integers, "int4", 4, sz=sz)

@@ -194,17 +194,17 @@ def compress(model, quantized) -> dict[str, str]:
 
     by_value = {}
     for q in quantized:
-        by_value[(q.kernel.tobytes(), False)] = q
-        by_value[(np.ascontiguousarray(q.kernel.T).tobytes(), True)] = q
+        by_value[(quantization.value_key(q.kernel), False)] = q
+        by_value[(quantization.value_key(q.kernel.T), True)] = q
     schemes = {q.layer.name: "float32 (kernel not found)" for q in quantized}
     for op in model.get_ordered_ops():
         if op.get_type_name() != "Constant" or op.get_element_type() != ov.Type.f32:
             continue
         if len(op.get_output_partial_shape(0)) != 2:
             continue
-        data = np.ascontiguousarray(op.get_data())
+        key = quantization.value_key(op.get_data())
         for transposed in (False, True):
-            match = by_value.get((data.tobytes(), transposed))
+            match = by_value.get((key, transposed))
             if match is None:
                 continue
             if not _fits(match):

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import keras
+import numpy as np
 
 from keras_selfattn import _checks, tracing
 from keras_selfattn.attention.cache import ConverterCache
@@ -156,7 +157,8 @@ def convert_to_onnx(
     for value_info in list(proto.graph.input):
         if value_info.name in captured:
             proto.graph.input.remove(value_info)
-            value = captured[value_info.name].numpy()
+            # A view of the tensor (`.numpy()` copies it).
+            value = np.asarray(captured[value_info.name])
             proto.graph.initializer.append(
                 weights.initializer(value_info.name, value)
                 if weights

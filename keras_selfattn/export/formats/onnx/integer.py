@@ -36,7 +36,7 @@ from onnx import helper, numpy_helper
 from keras_selfattn.export.formats.onnx import graph as og
 from keras_selfattn.export.formats.onnx import int8_layers
 from keras_selfattn.export.integer_layers import nbits_fits
-from keras_selfattn.export.quantization import QuantizedDense
+from keras_selfattn.export.quantization import QuantizedDense, value_key
 
 METADATA_KEY = "keras_selfattn.quantization"
 CONTRIB_DOMAIN = "com.microsoft"
@@ -201,8 +201,8 @@ def _weight_only(builder, x, output, quantized: QuantizedDense, stored) -> str:
 
 def _kernels_by_value(
     quantized: Sequence[QuantizedDense],
-) -> dict[bytes, QuantizedDense]:
-    return {q.kernel.astype(np.float32).tobytes(): q for q in quantized}
+) -> dict[tuple, QuantizedDense]:
+    return {value_key(q.kernel): q for q in quantized}
 
 
 def rewrite(
@@ -295,7 +295,7 @@ def _rewrite_graph(builder, scopes, by_value, schemes, stored) -> None:
         weight = _constant(scopes, node.input[1]) if node.op_type == "MatMul" else None
         match = None
         if weight is not None and weight.dtype == np.float32 and weight.ndim == 2:
-            match = by_value.get(np.ascontiguousarray(weight).tobytes())
+            match = by_value.get(value_key(weight))
         if match is None or match.mode == "float8":
             kept.append(node)
             continue
