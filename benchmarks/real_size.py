@@ -10,6 +10,9 @@ own:
    same tokens?
 2. - 4. build + convert + `export_generator` to SavedModel, ONNX and LiteRT
    (`max_length` 32), each with its own fresh-process check.
+5. - 6. the same for SavedModel and ONNX with the converted model quantized
+   to int8 first (`model.quantize("int8")`; LiteRT refuses quantized
+   generators in one line: its converter has no int8 batch matmul).
 
 The peak RSS of the child's whole process tree (the export's check included)
 is polled with psutil every 0.2 s; it is given in GiB and as a multiple of
@@ -47,7 +50,7 @@ import psutil
 from benchmarks import machine, report
 from benchmarks.real_size_child import MODELS
 
-STEPS = ("generate", "saved_model", "onnx", "litert")
+STEPS = ("generate", "saved_model", "onnx", "litert", "saved_model-int8", "onnx-int8")
 RESERVE_GIB = 1.0
 GIB = 2**30
 
@@ -224,12 +227,13 @@ def _status(row: dict) -> str:
 
 
 def _phases(row: dict) -> str:
-    keys = ("build_s", "keras_hub_generate_s", "convert_s", "generate_s")
-    keys += ("export_and_check_s",)
+    keys = ("build_s", "keras_hub_generate_s", "convert_s", "quantize_s")
+    keys += ("generate_s", "export_and_check_s")
     names = {
         "build_s": "build",
         "keras_hub_generate_s": "keras-hub generate",
         "convert_s": "convert",
+        "quantize_s": "quantize",
         "generate_s": "generate",
         "export_and_check_s": "export + check",
     }
@@ -255,7 +259,8 @@ def to_markdown(results: dict) -> str:
         f"{info.get('keras')}. Random weights (one seed); "
         f"{results['request']}. Peak RSS: the step's whole process tree "
         "(the export's fresh-process check included), polled every 0.2 s; "
-        "x weights: over the model's float32 weights. Peak PSS: the same "
+        "x weights: over the model's float32 weights (an int8 step's too, "
+        "as built before its quantization). Peak PSS: the same "
         "tree's proportional set size (a page its processes share, such as "
         "TensorFlow's libraries in the Keras process and a TensorFlow check, "
         "counted once), read with it (rows before 2026-11-30 06:20 UTC "

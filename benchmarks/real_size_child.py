@@ -5,7 +5,9 @@
 STEP is "generate" (build, `convert_causal_lm`, `keras_selfattn.generate`
 against keras-hub's greedy `generate`) or a format of `export_generator`
 ("saved_model", "onnx", "litert": build, convert, export with its
-fresh-process check). Every step builds the keras-hub Llama from the same
+fresh-process check), optionally with a Keras quantization mode after a
+dash ("onnx-int8": the converted model quantized by `model.quantize("int8")`
+before the export). Every step builds the keras-hub Llama from the same
 seed. The last line of stdout is the step's JSON: phase times, parameters,
 and whether the tokens agreed.
 """
@@ -102,6 +104,7 @@ def run(step: str, model: str, work: str) -> dict:
     parameters = int(sum(np.prod(w.shape) for w in lm.backbone.weights))
     prompts = _prompts(lm.backbone.vocabulary_size)
     record = {"parameters": parameters, "weights_gib": 4 * parameters / 2**30}
+    step, _, mode = step.partition("-")
     if step == "generate":
         start = time.perf_counter()
         want = _keras_hub_tokens(lm, prompts)
@@ -114,6 +117,11 @@ def run(step: str, model: str, work: str) -> dict:
     times["convert_s"] = time.perf_counter() - start
     del lm
     gc.collect()
+    if mode:
+        start = time.perf_counter()
+        converted.quantize(mode)
+        gc.collect()
+        times["quantize_s"] = time.perf_counter() - start
     if step == "generate":
         start = time.perf_counter()
         got = np.asarray(generate(converted, prompts, NEW_TOKENS).tokens)
@@ -123,7 +131,7 @@ def run(step: str, model: str, work: str) -> dict:
     else:
         from keras_selfattn.export import export_generator
 
-        path = os.path.join(work, FILES[step])
+        path = os.path.join(work, f"{mode}_{FILES[step]}" if mode else FILES[step])
         kwargs = {"name": "generator"} if step == "saved_model" else {}
         start = time.perf_counter()
         export_generator(converted, path, step, max_length=MAX_LENGTH, **kwargs)

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import os
 
+import keras
 import numpy as np
 import pytest
 
+from keras_selfattn import SelfAttention
 from keras_selfattn.export import export_generator
 from tests import generation_reference as reference
 from tests.test_generation import PROMPTS, VOCABULARY, token_model
@@ -27,6 +29,10 @@ pytestmark = [
 ]
 MAX_LENGTH = 24
 STEPS = 8
+WIDTH = 256
+# The most a tensor's start in a data file moves for alignment: onnx's own
+# writing aligns large tensors to 64 KiB.
+ALIGNED = 2**16
 
 
 def _request():
@@ -122,6 +128,96 @@ def test_onnx_generator_below_the_limit_stays_one_file(tmp_path):
         token_model(), tmp_path / "lm.onnx", "onnx", max_length=MAX_LENGTH, check=False
     )
     assert os.listdir(tmp_path) == ["lm.onnx"]
+
+
+def _int8_token_model() -> keras.Model:
+    """Tokens to logits through an int8 SelfAttention of width 256: each
+    projection's dequantized kernel is 256 KiB of float32."""
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((None,), dtype="int32", name="tokens")
+    h = keras.layers.Embedding(VOCABULARY, WIDTH)(tokens)
+    a = SelfAttention(num_heads=4, causal=True, name="attention")(h)
+    h = keras.layers.LayerNormalization()(keras.layers.Add()([h, a]))
+    logits = keras.layers.Dense(VOCABULARY, name="logits")(h)
+    model = keras.Model(tokens, logits)
+    model.quantize("int8")
+    return model
+
+
+def _dequantized_bytes(model: keras.Model) -> int:
+    """The float32 bytes of the model's dequantized kernels."""
+    from keras_selfattn.export import quantization
+
+    return sum(q.kernel.nbytes for q in quantization.quantized_layers(model))
+
+
+def test_int8_onnx_generator_below_the_limit_stays_one_file(monkeypatch, tmp_path):
+    """The dequantized kernels go to the data file while the integer pass
+    runs (none of their floats in the proto), and the model's weights come
+    back into the one .onnx file when they fit in it."""
+    import onnx
+
+    from keras_selfattn.export.formats.onnx import external
+
+    moved = []
+    load = external.load
+
+    def load_and_keep(proto, path):
+        moved.append((len(external._stored(proto)), os.path.getsize(path)))
+        load(proto, path)
+
+    monkeypatch.setattr(external, "load", load_and_keep)
+    model = _int8_token_model()
+    path = export_generator(model, tmp_path / "lm.onnx", "onnx", max_length=MAX_LENGTH)
+    assert os.listdir(tmp_path) == ["lm.onnx"]
+    ((stored, data_bytes),) = moved
+    assert stored > 0 and data_bytes >= _dequantized_bytes(model)
+    proto = onnx.load(path)
+    assert not any(
+        tensor.data_location == onnx.TensorProto.EXTERNAL
+        for tensor in external._tensors(proto.graph)
+    )
+
+
+def test_int8_onnx_generator_past_the_limit_keeps_only_what_it_uses(
+    monkeypatch, tmp_path
+):
+    """Past the limit the data file is rewritten with the tensors the model
+    refers to: no stretch of it outside them but alignment (the dequantized
+    float kernels the integer pass replaced, 256 KiB each, are gone), and
+    the export's own check (a fresh onnxruntime process against `generate`)
+    reads the model from the path."""
+    import onnx
+
+    from keras_selfattn.export.formats.onnx import external
+    from keras_selfattn.export.formats.onnx import format as onnx_format
+
+    monkeypatch.setattr(onnx_format, "EXTERNAL_DATA_BYTES", 0)
+    written = []
+    compact = external.compact
+
+    def compact_and_keep(proto, path):
+        written.append(os.path.getsize(path))
+        compact(proto, path)
+
+    monkeypatch.setattr(external, "compact", compact_and_keep)
+    model = _int8_token_model()
+    path = export_generator(model, tmp_path / "lm.onnx", "onnx", max_length=MAX_LENGTH)
+    assert sorted(os.listdir(tmp_path)) == ["lm.onnx", "lm.onnx.data"]
+    assert written[0] >= _dequantized_bytes(model)
+    proto = onnx.load(path, load_external_data=False)
+    spans = sorted(
+        (int(entries.get("offset", 0)), int(entries["length"]))
+        for entries in (
+            {entry.key: entry.value for entry in tensor.external_data}
+            for tensor in external._stored(proto)
+        )
+    )
+    end = 0
+    for offset, length in spans:
+        assert offset - end < ALIGNED, (offset, end)
+        end = max(end, offset + length)
+    assert os.path.getsize(path + ".data") - end < ALIGNED
 
 
 def test_onnx_external_data_target_taken_is_refused(tmp_path):

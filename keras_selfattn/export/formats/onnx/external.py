@@ -11,11 +11,19 @@ file was written. Passes that read a stored weight's value read it from
 the file (`graph.constant_value` under `graph.external_data_in`);
 `format.save` appends the other tensors of 1 KiB or more (smaller weights,
 and what the passes added).
+
+A quantized model's weights go to the file too, whatever their size: the
+converted graph holds each quantized kernel dequantized, in float32, until
+the integer pass stores Keras's integers again, and in the proto those
+floats were a copy of every kernel at the export's peak. Afterwards the file
+keeps only what the model still refers to (`compact`), or, where the model
+is small enough for one file, its weights go back into the proto (`load`).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -84,3 +92,69 @@ class WeightFile:
         ):
             tensor.external_data.add(key=key, value=str(entry))
         return tensor
+
+
+def _tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """The tensors of `graph` and of its subgraphs: initializers and node
+    attributes."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+            yield from attribute.tensors
+            if attribute.HasField("g"):
+                yield from _tensors(attribute.g)
+            for inner in attribute.graphs:
+                yield from _tensors(inner)
+
+
+def _stored(proto: onnx.ModelProto) -> list[onnx.TensorProto]:
+    from onnx import TensorProto
+
+    return [
+        tensor
+        for tensor in _tensors(proto.graph)
+        if tensor.data_location == TensorProto.EXTERNAL
+    ]
+
+
+def compact(proto: onnx.ModelProto, path: str) -> None:
+    """Rewrites the data file at `path` with only the tensors `proto` refers
+    to (the kernels the integer pass replaced are dropped), each aligned,
+    and points `proto` at their new offsets; the old file is replaced."""
+    moved: dict[tuple[str, str], int] = {}
+    with open(path, "rb") as old, open(path + ".compact", "xb") as new:
+        for tensor in _stored(proto):
+            entries = {entry.key: entry for entry in tensor.external_data}
+            span = (entries["offset"].value, entries["length"].value)
+            if span not in moved:
+                moved[span] = -new.tell() % ALIGNMENT + new.tell()
+                new.seek(moved[span])
+                old.seek(int(span[0]))
+                _copy(old, new, int(span[1]))
+            entries["offset"].value = str(moved[span])
+    os.replace(path + ".compact", path)
+
+
+def _copy(source, destination, length: int, chunk: int = 2**26) -> None:
+    while length > 0:
+        data = source.read(min(chunk, length))
+        if not data:
+            raise ValueError(f"The external data file ends {length} bytes early")
+        destination.write(data)
+        length -= len(data)
+
+
+def load(proto: onnx.ModelProto, path: str) -> None:
+    """Moves the tensors `proto` stores in the data file at `path` into the
+    proto, and removes the file."""
+    from onnx import TensorProto, numpy_helper
+
+    folder = os.path.dirname(path)
+    for tensor in _stored(proto):
+        value = numpy_helper.to_array(tensor, base_dir=folder)
+        tensor.raw_data = value.tobytes()
+        tensor.data_location = TensorProto.DEFAULT
+        del tensor.external_data[:]
+    os.remove(path)

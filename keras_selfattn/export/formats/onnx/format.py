@@ -333,7 +333,11 @@ class OnnxFormat(Format):
                 "GiB; save the model as .keras and export it under "
                 "KERAS_BACKEND=tensorflow (weights as ONNX external data)"
             )
-        weights = external.WeightFile(external_data_file(path)) if large else None
+        # A quantized model's converted graph holds its kernels in float32
+        # until the integer pass: they go to the file too (`external`).
+        spill = backend == "tensorflow" and (large or bool(target.quantized))
+        data = external_data_file(path)
+        weights = external.WeightFile(data) if spill else None
         with (
             converting(self.row.title, self.advice),
             target.traced(self.quantized_form),
@@ -350,8 +354,12 @@ class OnnxFormat(Format):
                 keras_export(target, path, opset)
                 proto = name_outputs(onnx.load(path), target.output_names)
         folder = os.path.dirname(path)
-        with og.external_data_in(folder) if large else contextlib.nullcontext():
+        with og.external_data_in(folder) if spill else contextlib.nullcontext():
             proto = _rewritten(name_dynamic_axes(proto), target, options)
+            if spill and not large:
+                external.load(proto, data)
+            elif spill and target.quantized:
+                external.compact(proto, data)
             if (
                 nibbles
                 and opset < NIBBLE_OPSET
