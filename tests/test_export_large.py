@@ -130,9 +130,9 @@ def test_onnx_generator_below_the_limit_stays_one_file(tmp_path):
     assert os.listdir(tmp_path) == ["lm.onnx"]
 
 
-def _int8_token_model() -> keras.Model:
-    """Tokens to logits through an int8 SelfAttention of width 256: each
-    projection's dequantized kernel is 256 KiB of float32."""
+def _quantized_token_model(mode: str) -> keras.Model:
+    """Tokens to logits through a SelfAttention of width 256 quantized to
+    `mode`: each projection's dequantized kernel is 256 KiB of float32."""
     keras.utils.set_random_seed(0)
     tokens = keras.Input((None,), dtype="int32", name="tokens")
     h = keras.layers.Embedding(VOCABULARY, WIDTH)(tokens)
@@ -140,55 +140,61 @@ def _int8_token_model() -> keras.Model:
     h = keras.layers.LayerNormalization()(keras.layers.Add()([h, a]))
     logits = keras.layers.Dense(VOCABULARY, name="logits")(h)
     model = keras.Model(tokens, logits)
-    model.quantize("int8")
+    model.quantize(mode)
     return model
 
 
-def _dequantized_bytes(model: keras.Model) -> int:
-    """The float32 bytes of the model's dequantized kernels."""
-    from keras_selfattn.export import quantization
+def test_int8_onnx_generator_never_makes_a_float_kernel(monkeypatch, tmp_path):
+    """An int8 model's ONNX generator traces Keras's dequantization of each
+    stored int8 kernel and the integer pass finds it by its integers: no
+    dequantized float kernel is made (none held while converting). The
+    weights go to the data file while the passes run and come back into
+    the one .onnx file, which holds every layer as Keras's int8 scheme."""
+    import json
 
-    return sum(q.kernel.nbytes for q in quantization.quantized_layers(model))
-
-
-def test_int8_onnx_generator_below_the_limit_stays_one_file(monkeypatch, tmp_path):
-    """The dequantized kernels go to the data file while the integer pass
-    runs (none of their floats in the proto), and the model's weights come
-    back into the one .onnx file when they fit in it."""
     import onnx
 
-    from keras_selfattn.export.formats.onnx import external
+    from keras_selfattn.export import quantization
+    from keras_selfattn.export.formats.onnx import external, integer
 
-    moved = []
-    load = external.load
+    made, moved = [], []
+    dequantized, load = quantization.dequantized, external.load
+
+    def dequantized_and_count(integers, scale):
+        made.append(integers.shape)
+        return dequantized(integers, scale)
 
     def load_and_keep(proto, path):
-        moved.append((len(external._stored(proto)), os.path.getsize(path)))
+        moved.append(len(external._stored(proto)))
         load(proto, path)
 
+    monkeypatch.setattr(quantization, "dequantized", dequantized_and_count)
     monkeypatch.setattr(external, "load", load_and_keep)
-    model = _int8_token_model()
+    model = _quantized_token_model("int8")
     path = export_generator(model, tmp_path / "lm.onnx", "onnx", max_length=MAX_LENGTH)
+    assert made == []
     assert os.listdir(tmp_path) == ["lm.onnx"]
-    ((stored, data_bytes),) = moved
-    assert stored > 0 and data_bytes >= _dequantized_bytes(model)
+    assert moved and moved[0] > 0
     proto = onnx.load(path)
-    assert not any(
-        tensor.data_location == onnx.TensorProto.EXTERNAL
-        for tensor in external._tensors(proto.graph)
-    )
+    assert not external._stored(proto)
+    metadata = {entry.key: entry.value for entry in proto.metadata_props}
+    layers = json.loads(metadata[integer.METADATA_KEY])["layers"]
+    assert len(layers) == len(quantization.quantized_layers(model))
+    assert all(scheme.startswith(integer.EXACT_INT8) for scheme in layers.values())
 
 
-def test_int8_onnx_generator_past_the_limit_keeps_only_what_it_uses(
+def test_int4_onnx_generator_past_the_limit_keeps_only_what_it_uses(
     monkeypatch, tmp_path
 ):
     """Past the limit the data file is rewritten with the tensors the model
-    refers to: no stretch of it outside them but alignment (the dequantized
-    float kernels the integer pass replaced, 256 KiB each, are gone), and
-    the export's own check (a fresh onnxruntime process against `generate`)
-    reads the model from the path."""
+    refers to: no stretch of it outside them but alignment (the int4
+    layers' dequantized float kernels, 256 KiB each, which the integer pass
+    replaced by 4-bit codes, are gone), and the export's own check (a fresh
+    onnxruntime process against `generate`) reads the model from the
+    path."""
     import onnx
 
+    from keras_selfattn.export import quantization
     from keras_selfattn.export.formats.onnx import external
     from keras_selfattn.export.formats.onnx import format as onnx_format
 
@@ -201,10 +207,11 @@ def test_int8_onnx_generator_past_the_limit_keeps_only_what_it_uses(
         compact(proto, path)
 
     monkeypatch.setattr(external, "compact", compact_and_keep)
-    model = _int8_token_model()
+    model = _quantized_token_model("int4")
     path = export_generator(model, tmp_path / "lm.onnx", "onnx", max_length=MAX_LENGTH)
     assert sorted(os.listdir(tmp_path)) == ["lm.onnx", "lm.onnx.data"]
-    assert written[0] >= _dequantized_bytes(model)
+    kernels = quantization.quantized_layers(model)
+    assert written[0] >= sum(q.kernel.nbytes for q in kernels)
     proto = onnx.load(path, load_external_data=False)
     spans = sorted(
         (int(entries.get("offset", 0)), int(entries["length"]))

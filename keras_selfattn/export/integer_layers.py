@@ -36,7 +36,6 @@ from keras_selfattn.export.quantization import (
     _grouped,
     _numpy,
     _unpack,
-    dequantized,
     quantized_layers,
 )
 
@@ -69,16 +68,8 @@ def describe_reverse(layer) -> QuantizedDense | None:
     bits = 8 if mode == "int8" else 4
     if mode == "int8" or getattr(layer, "_int4_block_size", None) in (None, -1):
         scale = _numpy(layer.reverse_embeddings_scale).astype(np.float32)
-        kernel, tensor = dequantized(integers, scale)
         return QuantizedDense(
-            layer,
-            mode,
-            kernel,
-            integers,
-            scale,
-            bits=bits,
-            activations=activations,
-            tensor=tensor,
+            layer, mode, None, integers, scale, bits=bits, activations=activations
         )
     sz = (layer.reverse_embeddings_scale, layer.reverse_embeddings_zero)
     return _grouped(layer, integers, "int4", 4, sz=sz)

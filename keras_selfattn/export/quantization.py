@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Iterator, Sequence
 
@@ -79,7 +80,9 @@ class QuantizedDense:
             `integer_layers.describe_reverse`).
         mode: "int8", "int4", "float8", "gptq" or "awq".
         kernel: The dequantized float32 kernel `(in, out)`: what the float
-            reference computes, by Keras's own formula.
+            reference computes, by Keras's own formula. Per-channel "int8"
+            and "int4" make it on first use (`dequantized`): an export
+            that traces the stored integers (`in_graph`) never holds it.
         integers: The stored integers unpacked to `(in, out)`: int8 in
             [-127, 127] ("int8"), int8 in [-8, 7] ("int4"), uint8 codes with
             `zero` ("gptq", "awq", grouped "int4" as codes + 8); None for
@@ -99,11 +102,14 @@ class QuantizedDense:
             backend that described the layer, whose memory `kernel` shares
             on the CPU (`dequantized`), so that traced calls capture it
             without another copy; None otherwise.
+        shape: The kernel's `(in, out)`, without making it.
     """
 
     layer: keras.layers.Dense
     mode: str
-    kernel: np.ndarray
+    # The kernel, where it is made at once (grouped modes, float8); None:
+    # dequantized from `integers` and `scale` on first use.
+    _kernel: np.ndarray | None
     integers: np.ndarray | None
     scale: np.ndarray | None
     zero: np.ndarray | None = None
@@ -111,7 +117,25 @@ class QuantizedDense:
     bits: int = 8
     input_divisor: np.ndarray | None = None
     activations: tuple[float, float, float] | None = None
-    tensor: object = None
+
+    @functools.cached_property
+    def _dequantized(self) -> tuple[np.ndarray, object]:
+        if self._kernel is not None:
+            return self._kernel, None
+        return dequantized(self.integers, self.scale)
+
+    @property
+    def kernel(self) -> np.ndarray:
+        return self._dequantized[0]
+
+    @property
+    def tensor(self) -> object:
+        return self._dequantized[1]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        source = self.integers if self._kernel is None else self._kernel
+        return tuple(source.shape)
 
 
 def _numpy(variable) -> np.ndarray:
@@ -147,12 +171,28 @@ def dequantized(integers: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, ob
     return kernel, tensor
 
 
-def value_key(kernel: np.ndarray) -> tuple:
-    """A float32 kernel's shape and a digest of its bytes: the key an
-    export's pass finds a dequantized kernel by in the converted graph (the
-    kernel's own bytes as the key held a second copy of every kernel)."""
-    kernel = np.ascontiguousarray(kernel, np.float32)
-    return kernel.shape, hashlib.blake2b(memoryview(kernel).cast("B")).digest()
+def value_key(array: np.ndarray) -> tuple:
+    """An array's dtype, shape and a digest of its bytes: the key an
+    export's pass finds a kernel (or its stored integers) by in the
+    converted graph (the kernel's own bytes as the key held a second copy
+    of every kernel)."""
+    array = np.ascontiguousarray(array)
+    digest = hashlib.blake2b(memoryview(array).cast("B")).digest()
+    return array.dtype.str, array.shape, digest
+
+
+def in_graph(quantized: QuantizedDense, form: str) -> bool:
+    """Whether `form` traces this layer's kernel as Keras's dequantization of
+    its stored int8 variable, in the graph, rather than as a tensor of the
+    dequantized kernel: `CAPTURED` on TensorFlow, int8 `Dense` layers (the
+    ONNX integer pass finds them by their integers, `value_key`, and the
+    float kernel is never made)."""
+    return (
+        form == CAPTURED
+        and quantized.mode == "int8"
+        and not _reversed(quantized)
+        and keras.backend.backend() == "tensorflow"
+    )
 
 
 def kernel_tensor(quantized: QuantizedDense):
@@ -222,30 +262,21 @@ def describe(layer) -> QuantizedDense | None:
     if mode == "int8":
         integers = _numpy(layer._kernel).astype(np.int8)
         scale = _numpy(layer.kernel_scale).astype(np.float32)
-        kernel, tensor = dequantized(integers, scale)
         return QuantizedDense(
-            layer,
-            mode,
-            kernel,
-            integers,
-            scale,
-            activations=_activations(layer),
-            tensor=tensor,
+            layer, mode, None, integers, scale, activations=_activations(layer)
         )
     if mode == "int4":
         integers = _unpack(layer._kernel, layer._orig_output_dim, -1, "int8")
         if getattr(layer, "_int4_block_size", None) in (None, -1):
             scale = _numpy(layer.kernel_scale).astype(np.float32)
-            kernel, tensor = dequantized(integers, scale)
             return QuantizedDense(
                 layer,
                 mode,
-                kernel,
+                None,
                 integers,
                 scale,
                 bits=4,
                 activations=_activations(layer),
-                tensor=tensor,
             )
         return _grouped(layer, integers, mode, 4)
     if mode in ("gptq", "awq"):
@@ -338,7 +369,7 @@ def _folded(quantized: QuantizedDense, form: str) -> bool:
     return (
         form == INTEGERS
         and quantized.mode == "int8"
-        and quantized.kernel.size * 4 <= FOLDED_BYTES
+        and np.prod(quantized.shape) * 4 <= FOLDED_BYTES
     )
 
 
@@ -351,7 +382,7 @@ def _dequantize_groups(quantized: QuantizedDense, values, scale, zero, axis: int
     layout) are a reshape and a broadcast; any other `g_idx` is gathered, as
     Keras does.
     """
-    size, inputs = quantized.group_size, quantized.kernel.shape[0]
+    size, inputs = quantized.group_size, quantized.shape[0]
     values = ops.cast(values, "float32")
     if size is None or inputs % size:
         groups = ops.cast(quantized.layer.g_idx, "int32")
@@ -390,8 +421,12 @@ def _dense_call(quantized: QuantizedDense, form: str):
     folded = captured = None
     if _folded(quantized, form):
         folded = (_numpy(layer._kernel), _numpy(layer.kernel_scale))
-    if form == CAPTURED:
+    # Keras's dequantization of the stored integers, in the graph.
+    stored = in_graph(quantized, form)
+    if form == CAPTURED and not stored:
         captured = kernel_tensor(quantized)
+    elif form == CONSTANTS:
+        _ = quantized.kernel  # made now, eagerly: a traced call cannot
 
     def call(inputs, training=None):
         if folded is not None:
@@ -404,7 +439,10 @@ def _dense_call(quantized: QuantizedDense, form: str):
                 ops.matmul(inputs, integers), ops.reciprocal(layer.kernel_scale)
             )
         else:
-            kernel = _kernel_of(quantized, form) if captured is None else captured
+            if captured is not None:
+                kernel = captured
+            else:
+                kernel = _kernel_of(quantized, VARIABLES if stored else form)
             x = ops.matmul(inputs, ops.cast(kernel, inputs.dtype))
         if layer.lora_enabled:
             lora = ops.matmul(

@@ -80,7 +80,7 @@ def _decompressed(quantized: quantization.QuantizedDense, transposed: bool):
         scale = (1.0 / quantized.scale).astype(np.float32)
         scale = scale[:, None] if transposed else scale[None, :]
         return ops.multiply(weight, ops.constant(scale))
-    inputs, outputs = quantized.kernel.shape
+    inputs, outputs = quantized.shape
     size = quantized.group_size
     groups = inputs // size
     element = ov.Type.u8 if quantized.bits == 8 else ov.Type.u4
@@ -157,7 +157,7 @@ def _fits(quantized: quantization.QuantizedDense) -> bool:
         return False
     if quantized.zero is None:
         return True
-    inputs = quantized.kernel.shape[0]
+    inputs = quantized.shape[0]
     return quantized.group_size is not None and inputs % quantized.group_size == 0
 
 
@@ -165,11 +165,11 @@ def activation_group(quantized) -> int:
     """The group that makes Keras's int8 layers per-token (module
     docstring): their widest input, or 0 when there are none or a
     weight-only layer has that width too (it would be quantized)."""
-    widths = {q.kernel.shape[0] for q in quantized if q.activations is not None}
+    widths = {q.shape[0] for q in quantized if q.activations is not None}
     if not widths:
         return 0
     group = max(widths)
-    weight_only = {q.kernel.shape[0] for q in quantized if q.activations is None}
+    weight_only = {q.shape[0] for q in quantized if q.activations is None}
     return 0 if group in weight_only else group
 
 
@@ -179,7 +179,7 @@ def _describe_layers(quantized, schemes: dict[str, str], group: int) -> dict:
     for q in quantized:
         if schemes[q.layer.name].startswith("float32"):
             continue
-        if q.activations is not None and q.kernel.shape[0] == group:
+        if q.activations is not None and q.shape[0] == group:
             schemes[q.layer.name] += "; " + PER_TOKEN_INT8
         else:
             schemes[q.layer.name] += "; float activations"

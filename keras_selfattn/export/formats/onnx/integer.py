@@ -36,7 +36,12 @@ from onnx import helper, numpy_helper
 from keras_selfattn.export.formats.onnx import graph as og
 from keras_selfattn.export.formats.onnx import int8_layers
 from keras_selfattn.export.integer_layers import nbits_fits
-from keras_selfattn.export.quantization import QuantizedDense, value_key
+from keras_selfattn.export.quantization import (
+    CAPTURED,
+    QuantizedDense,
+    in_graph,
+    value_key,
+)
 
 METADATA_KEY = "keras_selfattn.quantization"
 CONTRIB_DOMAIN = "com.microsoft"
@@ -129,7 +134,7 @@ def _blocks(
 ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
     """(block size, codes (in, out) uint8, per-block scale and zero (blocks, out))
     for MatMulNBits; raises ValueError when the groups do not fit."""
-    inputs = quantized.kernel.shape[0]
+    inputs = quantized.shape[0]
     if quantized.zero is None:  # per channel: symmetric, one block repeated
         block = 1 << max(4, (min(inputs, 256) - 1).bit_length())
         blocks = -(-inputs // block)
@@ -170,7 +175,7 @@ def _weight_only(builder, x, output, quantized: QuantizedDense, stored) -> str:
     """A `MatMulNBits` of `x`; its codes, scales and zeros stored once per
     layer (`stored`: a layer read in the prompt pass and in a loop body)."""
     block, codes, scale, zero = _blocks(quantized)
-    inputs, outputs = quantized.kernel.shape
+    inputs, outputs = quantized.shape
     name = quantized.layer.name
     if quantized.input_divisor is not None:
         divisor = builder.constant(f"{name}_awq_divisor", quantized.input_divisor)
@@ -202,7 +207,13 @@ def _weight_only(builder, x, output, quantized: QuantizedDense, stored) -> str:
 def _kernels_by_value(
     quantized: Sequence[QuantizedDense],
 ) -> dict[tuple, QuantizedDense]:
-    return {value_key(q.kernel): q for q in quantized}
+    """Layers traced with their dequantized kernel, by its value; those
+    traced as Keras's dequantization of their int8 variable
+    (`quantization.in_graph`), by their integers and scales."""
+    return {
+        value_key(q.integers if in_graph(q, CAPTURED) else q.kernel): q
+        for q in quantized
+    }
 
 
 def rewrite(
@@ -260,6 +271,49 @@ def _constant(scopes: Sequence[onnx.GraphProto], name: str):
     return None
 
 
+def _producer(scopes: Sequence[onnx.GraphProto], name: str):
+    """The node writing `name` (through `Identity` nodes) in the innermost
+    scope that has one, or None."""
+    for graph in reversed(scopes):
+        for node in graph.node:
+            if name in node.output:
+                if node.op_type == "Identity":
+                    return _producer(scopes, node.input[0])
+                return node
+    return None
+
+
+def _stored_integers(scopes, name: str, by_value: dict):
+    """The int8 layer whose kernel `name` is Keras's dequantization of its
+    variable (`quantization.in_graph`): `Div(Cast(integers), scale)`, or
+    `Mul(Cast(integers), 1 / scale)` where TensorFlow held the scales as a
+    constant (under 128 of them) and grappler folded the division (its
+    reciprocals measured an ulp off numpy's); None otherwise. The layer is
+    the one whose integers these are; the scales only confirm it."""
+    scaling = _producer(scopes, name)
+    if scaling is None or scaling.op_type not in ("Div", "Mul"):
+        return None
+    casts = [_producer(scopes, operand) for operand in scaling.input]
+    side = next(
+        (i for i, cast in enumerate(casts) if cast and cast.op_type == "Cast"), None
+    )
+    if side is None or (scaling.op_type == "Div" and side != 0):
+        return None
+    integers = _constant(scopes, casts[side].input[0])
+    factor = _constant(scopes, scaling.input[1 - side])
+    if integers is None or integers.dtype != np.int8 or factor is None:
+        return None
+    match = by_value.get(value_key(integers))
+    if match is None or np.size(factor) != match.scale.size:
+        return None
+    if scaling.op_type == "Div":
+        return match if np.array_equal(np.ravel(factor), match.scale) else None
+    # Grappler's reciprocal, within a few float32 ulps of numpy's.
+    reciprocal = np.float32(1) / match.scale
+    close = np.allclose(np.ravel(factor), reciprocal, rtol=1e-6, atol=0)
+    return match if close else None
+
+
 def _same_rows(scopes, producers, x: str, seen: dict) -> str:
     """`x`, or the equal tensor an earlier int8 layer read: tf2onnx writes a
     `Reshape` to rows in front of each layer's matmul (a `Loop` body's
@@ -296,6 +350,8 @@ def _rewrite_graph(builder, scopes, by_value, schemes, stored) -> None:
         match = None
         if weight is not None and weight.dtype == np.float32 and weight.ndim == 2:
             match = by_value.get(value_key(weight))
+        elif node.op_type == "MatMul":
+            match = _stored_integers(scopes, node.input[1], by_value)
         if match is None or match.mode == "float8":
             kept.append(node)
             continue
