@@ -1,9 +1,11 @@
 """Quantized layers of an ONNX graph, stored as Keras's integers and run on
 ONNX Runtime's integer kernels.
 
-The graph was traced with each quantized `Dense` as a `MatMul` by its
-dequantized kernel, a constant (`quantization.CAPTURED`); `rewrite` finds
-each by value and replaces it:
+The graph was traced with `quantization.CAPTURED`: each quantized `Dense`
+is a `MatMul` by its dequantized kernel, a constant, which `rewrite` finds
+by value, or, an int8 `Dense` on TensorFlow (`quantization.in_graph`), by
+Keras's dequantization of its stored integers, `Div(Cast(integers),
+scale)`, which `rewrite` finds by the integers' value. Each is replaced:
 
 - int8 with Keras's activation quantizer (symmetric, per token): Keras's
   exact scheme on ONNX Runtime's integer matmul, exact on every CPU by
@@ -226,8 +228,7 @@ def rewrite(
     generator's `Loop` body), their integers stored once, in the main graph.
 
     Args:
-        proto: The converted model, traced with `quantization.CAPTURED` (or
-            `CONSTANTS`).
+        proto: The converted model, traced with `quantization.CAPTURED`.
         quantized: The model's quantized `Dense` layers.
 
     Returns:
