@@ -13,11 +13,13 @@ the file (`graph.constant_value` under `graph.external_data_in`);
 and what the passes added).
 
 A quantized model's weights go to the file too, whatever their size: the
-converted graph holds each quantized kernel dequantized, in float32, until
-the integer pass stores Keras's integers again, and in the proto those
-floats were a copy of every kernel at the export's peak. Afterwards the file
-keeps only what the model still refers to (`compact`), or, where the model
-is small enough for one file, its weights go back into the proto (`load`).
+converted graph holds its int4, grouped and float8 kernels dequantized, in
+float32, until the integer pass stores Keras's integers again (int8 ones
+are traced as their integers: `quantization.in_graph`), and in the proto
+those floats were a copy of every kernel at the export's peak. Afterwards
+the file keeps only what the model still refers to (`compact`), or, where
+the model is small enough for one file, its weights go back into the proto
+(`load`).
 """
 
 from __future__ import annotations

@@ -333,8 +333,9 @@ class OnnxFormat(Format):
                 "GiB; save the model as .keras and export it under "
                 "KERAS_BACKEND=tensorflow (weights as ONNX external data)"
             )
-        # A quantized model's converted graph holds its kernels in float32
-        # until the integer pass: they go to the file too (`external`).
+        # A quantized model's weights go to the file too (`external`): its
+        # int4, grouped and float8 kernels are float32 in the converted
+        # graph until the integer pass (int8 ones are their integers).
         spill = backend == "tensorflow" and (large or bool(target.quantized))
         data = external_data_file(path)
         weights = external.WeightFile(data) if spill else None

@@ -211,7 +211,8 @@ def _kernels_by_value(
 ) -> dict[tuple, QuantizedDense]:
     """Layers traced with their dequantized kernel, by its value; those
     traced as Keras's dequantization of their int8 variable
-    (`quantization.in_graph`), by their integers and scales."""
+    (`quantization.in_graph`), by their integers (`_stored_integers`
+    confirms the scales)."""
     return {
         value_key(q.integers if in_graph(q, CAPTURED) else q.kernel): q
         for q in quantized
