@@ -154,11 +154,11 @@ def test_int8_onnx_generator_never_makes_a_float_kernel(monkeypatch, tmp_path):
 
     import onnx
 
-    from keras_selfattn.export import quantization
+    from keras_selfattn.export import quantization, quantized_kernels
     from keras_selfattn.export.formats.onnx import external, integer
 
     made, moved = [], []
-    dequantized, load = quantization.dequantized, external.load
+    dequantized, load = quantized_kernels.dequantized, external.load
 
     def dequantized_and_count(integers, scale):
         made.append(integers.shape)
@@ -168,7 +168,7 @@ def test_int8_onnx_generator_never_makes_a_float_kernel(monkeypatch, tmp_path):
         moved.append(len(external._stored(proto)))
         load(proto, path)
 
-    monkeypatch.setattr(quantization, "dequantized", dequantized_and_count)
+    monkeypatch.setattr(quantized_kernels, "dequantized", dequantized_and_count)
     monkeypatch.setattr(external, "load", load_and_keep)
     model = _quantized_token_model("int8")
     path = export_generator(model, tmp_path / "lm.onnx", "onnx", max_length=MAX_LENGTH)

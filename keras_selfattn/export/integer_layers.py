@@ -30,13 +30,13 @@ import keras
 import numpy as np
 
 from keras_selfattn._model_layers import every_layer
-from keras_selfattn.export.quantization import (
+from keras_selfattn.export.quantization import quantized_layers
+from keras_selfattn.export.quantized_kernels import (
     QuantizedDense,
     _activations,
     _grouped,
     _numpy,
     _unpack,
-    quantized_layers,
 )
 
 

@@ -19,7 +19,7 @@ import keras
 import numpy as np
 
 from keras_selfattn._model_layers import every_layer
-from keras_selfattn.export import quantization
+from keras_selfattn.export import quantization, quantized_kernels
 
 # Names of dynamic axes in exports: axis 0 is the batch, every other dynamic
 # axis the one sequence the model attends over (tokens, masks and
@@ -84,7 +84,7 @@ class Signature:
     function: Callable[[Sequence], Sequence]
     signature_name: str = SERVING_SIGNATURE
     what: str = "model"
-    quantized: tuple[quantization.QuantizedDense, ...] = ()
+    quantized: tuple[quantized_kernels.QuantizedDense, ...] = ()
     embeddings: tuple[keras.layers.Embedding, ...] = ()
     examples: Callable[[int, int, int], dict] | None = None
     extra_signatures: Callable[[], tuple[Signature, ...]] | None = None

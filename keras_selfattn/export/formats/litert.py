@@ -34,7 +34,7 @@ import numpy as np
 
 from keras_selfattn import tracing
 from keras_selfattn.attention.cache import ConverterCache
-from keras_selfattn.export import quantization
+from keras_selfattn.export import quantization, quantized_kernels
 from keras_selfattn.export.formats import litert_process, litert_signatures
 from keras_selfattn.export.formats._base import (
     APART_BYTES,
@@ -54,7 +54,7 @@ RECIPES = {True: "dynamic_wi8_afp32", False: "weight_only_wi8_afp32"}
 BUFFER_OFFSET_BYTES = APART_BYTES
 
 
-def recipe_name(quantized: Sequence[quantization.QuantizedDense]) -> str | None:
+def recipe_name(quantized: Sequence[quantized_kernels.QuantizedDense]) -> str | None:
     """The recipe that computes these layers as Keras does, or None."""
     if not quantized or any(q.mode != "int8" for q in quantized):
         return None

@@ -44,7 +44,7 @@ import keras
 import numpy as np
 
 from keras_selfattn.attention.cache import GatheredCache
-from keras_selfattn.export import quantization
+from keras_selfattn.export import quantization, quantized_kernels
 from keras_selfattn.export.formats._base import Format, converting
 from keras_selfattn.export.signature import Signature
 from keras_selfattn_runtimes import table
@@ -65,7 +65,7 @@ PER_TOKEN_INT8 = (
 )
 
 
-def _decompressed(quantized: quantization.QuantizedDense, transposed: bool):
+def _decompressed(quantized: quantized_kernels.QuantizedDense, transposed: bool):
     """The decompression subgraph of one kernel, (out, in) if `transposed`."""
     import openvino as ov
     from openvino import opset13 as ops
@@ -152,7 +152,7 @@ def without_fused_attention(model) -> int:
     return replaced
 
 
-def _fits(quantized: quantization.QuantizedDense) -> bool:
+def _fits(quantized: quantized_kernels.QuantizedDense) -> bool:
     if quantized.mode == "float8":
         return False
     if quantized.zero is None:
@@ -194,15 +194,15 @@ def compress(model, quantized) -> dict[str, str]:
 
     by_value = {}
     for q in quantized:
-        by_value[(quantization.value_key(q.kernel), False)] = q
-        by_value[(quantization.value_key(q.kernel.T), True)] = q
+        by_value[(quantized_kernels.value_key(q.kernel), False)] = q
+        by_value[(quantized_kernels.value_key(q.kernel.T), True)] = q
     schemes = {q.layer.name: "float32 (kernel not found)" for q in quantized}
     for op in model.get_ordered_ops():
         if op.get_type_name() != "Constant" or op.get_element_type() != ov.Type.f32:
             continue
         if len(op.get_output_partial_shape(0)) != 2:
             continue
-        key = quantization.value_key(op.get_data())
+        key = quantized_kernels.value_key(op.get_data())
         for transposed in (False, True):
             match = by_value.get((key, transposed))
             if match is None:

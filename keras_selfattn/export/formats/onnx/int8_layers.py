@@ -40,7 +40,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from keras_selfattn.export.quantization import QuantizedDense
+from keras_selfattn.export.quantized_kernels import QuantizedDense
 
 # The probe's inner dimension: every pair of products along it is 255 x 127
 # (or 255 x -127), the largest the shifted codes can form with Keras's

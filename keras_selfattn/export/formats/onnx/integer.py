@@ -38,12 +38,8 @@ from onnx import helper, numpy_helper
 from keras_selfattn.export.formats.onnx import graph as og
 from keras_selfattn.export.formats.onnx import int8_layers
 from keras_selfattn.export.integer_layers import nbits_fits
-from keras_selfattn.export.quantization import (
-    CAPTURED,
-    QuantizedDense,
-    in_graph,
-    value_key,
-)
+from keras_selfattn.export.quantization import CAPTURED, in_graph
+from keras_selfattn.export.quantized_kernels import QuantizedDense, value_key
 
 METADATA_KEY = "keras_selfattn.quantization"
 CONTRIB_DOMAIN = "com.microsoft"
