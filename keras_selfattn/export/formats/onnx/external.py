@@ -150,13 +150,8 @@ def _copy(source, destination, length: int, chunk: int = 2**26) -> None:
 
 def load(proto: onnx.ModelProto, path: str) -> None:
     """Moves the tensors `proto` stores in the data file at `path` into the
-    proto, and removes the file."""
-    from onnx import TensorProto, numpy_helper
+    proto (onnx's own loader), and removes the file."""
+    from onnx.external_data_helper import load_external_data_for_model
 
-    folder = os.path.dirname(path)
-    for tensor in _stored(proto):
-        value = numpy_helper.to_array(tensor, base_dir=folder)
-        tensor.raw_data = value.tobytes()
-        tensor.data_location = TensorProto.DEFAULT
-        del tensor.external_data[:]
+    load_external_data_for_model(proto, os.path.dirname(path))
     os.remove(path)
