@@ -137,3 +137,81 @@ def test_optimizers_fall_back_to_tf2onnx_catching_errors(monkeypatch):
     used = [name for name in every if name not in conversion._OPTIMIZED_OPS]
     used = sorted([*used, "const_dequantize_optimizer", "q_dq_optimizer"])
     assert calls == [("third", False, used)]
+
+
+def _loop_graph():
+    """tf2onnx's graph of a function with a loop, its body given a node that
+    reads a value of the main graph (an implicit input of the `Loop`), and
+    each graph a dead node."""
+    tf = pytest.importorskip("tensorflow")
+    pytest.importorskip("tf2onnx")
+    from tf2onnx import tf_loader, tfonnx
+
+    @tf.function(input_signature=[tf.TensorSpec([2], tf.float32, name="x")])
+    def function(x):
+        outside = x * 3.0
+
+        def body(i, a, b):
+            return i + 1, a + outside, b * a
+
+        _, a, b = tf.while_loop(lambda i, a, b: i < 3, body, [0, x, x])
+        return {"a": tf.identity(a, name="a"), "b": tf.identity(b, name="b")}
+
+    concrete = function.get_concrete_function()
+    inputs = ["x:0"]
+    outputs = [t.name for t in concrete.outputs]
+    graph_def = tf_loader.from_function(concrete, inputs, outputs)
+    with tf.Graph().as_default() as tf_graph:
+        tf.import_graph_def(graph_def, name="")
+        graph = tfonnx.process_tf_graph(
+            tf_graph, input_names=inputs, output_names=outputs, opset=17
+        )
+    (loop,) = [node for node in graph.get_nodes() if node.type == "Loop"]
+    (body,) = loop.get_body_graphs().values()
+    outer = graph.make_node("Sin", [graph.inputs[0].output[0]])
+    read = body.make_node("Add", [body.outputs[-1], outer.output[0]])
+    body.outputs = [*body.outputs[:-1], read.output[0]]
+    graph.make_node("Neg", [graph.inputs[0].output[0]])
+    body.make_node("Neg", [body.outputs[-1]])
+    return graph
+
+
+def _kept(graph) -> dict:
+    """{node name: {body name: `_kept` of the body}} of `graph`'s nodes."""
+    return {
+        node.name: {
+            name: _kept(body) for name, body in (node.get_body_graphs() or {}).items()
+        }
+        for node in graph.get_nodes()
+    }
+
+
+def _types(graph) -> list[str]:
+    """The op types of `graph`'s nodes and of their bodies' nodes."""
+    types = []
+    for node in graph.get_nodes():
+        types.append(node.type)
+        for body in (node.get_body_graphs() or {}).values():
+            types += _types(body)
+    return types
+
+
+@pytest.mark.tensorflow_only("tf2onnx's graphs")
+def test_pruning_keeps_what_tf2onnx_keeps():
+    import copy
+
+    from keras_selfattn.export.formats.onnx import conversion
+
+    graph = _loop_graph()
+    theirs, ours = copy.deepcopy(graph), copy.deepcopy(graph)
+    theirs.delete_unused_nodes(theirs.outputs)
+    conversion._prune(ours)
+    assert _kept(ours) == _kept(theirs)
+    assert _types(graph).count("Neg") == 2
+    assert "Neg" not in _types(ours)
+    # The main graph's value only the body reads (an implicit input).
+    assert "Sin" in _types(ours)
+    # tf2onnx orders the kept nodes by chance; here they keep the graph's.
+    order = [node.name for node in graph.get_nodes()]
+    kept = [node.name for node in ours.get_nodes()]
+    assert kept == [name for name in order if name in kept]
