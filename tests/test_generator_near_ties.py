@@ -76,3 +76,25 @@ def test_a_sampled_token_must_be_one_the_sampler_keeps(model):
     assert _ties(model, sampled, [2]) in (0, 1)
     assert _ties(model, sampled, [3]) + _ties(model, sampled, [2]) == 1
     assert _ties(model, sampled, [4]) is None
+
+
+def test_rows_equal_to_keras_generate_are_not_replayed(model):
+    # After the prompt's 1 the logits give 3 (1.0); 1 (0.2) is no near
+    # tie, so [1, 2, 3] judged on the logits is a difference. Given as
+    # Keras's own tokens and length, the row is Keras's choice and is not
+    # replayed.
+    greedy = _request()
+    tokens = np.asarray([[1, 2, 3]], np.int32)
+    counted = np.asarray([3], np.int32)
+    replayed = near_ties.ties(model, greedy, "prompt_tokens", tokens, counted)
+    assert replayed is None
+    same = (tokens.copy(), counted.copy())
+    assert near_ties.ties(model, greedy, "prompt_tokens", tokens, counted, same) == 0
+    other = (np.asarray([[3, 4, 5]], np.int32), counted)
+    assert (
+        near_ties.ties(model, greedy, "prompt_tokens", tokens, counted, other) is None
+    )
+    shorter = (tokens.copy(), np.asarray([2], np.int32))
+    assert (
+        near_ties.ties(model, greedy, "prompt_tokens", tokens, counted, shorter) is None
+    )

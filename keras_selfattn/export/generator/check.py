@@ -182,23 +182,32 @@ def _pair_row(
     )
     produced = np.argmax(last, axis=-1) if generator.read.tokens else last
     with _reference(generator):
-        wanted = keras_generate(generator, request)[generator.output_names[0]]
+        reference = keras_generate(generator, request)
+    wanted, wanted_lengths = (reference[name] for name in generator.output_names)
     row = parity_row(runtime, label, [(wanted, produced)], tolerance, tolerance)
     counts = np.full(len(produced), produced.shape[1])
-    return _near_ties(generator, row, request, produced, counts)
+    return _near_ties(
+        generator, row, request, (produced, counts), (wanted, wanted_lengths)
+    )
 
 
 def _near_ties(
-    generator: Generator, row: ParityRow, request: dict, tokens, lengths
+    generator: Generator,
+    row: ParityRow,
+    request: dict,
+    generated: tuple[np.ndarray, np.ndarray],
+    reference: tuple[np.ndarray, np.ndarray],
 ) -> tuple[ParityRow, str | None]:
     """`row`, judged by `near_ties` where its tokens differ and the model's
-    layers round their inputs to integers; with the report's note then."""
+    layers round their inputs to integers; with the report's note then.
+    `generated` and `reference`: the runtime's and Keras's (tokens,
+    lengths); only the rows where they differ are replayed."""
     if row.ok or not (
         generator.read.tokens and generator.read.reading.quantizes_inputs
     ):
         return row, None
     found = near_ties.ties(
-        generator.read.model, request, generator.prompt_name, tokens, lengths
+        generator.read.model, request, generator.prompt_name, *generated, reference
     )
     if found is None:
         return row, None
@@ -281,8 +290,9 @@ def check_generator(
             (produced,) = outcome.outputs[index]
             pairs = [(wanted[name], produced[name]) for name in names]
             row = parity_row(runtime, label, pairs, tolerance, tolerance)
-            tokens, lengths = (produced[name] for name in names)
-            judged.append(_near_ties(generator, row, request, tokens, lengths))
+            runtime_pair = tuple(produced[name] for name in names)
+            keras_pair = tuple(wanted[name] for name in names)
+            judged.append(_near_ties(generator, row, request, runtime_pair, keras_pair))
     for artifact in artifacts.values():
         if table.BY_NAME[artifact.format].extra_signatures:
             judged.append(_pair_row(generator, artifact, tolerance, seed))

@@ -119,10 +119,17 @@ def _row_ties(
 
 
 def ties(
-    model, request: dict, prompt_name: str, tokens: np.ndarray, lengths: np.ndarray
+    model,
+    request: dict,
+    prompt_name: str,
+    tokens: np.ndarray,
+    lengths: np.ndarray,
+    reference: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> int | None:
     """`_row_ties` summed over a request's rows, whose `lengths` (the
-    runtime's) must count their tokens; None if a row fails."""
+    runtime's) must count their tokens; None if a row fails. A row equal to
+    `reference`'s (Keras's generated tokens and lengths: Keras's own
+    choices) is not replayed and has no tie."""
     prompts, widths = request[prompt_name], request["prompt_lengths"]
     tokens, lengths = np.asarray(tokens), np.asarray(lengths)
     if tokens.ndim != 2 or len(tokens) != len(prompts) or lengths.shape != widths.shape:
@@ -136,9 +143,22 @@ def ties(
     }
     total = 0
     for row, (prompt, width) in enumerate(zip(prompts, widths, strict=True)):
+        if reference is not None and _same_row(reference, tokens, lengths, row):
+            continue
         found = _row_ties(model, prompt, tokens[row], int(width), controls, row)
         counted = int(np.sum(np.asarray(tokens[row]) != loop.NOT_GENERATED))
         if found is None or int(lengths[row]) != counted:
             return None
         total += found
     return total
+
+
+def _same_row(reference, tokens: np.ndarray, lengths: np.ndarray, row: int) -> bool:
+    """Whether row `row` of `tokens` and `lengths` is `reference`'s."""
+    wanted, counts = (np.asarray(array) for array in reference)
+    return (
+        wanted.shape == tokens.shape
+        and counts.shape == lengths.shape
+        and bool(np.array_equal(wanted[row], tokens[row]))
+        and int(counts[row]) == int(lengths[row])
+    )
