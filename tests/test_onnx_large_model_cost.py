@@ -215,3 +215,36 @@ def test_pruning_keeps_what_tf2onnx_keeps():
     order = [node.name for node in graph.get_nodes()]
     kept = [node.name for node in ours.get_nodes()]
     assert kept == [name for name in order if name in kept]
+
+
+@pytest.mark.tensorflow_only("tf2onnx's optimizers")
+def test_optimizers_pruning_once_compute_what_tf2onnx_computes():
+    import copy
+
+    ort = pytest.importorskip("onnxruntime")
+    from tf2onnx import optimizer
+
+    from keras_selfattn.export.formats.onnx import conversion
+
+    graph = _loop_graph()
+    factories = optimizer._get_optimizers()
+    theirs = optimizer.optimize_graph(copy.deepcopy(graph), catch_errors=False)
+    ours = optimizer.optimize_graph(
+        copy.deepcopy(graph),
+        catch_errors=False,
+        optimizers={name: conversion._pruning_once(f) for name, f in factories.items()},
+    )
+    assert sorted(_types(ours)) == sorted(_types(theirs))
+    x = np.asarray([0.5, -2.0], np.float32)
+    results = []
+    # The graph as converted (no optimizer) is the reference.
+    for optimized in (copy.deepcopy(graph), theirs, ours):
+        model = optimized.make_model("optimized")
+        session = ort.InferenceSession(model.SerializeToString())
+        results.append(session.run(None, {"x:0": x}))
+    reference, tf2onnx_way, pruning_once = results
+    assert len(reference) == 2
+    for want, got in zip(reference, pruning_once, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    for want, got in zip(tf2onnx_way, pruning_once, strict=True):
+        np.testing.assert_array_equal(got, want)
