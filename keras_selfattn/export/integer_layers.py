@@ -33,10 +33,10 @@ from keras_selfattn._model_layers import every_layer
 from keras_selfattn.export.quantization import quantized_layers
 from keras_selfattn.export.quantized_kernels import (
     QuantizedDense,
-    _activations,
-    _grouped,
-    _numpy,
-    _unpack,
+    grouped_layer,
+    input_quantizer,
+    stored_array,
+    unpacked,
 )
 
 
@@ -58,21 +58,21 @@ def describe_reverse(layer) -> QuantizedDense | None:
         or layer.tie_weights
     ):
         return None
-    activations = _activations(layer)
+    activations = input_quantizer(layer)
     if mode == "int8":
-        integers = _numpy(layer.reverse_embeddings).astype(np.int8)
+        integers = stored_array(layer.reverse_embeddings).astype(np.int8)
     else:
         if activations is not None:
             return None
-        integers = _unpack(layer.reverse_embeddings, layer.output_dim, 0, "int8")
+        integers = unpacked(layer.reverse_embeddings, layer.output_dim, 0, "int8")
     bits = 8 if mode == "int8" else 4
     if mode == "int8" or getattr(layer, "_int4_block_size", None) in (None, -1):
-        scale = _numpy(layer.reverse_embeddings_scale).astype(np.float32)
+        scale = stored_array(layer.reverse_embeddings_scale).astype(np.float32)
         return QuantizedDense(
             layer, mode, None, integers, scale, bits=bits, activations=activations
         )
     sz = (layer.reverse_embeddings_scale, layer.reverse_embeddings_zero)
-    return _grouped(layer, integers, "int4", 4, sz=sz)
+    return grouped_layer(layer, integers, "int4", 4, sz=sz)
 
 
 def nbits_fits(quantized: QuantizedDense) -> bool:

@@ -61,10 +61,10 @@ from keras import ops
 from keras_selfattn._model_layers import every_layer
 from keras_selfattn.export.quantized_kernels import (
     QuantizedDense,
-    _activations,
-    _grouped,
-    _numpy,
-    _unpack,
+    grouped_layer,
+    input_quantizer,
+    stored_array,
+    unpacked,
 )
 
 VARIABLES = "variables"
@@ -87,15 +87,15 @@ def describe(layer) -> QuantizedDense | None:
     if not isinstance(layer, keras.layers.Dense) or mode not in MODES:
         return None
     if mode == "int8":
-        integers = _numpy(layer._kernel).astype(np.int8)
-        scale = _numpy(layer.kernel_scale).astype(np.float32)
+        integers = stored_array(layer._kernel).astype(np.int8)
+        scale = stored_array(layer.kernel_scale).astype(np.float32)
         return QuantizedDense(
-            layer, mode, None, integers, scale, activations=_activations(layer)
+            layer, mode, None, integers, scale, activations=input_quantizer(layer)
         )
     if mode == "int4":
-        integers = _unpack(layer._kernel, layer._orig_output_dim, -1, "int8")
+        integers = unpacked(layer._kernel, layer._orig_output_dim, -1, "int8")
         if getattr(layer, "_int4_block_size", None) in (None, -1):
-            scale = _numpy(layer.kernel_scale).astype(np.float32)
+            scale = stored_array(layer.kernel_scale).astype(np.float32)
             return QuantizedDense(
                 layer,
                 mode,
@@ -103,9 +103,9 @@ def describe(layer) -> QuantizedDense | None:
                 integers,
                 scale,
                 bits=4,
-                activations=_activations(layer),
+                activations=input_quantizer(layer),
             )
-        return _grouped(layer, integers, mode, 4)
+        return grouped_layer(layer, integers, mode, 4)
     if mode in ("gptq", "awq"):
         if mode == "gptq" and not layer.is_gptq_calibrated:
             return None
@@ -115,11 +115,15 @@ def describe(layer) -> QuantizedDense | None:
 
         bits = 4 if mode == "awq" else gptq_weight_bits(layer)
         codes = layer.quantized_kernel
-        codes = _unpack(codes, layer.units, 0, "uint8") if bits == 4 else _numpy(codes)
+        codes = (
+            unpacked(codes, layer.units, 0, "uint8")
+            if bits == 4
+            else stored_array(codes)
+        )
         divisor = None
         if mode == "awq":
-            divisor = _numpy(layer.awq_scales).astype(np.float32)
-        return _grouped(layer, codes.T, mode, bits, divisor)
+            divisor = stored_array(layer.awq_scales).astype(np.float32)
+        return grouped_layer(layer, codes.T, mode, bits, divisor)
     # float8: the kernel rounded to float8 with its scale, as Keras's call does.
     from keras import quantizers
 
@@ -129,7 +133,9 @@ def describe(layer) -> QuantizedDense | None:
         "float8_e4m3fn",
         "float32",
     )
-    return QuantizedDense(layer, mode, _numpy(kernel).astype(np.float32), None, None)
+    return QuantizedDense(
+        layer, mode, stored_array(kernel).astype(np.float32), None, None
+    )
 
 
 def quantized_layers(model: keras.Model) -> tuple[QuantizedDense, ...]:
@@ -194,13 +200,11 @@ def _kernel_of(quantized: QuantizedDense, form: str):
     from keras import quantizers
 
     if quantized.mode == "int4":
-        unpacked = quantizers.unpack_int4(
-            layer._kernel, layer._orig_output_dim, axis=-1
-        )
+        codes = quantizers.unpack_int4(layer._kernel, layer._orig_output_dim, axis=-1)
         if quantized.zero is None:
-            return ops.divide(ops.cast(unpacked, "float32"), layer.kernel_scale)
+            return ops.divide(ops.cast(codes, "float32"), layer.kernel_scale)
         return _dequantize_groups(
-            quantized, unpacked, layer.kernel_scale, layer.kernel_zero, 0
+            quantized, codes, layer.kernel_scale, layer.kernel_zero, 0
         )
     codes = layer.quantized_kernel
     if quantized.bits == 4:
@@ -269,7 +273,7 @@ def _dense_call(quantized: QuantizedDense, form: str):
     # Read now: a variable's value cannot be read while a graph is traced.
     folded = captured = None
     if _folded(quantized, form):
-        folded = (_numpy(layer._kernel), _numpy(layer.kernel_scale))
+        folded = (stored_array(layer._kernel), stored_array(layer.kernel_scale))
     # Keras's dequantization of the stored integers, in the graph.
     stored = in_graph(quantized, form)
     if form == CAPTURED and not stored:

@@ -4,7 +4,9 @@
 zero points into a `QuantizedDense` (numpy), whose dequantized float
 kernel, by Keras's own formula, is made only when something asks for it
 (`dequantized`); the ONNX and OpenVINO passes find kernels or integers in
-a converted graph by `value_key`. A float model's export calls nothing
+a converted graph by `value_key`. `stored_array`, `unpacked`,
+`input_quantizer` and `grouped_layer` read a layer's stored variables for
+`quantization` and `integer_layers`. A float model's export calls nothing
 here.
 """
 
@@ -86,7 +88,7 @@ class QuantizedDense:
         return tuple(source.shape)
 
 
-def _numpy(variable) -> np.ndarray:
+def stored_array(variable) -> np.ndarray:
     return np.asarray(keras.ops.convert_to_numpy(variable))
 
 
@@ -115,7 +117,7 @@ def dequantized(integers: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, ob
     try:
         kernel = np.asarray(tensor)
     except TypeError:  # a torch tensor on a GPU
-        kernel = _numpy(tensor)
+        kernel = stored_array(tensor)
     return kernel, tensor
 
 
@@ -129,14 +131,14 @@ def value_key(array: np.ndarray) -> tuple:
     return array.dtype.str, array.shape, digest
 
 
-def _unpack(packed, length: int, axis: int, dtype: str) -> np.ndarray:
+def unpacked(packed, length: int, axis: int, dtype: str) -> np.ndarray:
     """Keras's own `unpack_int4` of a stored kernel, as numpy."""
     from keras import quantizers
 
-    return _numpy(quantizers.unpack_int4(packed, length, axis=axis, dtype=dtype))
+    return stored_array(quantizers.unpack_int4(packed, length, axis=axis, dtype=dtype))
 
 
-def _activations(layer) -> tuple[float, float, float] | None:
+def input_quantizer(layer) -> tuple[float, float, float] | None:
     quantizer = getattr(layer, "inputs_quantizer", None)
     if quantizer is None:
         return None
@@ -144,7 +146,9 @@ def _activations(layer) -> tuple[float, float, float] | None:
     return (float(low), float(high), float(quantizer.epsilon))
 
 
-def _grouped(layer, values: np.ndarray, mode: str, bits: int, divisor=None, sz=None):
+def grouped_layer(
+    layer, values: np.ndarray, mode: str, bits: int, divisor=None, sz=None
+):
     """A grouped layer from its (in, out) stored values and Keras's scales and
     zeros `sz` (default the layer's kernel ones: (out, groups) for gptq/awq,
     (groups, out) for int4).
@@ -154,11 +158,11 @@ def _grouped(layer, values: np.ndarray, mode: str, bits: int, divisor=None, sz=N
     `codes - zero`.
     """
     scale, zero = sz or (layer.kernel_scale, layer.kernel_zero)
-    scale, zero = (_numpy(x).astype(np.float32) for x in (scale, zero))
+    scale, zero = (stored_array(x).astype(np.float32) for x in (scale, zero))
     if mode in ("gptq", "awq"):  # stored (out, groups)
         scale, zero = scale.T, zero.T
     shift = 8 if mode == "int4" else 0
-    groups = _numpy(layer.g_idx).astype(np.int64)
+    groups = stored_array(layer.g_idx).astype(np.int64)
     kernel = (values.astype(np.float32) - zero[groups]) * scale[groups]
     if divisor is not None:
         kernel = kernel / divisor[:, None]
