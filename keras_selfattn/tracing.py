@@ -103,15 +103,39 @@ def active(mode: str) -> bool:
     return _check(mode).get()
 
 
+_TORCH_RECORDING = contextvars.ContextVar(
+    "keras_selfattn_torch_recording", default=False
+)
+
+
+@contextlib.contextmanager
+def torch_recording() -> Iterator[None]:
+    """Within this context, PyTorch records the calls made as a graph of its
+    ops (`make_fx`, for `generate`'s replayed steps): they are traced as
+    `torch_traced()` says, sizes and values known only when the graph runs."""
+    token = _TORCH_RECORDING.set(True)
+    try:
+        yield
+    finally:
+        _TORCH_RECORDING.reset(token)
+
+
+def torch_recorded() -> bool:
+    """Whether the call being made is recorded (`torch_recording`)."""
+    return _TORCH_RECORDING.get()
+
+
 def torch_traced() -> bool:
     """Whether PyTorch traces the call being made: `torch.jit.trace`
     (Keras's ONNX export with dynamic shapes, its OpenVINO export),
-    `torch.export` (its `.pt2`, LiteRT and static-shape ONNX exports) or
-    `torch.compile`. For the torch backend (it imports torch)."""
+    `torch.export` (its `.pt2`, LiteRT and static-shape ONNX exports),
+    `torch.compile`, or a recording (`torch_recording`). For the torch
+    backend (it imports torch)."""
     import torch
 
     return (
-        torch.jit.is_tracing()
+        torch_recorded()
+        or torch.jit.is_tracing()
         or torch.compiler.is_exporting()
         or torch.compiler.is_compiling()
     )

@@ -1,5 +1,6 @@
-"""`generate(jit_compile=...)`: XLA by default on TensorFlow and JAX, a
-plain loop when asked, a clear error where XLA or the backend cannot."""
+"""`generate(jit_compile=...)`: XLA by default on TensorFlow and JAX,
+recorded steps on PyTorch (tests/test_generate_torch_steps.py), a plain
+loop when asked, a clear error where XLA cannot."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ import pytest
 from keras_selfattn import SelfAttention, generate
 from tests import generation_reference as reference
 from tests.test_generation import PROMPTS, STEPS, token_model
-
-BACKEND = keras.backend.backend()
 
 
 @pytest.fixture(scope="module")
@@ -25,21 +24,14 @@ def test_jit_compile_other_than_auto_or_a_boolean_is_named(model, value):
         generate(model, PROMPTS, 2, jit_compile=value)
 
 
-@pytest.mark.skipif(BACKEND == "torch", reason="PyTorch runs eagerly either way")
 @pytest.mark.slow_on("jax", "generate compiled twice: eager JAX traces the loop")
 def test_with_and_without_xla_equal_the_uncached_forward(model):
     tokens, lengths = reference.uncached(model, PROMPTS, STEPS)
-    for jit_compile in ("auto", False):
+    for jit_compile in ("auto", True, False):
         result = generate(model, PROMPTS, STEPS, jit_compile=jit_compile)
         np.testing.assert_array_equal(result.tokens, tokens, err_msg=jit_compile)
         np.testing.assert_array_equal(result.lengths, lengths, err_msg=jit_compile)
     assert len({tuple(row) for row in tokens}) > 1  # rows differ: a real check
-
-
-@pytest.mark.skipif(BACKEND != "torch", reason="refused on PyTorch only")
-def test_jit_compile_true_is_refused_on_torch(model):
-    with pytest.raises(ValueError, match="jit_compile=True.*'torch'"):
-        generate(model, PROMPTS, 2, jit_compile=True)
 
 
 @pytest.mark.tensorflow_only("a layer calling tf.numpy_function, which XLA refuses")

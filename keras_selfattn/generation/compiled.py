@@ -4,9 +4,11 @@ TensorFlow: a `tf.function` (one trace per prompt shape and output size),
 compiled by XLA unless `jit_compile` is False; JAX: `jax.jit` over the
 model's variable values (a `StatelessScope` maps them in, so the weights
 are arguments, not constants baked into the compiled program), or traced
-op by op when `jit_compile` is False; PyTorch: eager under
-`torch.no_grad` (Keras runs the loop in Python there). Compiled functions
-are kept per model, except those compiled within `not_kept`.
+op by op when `jit_compile` is False; PyTorch: a Python loop under
+`torch.no_grad` whose step is recorded once as a graph of PyTorch's ops
+and replayed (`torch_steps`), or run through Keras's layers when
+`jit_compile` is False. Compiled functions are kept per model, except
+those compiled within `not_kept`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from collections.abc import Iterator
 import keras
 import numpy as np
 
-from keras_selfattn.generation import loop
+from keras_selfattn.attention import cache as cache_lib
+from keras_selfattn.generation import loop, torch_steps
 from keras_selfattn.generation.arguments import Model, Request
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -40,9 +43,12 @@ def _arguments(request: Request) -> tuple:
     )
 
 
-def _loop_function(read: Model, max_length: int, capacity: int, greedy: bool):
+def _loop_function(
+    read: Model, max_length: int, capacity: int, greedy: bool, **options
+):
     """The loop as a function of the request's arrays (`greedy`: for
-    requests at temperature 0 only, `loop.run`'s)."""
+    requests at temperature 0 only, `loop.run`'s; `options`: more of
+    `loop.run`'s arguments)."""
 
     def generate(prompts, lengths, steps, temperature, top_k, top_p, seed, end):
         controls = loop.Controls(temperature, top_k, top_p, seed, end)
@@ -57,6 +63,7 @@ def _loop_function(read: Model, max_length: int, capacity: int, greedy: bool):
             controls=controls,
             tokens=read.tokens,
             greedy=greedy,
+            **options,
         )
 
     return generate
@@ -105,11 +112,16 @@ def _jax(read: Model, max_length: int, capacity: int, greedy: bool, xla: bool):
     return lambda *arrays: stateless([v.value for v in variables], *arrays)
 
 
-def _torch(read: Model, max_length: int, capacity: int, greedy: bool, xla: bool):
-    del xla  # refused by `run` when True
+def _torch(read: Model, max_length: int, capacity: int, greedy: bool, jit: bool):
     import torch
 
-    generate = _loop_function(read, max_length, capacity, greedy)
+    options = {}
+    if jit:
+        options = dict(
+            caches=loop.CacheClasses(steps=cache_lib.TorchRecordedCache),
+            body=torch_steps.Steps(read.model).body,
+        )
+    generate = _loop_function(read, max_length, capacity, greedy, **options)
 
     def run(*arrays):
         with torch.no_grad():
@@ -121,9 +133,10 @@ def _torch(read: Model, max_length: int, capacity: int, greedy: bool, xla: bool)
 _BUILDERS = {"tensorflow": _tensorflow, "jax": _jax, "torch": _torch}
 
 
-def xla(jit_compile: bool | str) -> bool:
-    """Whether `generate(jit_compile=...)` compiles with XLA on this backend
-    ("auto": on TensorFlow and JAX); raises ValueError naming a bad value."""
+def jit(jit_compile: bool | str) -> bool:
+    """Whether `generate(jit_compile=...)` compiles the loop on this backend
+    ("auto" and True do; on PyTorch compiling records the step once and
+    replays it, `torch_steps`); raises ValueError naming a bad value."""
     backend = keras.backend.backend()
     if backend not in _BUILDERS:
         raise ValueError(
@@ -131,31 +144,25 @@ def xla(jit_compile: bool | str) -> bool:
             f"Received: KERAS_BACKEND={backend!r}"
         )
     if isinstance(jit_compile, str) and jit_compile == "auto":
-        return backend != "torch"
+        return True
     if not isinstance(jit_compile, bool):
         raise ValueError(
             '`jit_compile` must be "auto", True or False. '
             f"Received: jit_compile={jit_compile!r}"
         )
-    if jit_compile and backend == "torch":
-        raise ValueError(
-            "`jit_compile=True` compiles the loop with XLA on TensorFlow and "
-            "JAX; on PyTorch it runs eagerly. Received: jit_compile=True on "
-            "KERAS_BACKEND='torch'"
-        )
     return jit_compile
 
 
-def run(read: Model, request: Request, xla: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Runs `request` on `read`'s model, compiled by XLA when `xla` (as
-    `xla()` resolves it); returns numpy (generated, lengths), generated
-    cut to `request.max_new_tokens` columns."""
+def run(read: Model, request: Request, jit: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Runs `request` on `read`'s model, compiled when `jit` (as `jit()`
+    resolves it); returns numpy (generated, lengths), generated cut to
+    `request.max_new_tokens` columns."""
     backend = keras.backend.backend()
     key = (
         request.max_length,
         request.max_new_tokens,
         request.controls.temperature == 0,
-        xla,
+        jit,
     )
     functions = _COMPILED.setdefault(read.model, {})
     if key not in functions:

@@ -90,13 +90,16 @@ def generate(
             pass first (a few calls on 2 rows of 5 positions, once per
             model). False skips it: the explicit opt-out for a model too
             large to run twice, whose tokens are then unchecked.
-        jit_compile: Whether the loop is compiled by XLA into one program:
-            "auto" (default) does on TensorFlow and JAX, where it is the
-            fastest (on TensorFlow the loop is otherwise a `tf.function`
-            run op by op); PyTorch runs the loop eagerly and refuses True.
-            False: for a model with ops XLA cannot compile (the error says
-            so). XLA compiles once per prompt shape and output size, as a
-            `tf.function` traces.
+        jit_compile: Whether the loop is compiled: "auto" (default) and
+            True do. On TensorFlow and JAX XLA compiles it into one program
+            (on TensorFlow the loop is otherwise a `tf.function` run op by
+            op); on PyTorch the step is recorded once as a graph of
+            PyTorch's ops and replayed on every step, without Keras's
+            per-layer Python (a step that cannot be recorded runs through
+            the layers, with a warning). False: for a model with ops XLA
+            cannot compile (the error says so), or PyTorch's steps run
+            through the layers. Compiled once per prompt shape and output
+            size, as a `tf.function` traces.
 
     Returns:
         A `Generated` (tokens or values, and each row's length).
@@ -123,7 +126,7 @@ def generate(
     print(result.tokens.shape, result.lengths)  # (2, 5) [5 5]
     ```
     """
-    xla = compiled.xla(jit_compile)
+    jit = compiled.jit(jit_compile)
     read = arguments.read_structure(model)
     request = arguments.request(
         read,
@@ -140,14 +143,14 @@ def generate(
     # The request is checked before the model runs (the decode check).
     with decode_check.waived(not check):
         arguments.check_decodes(read)
-    return generated(read, request, xla)
+    return generated(read, request, jit)
 
 
 def generated(
-    read: arguments.Model, request: arguments.Request, xla: bool
+    read: arguments.Model, request: arguments.Request, jit: bool
 ) -> Generated:
     """`generate`'s result for a model already read and checked, and a
-    checked request (an exported generator's check runs it), compiled by
-    XLA when `xla`."""
-    values, lengths = compiled.run(read, request, xla)
+    checked request (an exported generator's check runs it), its loop
+    compiled when `jit` (`compiled.jit`)."""
+    values, lengths = compiled.run(read, request, jit)
     return Generated(values, lengths)

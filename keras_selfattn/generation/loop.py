@@ -34,7 +34,7 @@ the next input.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import keras
 from keras import ops
@@ -138,6 +138,9 @@ def cache_classes() -> CacheClasses:
     return CacheClasses()
 
 
+_CONTROLS = ("temperature", "top_k", "top_p")
+
+
 @dataclasses.dataclass(frozen=True)
 class _Generation:
     """What one generation's steps read (`run`'s arguments, prepared)."""
@@ -154,6 +157,30 @@ class _Generation:
     uniforms: object
     end: object
     step_cache: type
+
+    def request_tensors(self) -> dict:
+        """The request's tensors that the steps read, by name
+        (`with_request`): the rest of the generation is Python facts."""
+        c = self.controls
+        named = {
+            "padding": self.padding,
+            "starts": self.starts,
+            "uniforms": self.uniforms,
+            "end": self.end,
+            "temperature": c.temperature,
+            "top_k": c.top_k,
+            "top_p": c.top_p,
+        }
+        return {name: x for name, x in named.items() if ops.is_tensor(x)}
+
+    def with_request(self, tensors: dict) -> _Generation:
+        """This generation with other request tensors (`request_tensors`'
+        names)."""
+        controls = {k: v for k, v in tensors.items() if k in _CONTROLS}
+        fields = {k: v for k, v in tensors.items() if k not in _CONTROLS}
+        return dataclasses.replace(
+            self, controls=dataclasses.replace(self.controls, **controls), **fields
+        )
 
     def choose(self, output, t):
         """The output at position t: its last position, or its token."""
@@ -272,6 +299,7 @@ def run(
     tokens: bool,
     greedy: bool = False,
     caches: CacheClasses | None = None,
+    body: Callable | None = None,
 ):
     """Generates up to `steps` new positions per row (module docstring).
 
@@ -291,6 +319,10 @@ def run(
             sampling branch is traced (the same tokens).
         caches: The cache classes the caller needs (an exporter's), or
             None: `cache_classes()`.
+        body: None, or a function of the generation (whose `step` is the
+            loop's body, `request_tensors` what it reads of the request) and
+            the loop's first variables that returns the body to run instead
+            (`torch_steps.Steps.body`: the step recorded and replayed).
 
     Returns:
         Tuple (int32 `(batch, capacity)` tokens, or `(batch, capacity,
@@ -323,5 +355,6 @@ def run(
     )
     output, step_caches = _prefill(generation, moved, max_length, classes.prompt)
     loop_vars = (*_first(generation, output, capacity), *step_caches)
-    results = ops.while_loop(generation.running, generation.step, loop_vars)
+    step = generation.step if body is None else body(generation, loop_vars)
+    results = ops.while_loop(generation.running, step, loop_vars)
     return results[1], results[2]

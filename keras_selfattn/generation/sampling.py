@@ -52,8 +52,12 @@ def next_token(logits, uniform, temperature, top_k, top_p):
     logits = ops.cast(logits, "float32")
     greedy = greedy_token(logits)
     sampling = ops.greater(temperature, 0.0)
-    if tracing.active(tracing.FOR_CONVERTER) and not tracing.active(
-        tracing.CONVERTER_BRANCHES
+    # A select where a branch cannot be taken: converters without branches,
+    # and a recorded PyTorch step (`torch_steps`), whose fake tensors hold
+    # no temperature to branch on.
+    if tracing.torch_recorded() or (
+        tracing.active(tracing.FOR_CONVERTER)
+        and not tracing.active(tracing.CONVERTER_BRANCHES)
     ):
         positive = ops.where(sampling, temperature, 1.0)
         sampled = _sampled(logits, uniform, positive, top_k, top_p)

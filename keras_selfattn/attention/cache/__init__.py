@@ -31,6 +31,7 @@ from keras_selfattn.attention.cache.layouts import (
     GatheredCache,
     TimeMajorCache,
     TorchInPlaceCache,
+    TorchRecordedCache,
     wrapped,
 )
 
@@ -43,6 +44,7 @@ __all__ = [
     "Guard",
     "TimeMajorCache",
     "TorchInPlaceCache",
+    "TorchRecordedCache",
     "check_call",
     "check_dtype",
     "check_no_index",

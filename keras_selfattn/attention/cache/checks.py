@@ -18,6 +18,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_selfattn import tracing
+
 
 def check(cache, num_heads: int, head_dim: int, dtype: str, layer_name: str) -> None:
     """Raises ValueError unless the `layouts.Cache` `cache` has its layout's
@@ -70,11 +72,13 @@ def _known_value(index) -> int | None:
     if backend == "torch":
         import torch
 
-        # Under torch.jit.trace (Keras's ONNX and OpenVINO exports) the value
-        # would be baked into the trace as a constant.
+        # Under torch.jit.trace (Keras's ONNX and OpenVINO exports) or a
+        # recording (`generate`'s steps) the value would be baked into the
+        # trace as a constant.
         if (
             torch.compiler.is_compiling()
             or torch.jit.is_tracing()
+            or tracing.torch_recorded()
             or index.device.type == "meta"
         ):
             return None

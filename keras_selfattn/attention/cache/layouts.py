@@ -19,6 +19,9 @@ says how a call writes the new keys and values and which it attends:
   zeroing, `writes.portable`.
 - `TorchInPlaceCache`: a `CheckedCache` that eager PyTorch writes into its
   own tensor (Keras's `slice_update` clones the whole cache first).
+- `TorchRecordedCache`: a `CheckedCache` of a recorded PyTorch step
+  (`generation.torch_steps`), written into its own tensor at a tensor index
+  by `index_copy_`; the whole cache attended, masked.
 - `TimeMajorCache`: checked, time-major `(2, L, B, G, K)`, written in its
   own buffer by TensorFlow's InplaceUpdate, one position a call, its keys
   and values read as views (`writes.time_major_attended`): the loop's
@@ -150,6 +153,15 @@ class TorchInPlaceCache(CheckedCache):
 
     def write(self, key, value, index, valid):
         return writes.torch_in_place(self.tensor, key, value, index, valid)
+
+
+class TorchRecordedCache(CheckedCache):
+    """A `CheckedCache` of a recorded PyTorch step (`generate`'s, replayed
+    by `generation.torch_steps`), written into its own tensor at a tensor
+    index; the whole cache is attended, masked as its caller masks it."""
+
+    def write(self, key, value, index, valid):
+        return writes.torch_indexed(self.tensor, key, value, index, valid)
 
 
 class TimeMajorCache(CheckedCache):

@@ -85,6 +85,19 @@ def torch_in_place(cache, key, value, index, valid):
     return cache
 
 
+def torch_indexed(cache, key, value, index, valid):
+    """The cache with the new positions written at `index`, a tensor, into
+    its own tensor by one `index_copy_`: for a `TorchRecordedCache`, whose
+    writes a recording keeps in place (an index a recording reads would be a
+    constant of the graph)."""
+    import torch
+
+    new = torch.stack([key, value], dim=1).to(cache.dtype)  # (B, 2, Tn, G, K)
+    start = torch.as_tensor(index, device=cache.device).to(torch.int64)
+    positions = start + torch.arange(key.shape[1], device=cache.device)
+    return cache.index_copy_(2, positions, new)
+
+
 def gathered(cache, key, value, index, valid):
     start = ops.cast(index, _index_dtype())
     return _gather_write(cache, _stacked(cache, key, value), start, valid)

@@ -102,7 +102,7 @@ def keras_generate(generator: Generator, request: dict) -> dict[str, np.ndarray]
         **options,
     )
     # The reference: the loop as a tf.function, without an XLA compile.
-    result = generated(read, checked, xla=False)
+    result = generated(read, checked, jit=False)
     return dict(
         zip(generator.output_names, (result.tokens, result.lengths), strict=True)
     )
