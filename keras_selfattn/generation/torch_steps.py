@@ -7,8 +7,9 @@ PyTorch's ops (`make_fx` over fake tensors, within
 `tracing.torch_recording()`), with the weights, the request's tensors and
 the loop's variables as the graph's arguments (other tensors the model
 holds, constants of its Functional graph, are the graph's constants), and
-replays that graph on every step: the same ops on the same tensors, without the layers' Python.
-The caches are `TorchRecordedCache`s, written in place at a tensor index.
+replays that graph on every step: the same ops on the same tensors,
+without the layers' Python. The caches are `TorchRecordedCache`s, written
+in place at a tensor index.
 
 A recording is kept for the shapes and dtypes it was made with (batch,
 prompt width, cache length; the weights' too, so a model quantized since
