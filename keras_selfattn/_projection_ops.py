@@ -337,14 +337,16 @@ def _apply(projection, x, shape: tuple[int, ...]):
         if projection.bias is not None:
             y = tf.nn.bias_add(y, projection.bias.value)
         return _reshape(y, shape)
-    if _BACKEND == "torch" and x.dtype != torch.float16:
-        # (Keras multiplies float16 in float32 on a CPU.)
-        y = torch.matmul(x, projection.kernel.value)
+    kernel = projection.kernel.value
+    if _BACKEND == "torch" and x.dtype == kernel.dtype != torch.float16:
+        # (Keras multiplies float16 in float32 on a CPU, and float64 in
+        # float32: a float64 layer's attention comes out in float32.)
+        y = torch.matmul(x, kernel)
         if projection.bias is not None:
             y = torch.add(y, projection.bias.value)
         return y if len(shape) == 3 else torch.reshape(y, shape)
     if _BACKEND == "jax":
-        y = jnp.matmul(x, projection.kernel.value)
+        y = jnp.matmul(x, kernel)
         if projection.bias is not None:
             y = jnp.add(y, projection.bias.value)
         return y if len(shape) == 3 else jnp.reshape(y, shape)

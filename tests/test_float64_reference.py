@@ -1,5 +1,6 @@
 """The float64 second reference of the export checks (`parity.exact`) and its
-rule (`rules.float64_judged`), on every backend.
+rule (`rules.float64_judged`), on every backend; and a float64 layer itself
+against numpy.
 
 The reference is the checked model computed in float64 on the backend; it is
 compared here with the independent numpy reference (`tests/reference.py`, in
@@ -259,3 +260,23 @@ def test_runs_are_pooled_and_rows_within_the_tolerance_kept(outputs):
     assert long.rms_ratio == short.rms_ratio < rules.FLOAT64_MARGIN
     assert short.keras_float64_err < 1e-6 < short.float64_err
     assert within is rows[2] and within.float64_err is None
+
+
+@pytest.mark.parametrize("sliding_window", [None, 3])
+def test_a_float64_layer_with_an_output_projection_equals_numpy(sliding_window):
+    # Keras's own matmul on PyTorch and JAX returns float32 for float64
+    # operands (JAX's default, without x64): the output projection then
+    # takes the heads in the dtype they come in, as Keras's Dense would.
+    layer = SelfAttention(
+        num_heads=2,
+        key_dim=3,
+        value_dim=2,
+        output_dim=5,
+        causal=True,
+        sliding_window=sliding_window,
+        dtype="float64",
+    )
+    x = np.random.default_rng(2).normal(size=(2, 6, 4))
+    got = keras.ops.convert_to_numpy(layer(x))
+    want = for_layer(layer, x)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
