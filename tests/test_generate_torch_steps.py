@@ -37,6 +37,18 @@ class ReadsAValue(keras.layers.Layer):
         return x
 
 
+class CountsInAVariable(keras.layers.Layer):
+    """The identity, counting its calls in a variable: a step whose replay
+    would drop the count."""
+
+    def build(self, input_shape):
+        self.count = self.add_weight(shape=(), initializer="zeros", trainable=False)
+
+    def call(self, x):
+        self.count.assign(self.count + 1.0)
+        return x
+
+
 def _model(extra: keras.layers.Layer, seed: int = 5) -> keras.Model:
     keras.utils.set_random_seed(seed)
     wide = keras.initializers.RandomNormal(stddev=1.0, seed=seed)
@@ -121,6 +133,20 @@ def test_a_step_that_cannot_be_recorded_runs_eagerly_with_a_warning():
     model = _model(ReadsAValue())
     with pytest.warns(UserWarning, match=r"steps eagerly on PyTorch.*could not be"):
         result = generate(model, PROMPTS, 5)
+    tokens, lengths = reference.uncached(model, PROMPTS, 5)
+    np.testing.assert_array_equal(result.tokens, tokens)
+    np.testing.assert_array_equal(result.lengths, lengths)
+
+
+def test_a_step_that_assigns_a_variable_runs_eagerly_with_a_warning():
+    counting = CountsInAVariable()
+    model = _model(counting)
+    generate(model, PROMPTS, 1, jit_compile=False)
+    before = float(keras.ops.convert_to_numpy(counting.count))
+    with pytest.warns(UserWarning, match=r"could not be recorded.*assigns variables"):
+        result = generate(model, PROMPTS, 5)
+    # The prompt and four eager steps, each counted as the layers ran.
+    assert float(keras.ops.convert_to_numpy(counting.count)) - before == 5
     tokens, lengths = reference.uncached(model, PROMPTS, 5)
     np.testing.assert_array_equal(result.tokens, tokens)
     np.testing.assert_array_equal(result.lengths, lengths)

@@ -14,9 +14,9 @@ in place at a tensor index.
 A recording is kept for the shapes and dtypes it was made with (batch,
 prompt width, cache length; the weights' too, so a model quantized since
 records anew) and replays nothing else. A step that cannot be recorded (a
-layer that reads a tensor's value in Python, which fake tensors refuse)
-runs eagerly as before, and `generate` warns once for that model, naming
-the cause.
+layer that reads a tensor's value in Python, which fake tensors refuse, or
+one that assigns a variable, which a replay would not) runs eagerly as
+before, and `generate` warns once for that model, naming the cause.
 """
 
 from __future__ import annotations
@@ -84,8 +84,19 @@ class Steps:
         def step(weights, request, *loop_vars):
             given = generation.with_request(dict(zip(names, request, strict=True)))
             mapping = list(zip(variables, weights, strict=True))
-            with keras.StatelessScope(state_mapping=mapping):
-                return given.step(*loop_vars)
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                before = dict(scope.state_mapping)
+                outputs = given.step(*loop_vars)
+            # A replayed graph would drop what a step assigns (a counter, a
+            # random state): such a step runs eagerly.
+            assigned = [
+                v.path
+                for v in variables
+                if scope.state_mapping.get(id(v)) is not before.get(id(v))
+            ]
+            if assigned:
+                raise ValueError(f"its step assigns variables {assigned}")
+            return outputs
 
         request = list(generation.request_tensors().values())
         try:
