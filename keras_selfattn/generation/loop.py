@@ -24,7 +24,10 @@ generators carry into their graphs (a `tf.while_loop` on TensorFlow, a
    in a TensorFlow graph without XLA time-major (`TimeMajorCache`), where
    the keys and values written so far are read as views of the cache
    instead of copies and each step writes into the caches' own buffers;
-   in eager PyTorch written in place (`TorchInPlaceCache`).
+   in eager PyTorch written in place (`TorchInPlaceCache`). A caller may
+   pass its own classes and a body to run instead of the step
+   (`torch_steps`: the step recorded once and replayed, its caches
+   `TorchRecordedCache`s).
 
 Value models (a float input whose last output is the next input) run the
 same loop without sampling or ending: the output at the last position is
