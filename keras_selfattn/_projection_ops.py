@@ -339,8 +339,7 @@ def _apply(projection, x, shape: tuple[int, ...]):
         return _reshape(y, shape)
     kernel = projection.kernel.value
     if _BACKEND == "torch" and x.dtype == kernel.dtype != torch.float16:
-        # (Keras multiplies float16 in float32 on a CPU, and float64 in
-        # float32: a float64 layer's attention comes out in float32.)
+        # (Keras multiplies float16 on a CPU, and float64, in float32.)
         y = torch.matmul(x, kernel)
         if projection.bias is not None:
             y = torch.add(y, projection.bias.value)
