@@ -68,17 +68,17 @@ class Steps:
             _signature(request.values()),
             _signature(loop_vars),
         )
+        arguments = (weights, list(request.values()))
         if key not in self._recorded:
             self._recorded[key] = self._record(
-                generation, variables, names, weights, loop_vars
+                generation, variables, names, arguments, loop_vars
             )
         graph = self._recorded[key]
         if graph is None:
             return generation.step
-        arguments = (weights, list(request.values()))
         return lambda *loop_vars: graph(*arguments, *loop_vars)
 
-    def _record(self, generation, variables, names, weights, loop_vars):
+    def _record(self, generation, variables, names, arguments, loop_vars):
         from torch.fx.experimental.proxy_tensor import make_fx
 
         def step(weights, request, *loop_vars):
@@ -98,7 +98,6 @@ class Steps:
                 raise ValueError(f"its step assigns variables {assigned}")
             return outputs
 
-        request = list(generation.request_tensors().values())
         try:
             with tracing.torch_recording():
                 # Tensors other than the arguments (constants of a Functional
@@ -106,7 +105,7 @@ class Steps:
                 recorder = make_fx(
                     step, tracing_mode="fake", _allow_non_fake_inputs=True
                 )
-                return recorder(weights, request, *loop_vars)
+                return recorder(*arguments, *loop_vars)
         except Exception as error:  # the model's own code: any error
             if self._model not in _WARNED:
                 _WARNED.add(self._model)
