@@ -34,7 +34,6 @@ class SavedModel(Loaded):
     def __init__(self, path: str, signature: str, tf_serving: bool):
         import tensorflow as tf
 
-        self._tf = tf
         described = os.path.join(path, DESCRIPTION_PATH)
         self.description = {}
         if os.path.isfile(described):
@@ -42,20 +41,25 @@ class SavedModel(Loaded):
                 self.description = json.load(file)
         if tf_serving:
             _as_tf_serving_would(tf, self.description.get("tf_serving_flags", []))
-        loaded = tf.saved_model.load(path)
-        if signature not in loaded.signatures:
-            raise ValueError(
-                f"no {signature!r} signature; it has {sorted(loaded.signatures)}"
-            )
-        self._loaded = loaded  # keeps the signature's variables alive
-        self._function = loaded.signatures[signature]
-        _, specs = self._function.structured_input_signature
-        self.input_names = list(specs)
-        self.output_names = sorted(self._function.structured_outputs, key=natural)
+        # TF Serving's SavedModelBundle: the meta graph imported into a
+        # session, its variables restored, the signature run by its tensors'
+        # names (not TensorFlow 2's restored Python functions).
+        self._session = tf.compat.v1.Session(graph=tf.Graph())
+        meta_graph = tf.compat.v1.saved_model.loader.load(
+            self._session, [tf.saved_model.SERVING], path
+        )
+        if signature not in meta_graph.signature_def:
+            served = [k for k in meta_graph.signature_def if not k.startswith("__")]
+            raise ValueError(f"no {signature!r} signature; it has {sorted(served)}")
+        found = meta_graph.signature_def[signature]
+        self.input_names = sorted(found.inputs, key=natural)
+        self.output_names = sorted(found.outputs, key=natural)
+        self._feeds = {name: found.inputs[name].name for name in self.input_names}
+        self._fetches = {name: found.outputs[name].name for name in self.output_names}
 
     def __call__(self, arrays):
-        outputs = self._function(**{k: self._tf.constant(v) for k, v in arrays.items()})
-        return {k: v.numpy() for k, v in outputs.items()}
+        feeds = {self._feeds[name]: value for name, value in arrays.items()}
+        return self._session.run(self._fetches, feeds)
 
 
 def load(path: str, signature: str, tf_serving: bool = True) -> SavedModel:

@@ -111,9 +111,6 @@ class FormatRow:
             Keras's quantized layers there; the forward export gives them
             their own quantized forms, which a step-by-step check would not
             accept), or None.
-        runtime_imports: What the runtime imports by itself in the process
-            that checks an artifact (TensorFlow imports keras); any other
-            import of keras or keras_selfattn there fails the check.
         runtime_half: {half dtype of `half`: the check's runtime keywords}
             for a dtype the format keeps by a float32 artifact its runtime
             computes in that dtype (OpenVINO compiles a float32 IR in bf16):
@@ -150,7 +147,6 @@ class FormatRow:
     jit_compile: bool = False
     cli_arguments: tuple[CliArgument, ...] = ()
     no_quantized_decoding: str | None = None
-    runtime_imports: tuple[str, ...] = ()
     runtime_half: Mapping[str, Mapping[str, object]] = dataclasses.field(
         default_factory=dict
     )
@@ -226,7 +222,6 @@ SAVED_MODEL = FormatRow(
             exports=("generate",),
         ),
     ),
-    runtime_imports=("keras",),
 )
 ONNX = FormatRow(
     name="onnx",

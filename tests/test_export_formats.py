@@ -320,6 +320,33 @@ def test_the_runtime_process_imports_neither_keras_nor_the_package(
     )
 
 
+def test_a_saved_model_runs_where_keras_and_jax_cannot_be_imported(tmp_path):
+    """TensorFlow imports Keras and JAX when they are installed; the
+    SavedModel's runtime process runs it without them, as a serving host
+    without Keras does, from its signature's tensors as TF Serving runs it."""
+    from keras_selfattn.export.parity import runner as _artifact_runner
+    from keras_selfattn.export.signature import NamedInput, Signature
+
+    tf = pytest.importorskip("tensorflow")
+    module = tf.Module()
+    module.scale = tf.Variable(3.0)
+    spec = tf.TensorSpec((None, None), tf.float32, name="x")
+    module.serve = tf.function(
+        lambda x: {"y": x * module.scale}, input_signature=[spec]
+    )
+    path = str(tmp_path / "scaled" / "1")
+    tf.saved_model.save(module, path, signatures={"serving_default": module.serve})
+    target = Signature(None, (NamedInput("x", (None, None), "float32"),), ("y",), None)
+    x = np.arange(6, dtype="float32").reshape(2, 3)
+    (outcome,) = _artifact_runner.run_artifacts(
+        target,
+        {"saved_model": _artifact_runner.Artifact("saved_model", path)},
+        [_artifact_runner.Run(({"x": x},))],
+    ).values()
+    assert outcome.error == "" and outcome.imported == ()
+    np.testing.assert_array_equal(outcome.outputs[0][0]["y"], 3 * x)
+
+
 @pytest.mark.slow  # a CLI export on torch in its own interpreter
 def test_cli_exports_pt2_on_torch_and_refuses_a_saved_model(model_files, tmp_path):
     """torch backend: a .pt2 written, verified, moved in; the SavedModel

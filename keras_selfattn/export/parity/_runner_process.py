@@ -5,6 +5,10 @@ imported by the package's other modules at run time: it imports numpy and
 the one runtime of the artifact it runs (TensorFlow for a SavedModel,
 onnxruntime, ai_edge_litert, openvino, torch.export), never keras or
 keras_selfattn, so a check through it proves the artifact stands alone.
+As on a serving host, keras, keras_selfattn and JAX cannot be imported
+here (marked absent in `sys.modules`): TensorFlow imports Keras and JAX by
+itself when they are installed (0.2 GiB more resident), and does without
+them.
 
 The runtimes are `keras_selfattn_runtimes`, imported by name (the runner
 puts the folder holding it on the process's path): it stands beside
@@ -20,7 +24,7 @@ and `signatures` names each step's signature (the request's own when
 empty; each is opened and bound by itself). The worker writes each step's
 outputs, keyed by the artifact's own output names, to `<step file>.out.npz`,
 and the reply (JSON) lists the artifact's input and output names, which of
-keras and keras_selfattn were imported (TensorFlow imports keras itself),
+keras and keras_selfattn were imported (none, where they are marked absent),
 and how the artifact computes a quantized model ("description": its scheme
 and whether that is Keras's own), as the artifact says (the exporters write
 it: ONNX metadata, the SavedModel's assets.extra, OpenVINO's rt_info) or as
@@ -36,8 +40,11 @@ import os
 import re
 import sys
 
-if __name__ == "__main__":  # this folder holds no runtime modules to import
-    sys.path.pop(0)
+if __name__ == "__main__":
+    sys.path.pop(0)  # this folder holds no runtime modules to import
+    # The modules the runtimes do without, marked absent: importing one
+    # raises ModuleNotFoundError, which optional imports expect.
+    sys.modules.update(dict.fromkeys(("keras", "keras_selfattn", "jax")))
 
 import numpy as np
 
@@ -143,7 +150,7 @@ def serve(request: dict) -> dict:
         "output_names": artifact.output_names,
         "description": artifact.description,
         "imported": [
-            name for name in ("keras", "keras_selfattn") if name in sys.modules
+            name for name in ("keras", "keras_selfattn") if sys.modules.get(name)
         ],
     }
 

@@ -83,7 +83,7 @@ class Outcome:
             (the runtime process died); "" without error.
         run: The index of the run that failed at stage "run".
         imported: Which of keras and keras_selfattn the process imported
-            (keras_selfattn never; keras only through TensorFlow).
+            (neither: the process marks them absent).
         description: How the artifact computes a quantized model:
             {"scheme": str, "exact": bool}, as the artifact says or its
             runtime shows ({} when neither says).
