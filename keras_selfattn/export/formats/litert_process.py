@@ -9,9 +9,10 @@ copy the converter makes (the loaded variables, MLIR's constants, the
 flatbuffer, Python's bytes of it) is returned to the system when the
 process ends.
 
-The converter needs several times the weights (`NEEDED_PER_WEIGHT_BYTE`,
-measured): a conversion that cannot fit in the memory available is refused
-before it starts, and one that runs the machine short
+A LiteRT generator's export needs several times the weights
+(`NEEDED_PER_WEIGHT_BYTE`, measured; its check's interpreter most): one
+that cannot fit in the memory available is refused before the conversion
+starts, and a conversion that runs the machine short
 (`/proc/meminfo`'s MemAvailable under `RESERVE_BYTES`) is stopped, each in
 one line naming what it needed, not left for the kernel to kill.
 """
@@ -27,11 +28,14 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-# Peak resident memory of the converting process per byte of float32
-# weights (a generator's three signatures sharing them), and its own base
-# (TensorFlow imported, MLIR's context), with a margin: measured on token
-# models' generators up to 2.3 GB (docs/export.md, "Large models").
-NEEDED_PER_WEIGHT_BYTE = 4.5
+# Peak resident memory of a LiteRT generator's export per byte of float32
+# weights, and a base (TensorFlow imported, MLIR's context), with a margin:
+# its largest process is the fresh-process check, whose interpreter maps
+# the file and packs the weights again for XNNPACK, once per subgraph that
+# reads them (5.2 times 2.21 GiB of weights: docs/export.md, "Large
+# models"); the converter's, the matrices read as markers
+# (`litert_weights`), needs less.
+NEEDED_PER_WEIGHT_BYTE = 5.0
 BASE_BYTES = 2**30
 # The machine's available memory under which a conversion is stopped.
 RESERVE_BYTES = 2**29
@@ -75,10 +79,10 @@ def check_memory(weights: int) -> None:
     needed = needed_bytes(weights)
     if available is not None and needed > available - RESERVE_BYTES:
         raise OutOfMemory(
-            f"TensorFlow's LiteRT converter needs about {_gib(needed)} for "
-            f"{_gib(weights)} of weights ({NEEDED_PER_WEIGHT_BYTE:g} times the "
-            f"weights plus {_gib(BASE_BYTES)}) and this machine has "
-            f"{_gib(available)} available"
+            f"a LiteRT generator of {_gib(weights)} of weights needs about "
+            f"{_gib(needed)} ({NEEDED_PER_WEIGHT_BYTE:g} times the weights plus "
+            f"{_gib(BASE_BYTES)}: LiteRT's interpreter packs them again for "
+            f"XNNPACK) and this machine has {_gib(available)} available"
         )
 
 

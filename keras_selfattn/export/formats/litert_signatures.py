@@ -9,26 +9,35 @@ endpoint per target, each returning its outputs keyed by name, then
 TensorFlow's converter with Keras's settings, asked for exactly those
 signatures, in a process of its own (`litert_process`). The signatures
 keep the targets' names, inputs and outputs alike. The variables are
-frozen into constants, which the signatures share.
+frozen into constants, which the signatures share; the model's matrices
+are converted as markers and written in after (`litert_weights`), so the
+converter never holds them.
 """
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from collections.abc import Callable, Sequence
 
 import keras
 
-from keras_selfattn.export.formats import litert_process
+from keras_selfattn.export.formats import litert_process, litert_weights
 from keras_selfattn.export.signature import Signature
 
+logger = logging.getLogger(__name__)
 
-def _named(target: Signature) -> Callable:
+
+def _named(target: Signature, marked: Sequence[litert_weights.Marked]) -> Callable:
     """`target`'s function on one list of its inputs, returning its outputs
-    keyed by name (the signature's output names)."""
+    keyed by name (the signature's output names), the `marked` matrices
+    read as their markers."""
 
     def serve(tensors):
-        return target.call_named(dict(zip(target.input_names, tensors, strict=True)))
+        with litert_weights.read_as_markers(marked):
+            return target.call_named(
+                dict(zip(target.input_names, tensors, strict=True))
+            )
 
     return serve
 
@@ -54,13 +63,34 @@ def convert(
         litert_process.OutOfMemory: if the converter ran the machine short.
         RuntimeError: the converter's failure, with what it printed.
     """
+    marked = litert_weights.marks(entries[0][0].model)
+    if marked:
+        try:
+            _convert(entries, path, large, marked)
+            if litert_weights.fill(path, marked):
+                return
+            why = "a marked matrix's buffer could not be told apart"
+        except litert_weights.Assigned as error:
+            why = str(error)
+        logger.info("LiteRT: converting again with the weights (%s)", why)
+    _convert(entries, path, large, ())
+
+
+def _convert(
+    entries: Sequence[tuple[Signature, list]],
+    path: str,
+    large: bool,
+    marked: Sequence[litert_weights.Marked],
+) -> None:
+    """Writes the SavedModel of the targets, `marked` matrices read as their
+    markers, and converts it into `path`."""
     # The endpoints track the variables they read (`_all_variables`), each
     # saved once: `track(model)` would save every weight a second time, as
     # the model's Keras variables, and the converter would load both.
     archive = keras.export.ExportArchive()
     for target, signature in entries:
         archive.add_endpoint(
-            target.signature_name, _named(target), input_signature=signature
+            target.signature_name, _named(target, marked), input_signature=signature
         )
     with tempfile.TemporaryDirectory(prefix="keras_selfattn_litert_") as saved:
         archive.write_out(saved, verbose=False)

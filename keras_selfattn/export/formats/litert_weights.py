@@ -1,0 +1,206 @@
+"""A LiteRT file converted without its matrices, which are written in after.
+
+TensorFlow's converter holds every weight several times over (the
+SavedModel's variables, MLIR's constants, the flatbuffer, Python's bytes of
+it: 7.3 times a 0.59 B model's weights). So the conversion reads each
+float32 matrix of the model as a marker instead: `tf.fill` of a value of
+its own (`marks`), which the converter folds into one constant held as a
+single value and the SavedModel never stores. The flatbuffer it writes
+holds each marked matrix as its marker value repeated, laid out as its
+operation wants it (a fully connected layer's weights transposed); `fill`
+finds each such buffer by its value and shape and writes the matrix's own
+values over it, in the file, one matrix at a time.
+
+A buffer this cannot tell apart (a marker folded into another constant, or
+its shape neither the matrix's nor the matrix's transposed) leaves the file
+unfilled: the conversion is then done again with the weights, and the
+export's fresh-process check compares the file's tokens with Keras's in
+either case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Iterator, Sequence
+
+import keras
+import numpy as np
+
+# Markers are integers from here, exact in float32 and far from weights.
+_FIRST = 2.0**20
+_READ_BYTES = 2**26
+
+
+class Marked:
+    """A matrix read as its marker value while the conversion traces it.
+
+    Attributes:
+        variable: The matrix.
+        value: Its marker, a float32.
+        read: Whether a traced function read it (so its buffer is expected).
+    """
+
+    def __init__(self, variable: keras.Variable, value: float):
+        self.variable = variable
+        self.value = np.float32(value)
+        self.read = False
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.variable.shape)
+
+
+def marks(model: keras.Model) -> list[Marked]:
+    """The float32 matrices of `model` that the conversion reads as markers:
+    two dimensions of unequal sizes, so that a buffer's shape tells whether
+    the converter transposed it."""
+    matrices = [
+        weight
+        for weight in model.weights
+        if len(weight.shape) == 2
+        and weight.shape[0] != weight.shape[1]
+        and keras.backend.standardize_dtype(weight.dtype) == "float32"
+    ]
+    unique = list({id(weight): weight for weight in matrices}.values())
+    return [Marked(weight, _FIRST + index) for index, weight in enumerate(unique)]
+
+
+class Assigned(RuntimeError):
+    """A traced function assigns a variable, which markers would drop."""
+
+
+class _MarkerScope(keras.StatelessScope):
+    """Reads `marked` matrices as their markers and records which are read;
+    refuses assignments (a stateless scope would keep them from the graph)."""
+
+    def __init__(self, marked: Sequence[Marked]):
+        import tensorflow as tf
+
+        super().__init__(
+            [(each.variable, tf.fill(each.shape, each.value)) for each in marked]
+        )
+        self._marked = {id(each.variable): each for each in marked}
+
+    def get_current_value(self, variable):
+        value = super().get_current_value(variable)
+        if value is not None:
+            self._marked[id(variable)].read = True
+        return value
+
+    def add_update(self, update):
+        raise Assigned(f"the model assigns {update[0].path!r} when it is called")
+
+
+@contextlib.contextmanager
+def read_as_markers(marked: Sequence[Marked]) -> Iterator[None]:
+    """While the block traces a function, `marked` matrices read as their
+    markers (graph constants the converter folds, not variables).
+
+    Raises:
+        Assigned: if the function assigns a variable.
+    """
+    with _MarkerScope(marked):
+        yield
+
+
+def _model(mapped):
+    from tensorflow.lite.python import schema_py_generated as schema
+
+    return schema.Model.GetRootAs(mapped, 0)
+
+
+def _data_span(buffer) -> tuple[int, int]:
+    """(file offset, bytes) of a buffer's data, after the flatbuffer or in it."""
+    if buffer.Offset() > 1:
+        return buffer.Offset(), buffer.Size()
+    if buffer.DataLength() == 0:
+        return 0, 0
+    table = buffer._tab
+    return table.Vector(table.Offset(4)), buffer.DataLength()
+
+
+def _is_splat(file, start: int, size: int, value: np.float32) -> bool:
+    """Whether `size` bytes at `start` are float32 `value` repeated."""
+    done = 0
+    while done < size:
+        chunk = np.frombuffer(
+            os.pread(file.fileno(), min(_READ_BYTES, size - done), start + done),
+            dtype=np.float32,
+        )
+        if not (chunk == value).all():
+            return False
+        done += chunk.nbytes
+    return True
+
+
+def _fills(
+    path: str, marked: Sequence[Marked]
+) -> list[tuple[int, Marked, bool]] | None:
+    """(offset, matrix, transposed) for each marked buffer of the file at
+    `path`, or None if a buffer holding a marker is not one of them."""
+    import mmap
+
+    by_value = {float(each.value): each for each in marked}
+    fills = []
+    with (
+        open(path, "rb") as file,
+        mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped,
+    ):
+        model = _model(mapped)
+        shapes: dict[int, set[tuple[int, ...]]] = {}
+        for s in range(model.SubgraphsLength()):
+            subgraph = model.Subgraphs(s)
+            for t in range(subgraph.TensorsLength()):
+                tensor = subgraph.Tensors(t)
+                shapes.setdefault(tensor.Buffer(), set()).add(
+                    tuple(int(d) for d in tensor.ShapeAsNumpy())
+                    if tensor.ShapeLength()
+                    else ()
+                )
+        for index in range(model.BuffersLength()):
+            start, size = _data_span(model.Buffers(index))
+            if size < 4 or size % 4:
+                continue
+            first = np.frombuffer(os.pread(file.fileno(), 4, start), np.float32)[0]
+            each = by_value.get(float(first))
+            if each is None:
+                continue
+            found = shapes.get(index, set())
+            count = math.prod(each.shape)
+            if (
+                size != 4 * count
+                or len(found) != 1
+                or not _is_splat(file, start, size, each.value)
+            ):
+                return None
+            (shape,) = found
+            if shape == each.shape:
+                fills.append((start, each, False))
+            elif shape == each.shape[::-1]:
+                fills.append((start, each, True))
+            else:
+                return None
+    found = {id(each) for _, each, _ in fills}
+    if any(each.read and id(each) not in found for each in marked):
+        return None
+    return fills
+
+
+def fill(path: str, marked: Sequence[Marked]) -> bool:
+    """Writes the marked matrices' values over their markers in the LiteRT
+    file at `path`; False (the file untouched) if a marker's buffer cannot
+    be told apart."""
+    fills = _fills(path, marked)
+    if fills is None:
+        return False
+    with open(path, "r+b") as file:
+        for start, each, transposed in fills:
+            values = np.asarray(each.variable.numpy(), dtype=np.float32)
+            if transposed:
+                values = values.T
+            file.seek(start)
+            file.write(memoryview(np.ascontiguousarray(values)).cast("B"))
+            del values
+    return True

@@ -1,0 +1,132 @@
+"""LiteRT conversions with the matrices as markers (`litert_weights`): the
+converted file holds each matrix's marker, not its values; `fill` writes the
+values in, transposed where the converter transposed them, and the file
+computes the model's numbers (numpy, in LiteRT's interpreter). A marker the
+converter folded with other values leaves the file untouched, and a model
+that assigns a variable is refused the markers."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+from keras_selfattn.export.formats import litert_weights
+
+pytestmark = pytest.mark.tensorflow_only("TensorFlow's LiteRT converter")
+
+
+class _Doubled(keras.layers.Layer):
+    """x @ (2 * kernel): the converter folds the product into one constant."""
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], 5))
+
+    def call(self, x):
+        return keras.ops.matmul(x, self.kernel * 2.0)
+
+
+class _Counting(keras.layers.Layer):
+    """Assigns a counter at every call."""
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], 5))
+        self.calls = self.add_weight(
+            shape=(), initializer="zeros", trainable=False, name="calls"
+        )
+
+    def call(self, x):
+        self.calls.assign_add(1.0)
+        return keras.ops.matmul(x, self.kernel)
+
+
+def _token_model() -> keras.Model:
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((3,), dtype="int32")
+    h = keras.layers.Embedding(10, 4)(tokens)
+    h = keras.layers.Dense(6, activation="relu")(h)
+    return keras.Model(tokens, keras.layers.Dense(10, use_bias=False)(h))
+
+
+def _convert(model, marked, path, inputs) -> None:
+    """The model converted as `litert_signatures` converts it (a SavedModel
+    of Keras's `ExportArchive`), `marked` read as markers, in this process."""
+    import tensorflow as tf
+
+    def serve(x):
+        with litert_weights.read_as_markers(marked):
+            return model(x)
+
+    archive = keras.export.ExportArchive()
+    spec = keras.InputSpec(shape=(None, *inputs.shape[1:]), dtype=str(inputs.dtype))
+    archive.add_endpoint("serve", serve, input_signature=[spec])
+    saved = str(path) + ".saved"
+    archive.write_out(saved, verbose=False)
+    converter = tf.lite.TFLiteConverter.from_saved_model(saved, ["serve"])
+    converter.experimental_enable_resource_variables = True
+    with open(path, "wb") as file:
+        file.write(converter.convert())
+
+
+def _run(path, inputs):
+    from ai_edge_litert.interpreter import Interpreter
+
+    interpreter = Interpreter(model_path=str(path))
+    runner = interpreter.get_signature_runner()
+    (output,) = runner(**{runner.get_input_details().popitem()[0]: inputs}).values()
+    return output
+
+
+def test_marks_are_the_unequal_sided_float32_matrices():
+    model = _token_model()
+    marked = litert_weights.marks(model)
+    assert [m.variable.path for m in marked] == [
+        "embedding/embeddings",
+        "dense/kernel",
+        "dense_1/kernel",
+    ]
+    values = [float(m.value) for m in marked]
+    assert len(set(values)) == 3 and all(v >= 2**20 for v in values)
+
+
+def test_the_file_holds_markers_until_filled_then_computes_the_model(tmp_path):
+    model = _token_model()
+    tokens = np.array([[1, 7, 3], [9, 0, 4]], np.int32)
+    marked = litert_weights.marks(model)
+    path = tmp_path / "m.tflite"
+    _convert(model, marked, path, tokens)
+    written = path.read_bytes()
+    for each in marked:
+        assert each.read
+        values = each.variable.numpy()
+        assert values.tobytes() not in written
+        assert np.ascontiguousarray(values.T).tobytes() not in written
+
+    assert litert_weights.fill(str(path), marked)
+
+    embeddings, hidden, logits = (m.variable.numpy() for m in marked)
+    bias = model.layers[2].bias.numpy()
+    want = np.maximum(embeddings[tokens] @ hidden + bias, 0) @ logits
+    np.testing.assert_allclose(_run(path, tokens), want, rtol=1e-5, atol=1e-5)
+    assert path.stat().st_size == len(written)
+
+
+def test_a_marker_folded_with_other_values_leaves_the_file_unfilled(tmp_path):
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, _Doubled()(inputs))
+    marked = litert_weights.marks(model)
+    path = tmp_path / "m.tflite"
+    _convert(model, marked, path, np.ones((1, 3), np.float32))
+    written = path.read_bytes()
+
+    assert marked[0].read
+    assert not litert_weights.fill(str(path), marked)
+    assert path.read_bytes() == written
+
+
+def test_a_model_that_assigns_a_variable_is_refused_the_markers(tmp_path):
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, _Counting()(inputs))
+    marked = litert_weights.marks(model)
+    with pytest.raises(litert_weights.Assigned, match="assigns '.*calls'"):
+        _convert(model, marked, tmp_path / "m.tflite", np.ones((1, 3), np.float32))
