@@ -319,3 +319,53 @@ def test_jit_compile_is_for_the_saved_model_only(tmp_path):
         export_generator(
             token_model(), tmp_path / "lm.onnx", "onnx", max_length=8, jit_compile=True
         )
+
+
+@exports
+def test_litert_compiled_model_with_a_weight_cache_equals_the_uncached_reference(
+    exported, tmp_path
+):
+    """LiteRT's CompiledModel with an XNNPACK weight cache file (docs/export.md:
+    each weight packed once for all the file's subgraphs), the output buffers
+    sized by the request: the reference's tokens, from a new cache and from
+    the cache file it wrote."""
+    from ai_edge_litert.compiled_model import CompiledModel
+    from ai_edge_litert.cpu_options import CpuOptions
+    from ai_edge_litert.hardware_accelerator import HardwareAccelerator
+    from ai_edge_litert.options import Options
+    from ai_edge_litert.tensor_buffer import TensorBuffer
+
+    model, _, _, litert_path = exported
+    request = _request()
+    cache = tmp_path / "weights.xnnpack_cache"
+    options = Options(
+        hardware_accelerators=HardwareAccelerator.CPU,
+        cpu_options=CpuOptions(num_threads=1, xnnpack_weight_cache_path=str(cache)),
+    )
+    want, want_lengths = reference.uncached(model, PROMPTS, STEPS)
+    for _ in range(2):  # the second loads the packed weights from the file
+        compiled = CompiledModel.from_file(str(litert_path), options=options)
+        for name, value in request.items():
+            if value.ndim:
+                compiled.resize_input_tensor_by_name(
+                    "generate", name, list(value.shape)
+                )
+        inputs = {}
+        for name, value in request.items():
+            inputs[name] = compiled.create_input_buffer_by_name("generate", name)
+            inputs[name].write(value)
+        outputs = {
+            "tokens": TensorBuffer.create_from_host_memory(
+                np.zeros(want.shape, np.int32)
+            ),
+            "lengths": TensorBuffer.create_from_host_memory(
+                np.zeros(want_lengths.shape, np.int32)
+            ),
+        }
+        compiled.run_by_name("generate", inputs, outputs)
+        tokens = outputs["tokens"].read(want.size, np.int32).reshape(want.shape)
+        np.testing.assert_array_equal(tokens, want)
+        np.testing.assert_array_equal(
+            outputs["lengths"].read(want_lengths.size, np.int32), want_lengths
+        )
+        assert cache.stat().st_size > 0
