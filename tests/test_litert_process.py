@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 from keras_selfattn.export import ExportError, export_generator
-from keras_selfattn.export.formats import litert_process
+from keras_selfattn.export.formats import litert_process, litert_weights
 from tests.test_generation import token_model
 
 pytestmark = pytest.mark.tensorflow_only("the generator's loop in a TensorFlow graph")
@@ -104,3 +105,28 @@ def test_the_signatures_of_one_file_share_one_interpreter(tmp_path):
     np.testing.assert_allclose(first({"x": x})["y"], 2 * x @ w)
     np.testing.assert_allclose(second({"x": x})["y"], 3 * x @ w)
     np.testing.assert_allclose(first({"x": x})["y"], 2 * x @ w)
+
+
+@pytest.mark.slow
+def test_a_generator_whose_marker_is_folded_is_converted_again_with_its_weights(
+    tmp_path, monkeypatch
+):
+    """A LoRA-enabled head reads its kernel plus the adapters' product, which
+    the converter folds into one constant: the markers cannot be told apart,
+    the generator is converted again with the weights, and the export's
+    fresh-process check gets Keras's tokens."""
+    filled = []
+    fill = litert_weights.fill
+
+    def recorded(path, marked):
+        filled.append(fill(path, marked))
+        return filled[-1]
+
+    monkeypatch.setattr(litert_weights, "fill", recorded)
+    model = token_model()
+    model.get_layer("logits").enable_lora(2)
+    b = model.get_layer("logits").lora_kernel_b
+    b.assign(np.random.default_rng(0).normal(size=b.shape).astype("float32"))
+    export_generator(model, tmp_path / "lm.tflite", "litert", max_length=8)
+    assert filled == [False]
+    assert (tmp_path / "lm.tflite").exists()

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 # weights, and a base (TensorFlow imported, MLIR's context), with a margin:
 # its largest process is the fresh-process check, whose interpreter maps
 # the file and packs the weights again for XNNPACK, once per subgraph that
-# reads them (5.2 times 2.21 GiB of weights: docs/export.md, "Large
+# reads them (11.9 GiB at 2.21 GiB of weights: docs/export.md, "Large
 # models"); the converter's, the matrices read as markers
 # (`litert_weights`), needs less.
 NEEDED_PER_WEIGHT_BYTE = 5.0
