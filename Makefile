@@ -16,7 +16,7 @@ BACKENDS := tensorflow jax torch
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
 .PHONY: install demo test test-slow lint bench bench-peers clean lock test-latest gpu-wheels \
-	bench-real-size $(BACKENDS:%=test-%) $(BACKENDS:%=test-slow-%)
+	bench-real-size bench-litert-runtime $(BACKENDS:%=test-%) $(BACKENDS:%=test-slow-%)
 
 # A new virtualenv, git-ignored from the inside (Python < 3.13 does not).
 define new_venv
@@ -121,6 +121,11 @@ bench-peers: install
 REAL_SIZE_MODEL ?= llama-0.6b
 bench-real-size: install
 	$(PY) -m benchmarks.real_size --model $(REAL_SIZE_MODEL)
+
+# A LiteRT generator file's memory at run time: LiteRT's Interpreter and
+# its CompiledModel with an XNNPACK weight cache (exports the model first).
+bench-litert-runtime: install
+	$(PY) -m benchmarks.litert_runtime --model $(REAL_SIZE_MODEL)
 
 # Keras and the packages it needs that the GPU machine's image lacks, for
 # benchmarks/gpu_session.sh (that machine runs Python 3.12 and fetches

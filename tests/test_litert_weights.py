@@ -43,9 +43,10 @@ class _Counting(keras.layers.Layer):
 def _token_model() -> keras.Model:
     keras.utils.set_random_seed(0)
     tokens = keras.Input((3,), dtype="int32")
-    h = keras.layers.Embedding(10, 4)(tokens)
-    h = keras.layers.Dense(6, activation="relu")(h)
-    return keras.Model(tokens, keras.layers.Dense(10, use_bias=False)(h))
+    h = keras.layers.Embedding(10, 4, name="embedding")(tokens)
+    h = keras.layers.Dense(6, activation="relu", name="hidden")(h)
+    logits = keras.layers.Dense(10, use_bias=False, name="logits")(h)
+    return keras.Model(tokens, logits)
 
 
 def _convert(model, marked, path, inputs) -> None:
@@ -82,8 +83,8 @@ def test_marks_are_the_unequal_sided_float32_matrices():
     marked = litert_weights.marks(model)
     assert [m.variable.path for m in marked] == [
         "embedding/embeddings",
-        "dense/kernel",
-        "dense_1/kernel",
+        "hidden/kernel",
+        "logits/kernel",
     ]
     values = [float(m.value) for m in marked]
     assert len(set(values)) == 3 and all(v >= 2**20 for v in values)
@@ -105,7 +106,7 @@ def test_the_file_holds_markers_until_filled_then_computes_the_model(tmp_path):
     assert litert_weights.fill(str(path), marked)
 
     embeddings, hidden, logits = (m.variable.numpy() for m in marked)
-    bias = model.layers[2].bias.numpy()
+    bias = model.get_layer("hidden").bias.numpy()
     want = np.maximum(embeddings[tokens] @ hidden + bias, 0) @ logits
     np.testing.assert_allclose(_run(path, tokens), want, rtol=1e-5, atol=1e-5)
     assert path.stat().st_size == len(written)

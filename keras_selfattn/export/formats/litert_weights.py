@@ -117,7 +117,7 @@ def _data_span(buffer) -> tuple[int, int]:
         return buffer.Offset(), buffer.Size()
     if buffer.DataLength() == 0:
         return 0, 0
-    table = buffer._tab
+    table = buffer._tab  # the generated class's table: where `data` starts
     return table.Vector(table.Offset(4)), buffer.DataLength()
 
 
@@ -139,7 +139,9 @@ def _fills(
     path: str, marked: Sequence[Marked]
 ) -> list[tuple[int, Marked, bool]] | None:
     """(offset, matrix, transposed) for each marked buffer of the file at
-    `path`, or None if a buffer holding a marker is not one of them."""
+    `path`, or None if a buffer holding a marker is not one of them or a
+    matrix the conversion read has none (its marker folded with other
+    values, or cast)."""
     import mmap
 
     by_value = {float(each.value): each for each in marked}
