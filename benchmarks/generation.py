@@ -109,7 +109,9 @@ def prompts(size: Size, batch: int, length: int) -> np.ndarray:
     return rng.integers(1, size.vocabulary, size=(batch, length)).astype("int32")
 
 
-def _generator_request(batch_prompts: np.ndarray, new: int, vocabulary: int) -> dict:
+def greedy_request(batch_prompts: np.ndarray, new: int, vocabulary: int) -> dict:
+    """An exported generator's inputs: `new` greedy tokens after each of
+    `batch_prompts` (int32, all of their full length)."""
     return {
         "prompt_tokens": batch_prompts,
         "prompt_lengths": np.full(len(batch_prompts), batch_prompts.shape[1], "int32"),
@@ -228,7 +230,7 @@ def measure_size(size: Size, plan: dict, rounds: int) -> list[dict]:
                 )
                 for layer in layers
             }
-            request = _generator_request(batch_prompts, new, size.vocabulary)
+            request = greedy_request(batch_prompts, new, size.vocabulary)
             candidates = {
                 "generate": lambda p=batch_prompts: generate(model, p, new).tokens,
                 **{
@@ -309,7 +311,7 @@ def threads_child() -> None:
     for case in plan["cases"]:
         batch_prompts = np.asarray(case["prompts"], "int32")
         caches = {k: np.zeros(*shape) for k, shape in case["caches"].items()}
-        request = _generator_request(batch_prompts, new, plan["vocabulary"])
+        request = greedy_request(batch_prompts, new, plan["vocabulary"])
         candidates = {
             "saved_model_generator": lambda r=request: generator(r)["tokens"],
             "saved_model_step": lambda p=batch_prompts, k=caches: _stepped(

@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from benchmarks.generation import greedy_request
 from benchmarks.real_size_child import NEW_TOKENS, _prompts
 
 ROUNDS = 4
@@ -27,17 +28,7 @@ THREADS = 2
 
 
 def _request(vocabulary: int) -> dict:
-    prompts = _prompts(vocabulary)
-    return {
-        "prompt_tokens": prompts,
-        "prompt_lengths": np.full((len(prompts),), prompts.shape[1], np.int32),
-        "max_new_tokens": np.array(NEW_TOKENS, np.int32),
-        "temperature": np.array(0.0, np.float32),
-        "top_k": np.array(vocabulary, np.int32),
-        "top_p": np.array(1.0, np.float32),
-        "seed": np.array(0, np.int32),
-        "end_token": np.array(-1, np.int32),
-    }
+    return greedy_request(_prompts(vocabulary), NEW_TOKENS, vocabulary)
 
 
 def _interpreter(path: str, request: dict):

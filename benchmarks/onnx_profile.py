@@ -22,6 +22,8 @@ import tempfile
 
 import numpy as np
 
+from benchmarks.generation import greedy_request
+
 
 def body_nodes(path: str) -> set[str]:
     """The names of the nodes in the model's `Loop` bodies (any depth)."""
@@ -112,16 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = np.random.default_rng(0).integers(
         4, args.vocabulary, (args.batch, args.prompt)
     )
-    request = {
-        "prompt_tokens": prompts.astype(np.int32),
-        "prompt_lengths": np.full(args.batch, args.prompt, np.int32),
-        "max_new_tokens": np.asarray(args.new, np.int32),
-        "temperature": np.asarray(0.0, np.float32),
-        "top_k": np.asarray(args.vocabulary, np.int32),
-        "top_p": np.asarray(1.0, np.float32),
-        "seed": np.asarray(0, np.int32),
-        "end_token": np.asarray(-1, np.int32),
-    }
+    request = greedy_request(prompts.astype(np.int32), args.new, args.vocabulary)
     events = profile(args.path, request, bool(args.spinning))
     print(json.dumps(summary(args.path, events, args.new), indent=1))
 

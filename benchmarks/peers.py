@@ -59,6 +59,7 @@ import sys
 import numpy as np
 
 from benchmarks import machine, report, timing
+from benchmarks.generation import greedy_request
 
 CANDIDATES = (
     ("onnxruntime_genai", "onnxruntime-genai (fp32, cpu)"),
@@ -230,16 +231,7 @@ def _candidates(folder, work, genai_child, prompts, new, generators, outputs, mo
     batch, prompt = prompts.shape
     tag = f"_{mode}" if mode else ""
     loaded = _exported(converted, work, generators, prompt + new, tag)
-    request = {
-        "prompt_tokens": prompts,
-        "prompt_lengths": np.full(batch, prompt, np.int32),
-        "max_new_tokens": np.asarray(new, np.int32),
-        "temperature": np.asarray(0.0, np.float32),
-        "top_k": np.asarray(lm.backbone.vocabulary_size, np.int32),
-        "top_p": np.asarray(1.0, np.float32),
-        "seed": np.asarray(0, np.int32),
-        "end_token": np.asarray(-1, np.int32),
-    }
+    request = greedy_request(prompts, new, lm.backbone.vocabulary_size)
     ids = np.zeros((batch, prompt + new), np.int32)
     ids[:, :prompt] = prompts
     hub_request = {"token_ids": ids, "padding_mask": ids != 0}
