@@ -266,6 +266,23 @@ def test_the_litert_check_generates_through_prefill_and_decode(exported):
 
 
 @exports
+def test_a_large_litert_file_is_checked_on_the_builtin_kernels(exported, monkeypatch):
+    """Past `XNNPACK_CHECK_MAX_BYTES`, the check's LiteRT process runs the
+    file without XNNPACK (whose copies of the weights per subgraph would
+    outgrow the export); the report says so, and the tokens still agree."""
+    from keras_selfattn.export.generator import check
+
+    model, _, _, litert_path = exported
+    monkeypatch.setattr(check, "XNNPACK_CHECK_MAX_BYTES", 0)
+    report = verify_generator(model, litert_path=litert_path, max_length=MAX_LENGTH)
+    assert all(row.ok for row in report.rows) and len(report.rows) > 1
+    assert any("LiteRT's builtin kernels, XNNPACK off" in n for n in report.notes)
+    monkeypatch.undo()
+    report = verify_generator(model, litert_path=litert_path, max_length=MAX_LENGTH)
+    assert not any("XNNPACK" in note for note in report.notes)
+
+
+@exports
 def test_the_saved_model_has_a_served_layout_and_warmup(exported):
     import os
 

@@ -1,6 +1,7 @@
 """LiteRT's runtime module runs its interpreter on the process's CPUs unless
-told a number of threads: an interpreter per file and thread count, each
-computing the file's numbers; a bad count is a ValueError naming it."""
+told a number of threads, with XNNPACK unless told `xnnpack=False`: an
+interpreter per file, thread count and delegate, each computing the file's
+numbers; a bad count or flag is a ValueError naming it."""
 
 from __future__ import annotations
 
@@ -58,3 +59,30 @@ def test_a_bad_thread_count_is_refused(tflite_file, bad):
 
     with pytest.raises(ValueError, match="num_threads"):
         runtime.load(tflite_file, "serving_default", num_threads=bad)
+
+
+def test_xnnpack_off_runs_the_builtin_kernels_with_the_same_numbers(tflite_file):
+    from keras_selfattn_runtimes import litert as runtime
+
+    delegated = runtime.load(tflite_file, "serving_default")
+    builtin = runtime.load(tflite_file, "serving_default", xnnpack=False)
+    x = np.array([[1, 2, 3], [0, -1, 5]], np.float32)
+    want = x @ np.arange(12, dtype=np.float32).reshape(3, 4) + 1.0
+    for loaded in (delegated, builtin):
+        loaded._interpreter.allocate_tensors()
+        np.testing.assert_array_equal(loaded({"x": x})[loaded.output_names[0]], want)
+    # XNNPACK takes the graph over as a DELEGATE node; the builtin kernels run
+    # it as converted.
+    ops = [
+        [op["op_name"] for op in loaded._interpreter._get_ops_details()]
+        for loaded in (delegated, builtin)
+    ]
+    assert ops == [["FULLY_CONNECTED", "DELEGATE"], ["FULLY_CONNECTED"]]
+
+
+@pytest.mark.parametrize("bad", [0, 1, "no", None])
+def test_a_bad_xnnpack_flag_is_refused(tflite_file, bad):
+    from keras_selfattn_runtimes import litert as runtime
+
+    with pytest.raises(ValueError, match=f"xnnpack={bad!r}"):
+        runtime.load(tflite_file, "serving_default", xnnpack=bad)

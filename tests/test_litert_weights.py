@@ -1,9 +1,11 @@
 """LiteRT conversions with the matrices as markers (`litert_weights`): the
 converted file holds each matrix's marker, not its values; `fill` writes the
 values in, transposed where the converter transposed them, and the file
-computes the model's numbers (numpy, in LiteRT's interpreter). A marker the
-converter folded with other values leaves the file untouched, and a model
-that assigns a variable is refused the markers."""
+computes the model's numbers (numpy, in LiteRT's interpreter); a square
+matrix's layout is told by the operation reading it. A marker the converter
+folded with other values, or a square one read by an operation that does not
+tell its layout, leaves the file untouched, and a model that assigns a
+variable is refused the markers."""
 
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ def _token_model() -> keras.Model:
     tokens = keras.Input((3,), dtype="int32")
     h = keras.layers.Embedding(10, 4, name="embedding")(tokens)
     h = keras.layers.Dense(6, activation="relu", name="hidden")(h)
+    h = keras.layers.Dense(6, use_bias=False, name="square")(h)
     logits = keras.layers.Dense(10, use_bias=False, name="logits")(h)
     return keras.Model(tokens, logits)
 
@@ -78,16 +81,17 @@ def _run(path, inputs):
     return output
 
 
-def test_marks_are_the_unequal_sided_float32_matrices():
+def test_marks_are_the_float32_matrices():
     model = _token_model()
     marked = litert_weights.marks(model)
     assert [m.variable.path for m in marked] == [
         "embedding/embeddings",
         "hidden/kernel",
+        "square/kernel",
         "logits/kernel",
     ]
     values = [float(m.value) for m in marked]
-    assert len(set(values)) == 3 and all(v >= 2**20 for v in values)
+    assert len(set(values)) == 4 and all(v >= 2**20 for v in values)
 
 
 def test_the_file_holds_markers_until_filled_then_computes_the_model(tmp_path):
@@ -105,9 +109,9 @@ def test_the_file_holds_markers_until_filled_then_computes_the_model(tmp_path):
 
     assert litert_weights.fill(str(path), marked)
 
-    embeddings, hidden, logits = (m.variable.numpy() for m in marked)
+    embeddings, hidden, square, logits = (m.variable.numpy() for m in marked)
     bias = model.get_layer("hidden").bias.numpy()
-    want = np.maximum(embeddings[tokens] @ hidden + bias, 0) @ logits
+    want = np.maximum(embeddings[tokens] @ hidden + bias, 0) @ square @ logits
     np.testing.assert_allclose(_run(path, tokens), want, rtol=1e-5, atol=1e-5)
     assert path.stat().st_size == len(written)
 
@@ -121,6 +125,23 @@ def test_a_marker_folded_with_other_values_leaves_the_file_unfilled(tmp_path):
     written = path.read_bytes()
 
     assert marked[0].read
+    assert not litert_weights.fill(str(path), marked)
+    assert path.read_bytes() == written
+
+
+def test_a_square_marker_read_otherwise_leaves_the_file_unfilled(tmp_path):
+    """A square embedding table is gathered, which does not tell whether
+    its buffer holds it transposed."""
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((3,), dtype="int32")
+    h = keras.layers.Embedding(5, 5, name="square_table")(tokens)
+    model = keras.Model(tokens, keras.layers.Dense(7, name="out")(h))
+    marked = litert_weights.marks(model)
+    path = tmp_path / "m.tflite"
+    _convert(model, marked, path, np.array([[1, 4, 0]], np.int32))
+    written = path.read_bytes()
+
+    assert all(each.read for each in marked)
     assert not litert_weights.fill(str(path), marked)
     assert path.read_bytes() == written
 

@@ -9,13 +9,16 @@ single value and the SavedModel never stores. The flatbuffer it writes
 holds each marked matrix as its marker value repeated, laid out as its
 operation wants it (a fully connected layer's weights transposed); `fill`
 finds each such buffer by its value and shape and writes the matrix's own
-values over it, in the file, one matrix at a time.
+values over it, in the file, one matrix at a time. A square matrix's
+shape cannot tell its layout: the operations reading its buffer do (a
+fully connected layer's weights, a batch matmul's right side and its
+`adj_y`).
 
-A buffer this cannot tell apart (a marker folded into another constant, or
-its shape neither the matrix's nor the matrix's transposed) leaves the file
-unfilled: the conversion is then done again with the weights, and the
-export's fresh-process check compares the file's tokens with Keras's in
-either case.
+A buffer this cannot tell apart (a marker folded into another constant,
+its shape neither the matrix's nor the matrix's transposed, a square one
+read otherwise) leaves the file unfilled: the conversion is then done
+again with the weights, and the export's fresh-process check compares the
+file's tokens with Keras's in either case.
 """
 
 from __future__ import annotations
@@ -53,14 +56,12 @@ class Marked:
 
 
 def marks(model: keras.Model) -> list[Marked]:
-    """The float32 matrices of `model` that the conversion reads as markers:
-    two dimensions of unequal sizes, so that a buffer's shape tells whether
-    the converter transposed it."""
+    """The float32 matrices of `model`, which the conversion reads as
+    markers."""
     matrices = [
         weight
         for weight in model.weights
         if len(weight.shape) == 2
-        and weight.shape[0] != weight.shape[1]
         and keras.backend.standardize_dtype(weight.dtype) == "float32"
     ]
     unique = list({id(weight): weight for weight in matrices}.values())
@@ -135,6 +136,64 @@ def _is_splat(file, start: int, size: int, value: np.float32) -> bool:
     return True
 
 
+def _read_transposed(model, operator, slot: int) -> bool | None:
+    """Whether `operator` reads the matrix in its input `slot` transposed
+    ((out, in): a fully connected layer's weights; a batch matmul's right
+    side under `adj_y`), or None for any other reading."""
+    from tensorflow.lite.python import schema_py_generated as schema
+
+    code = model.OperatorCodes(operator.OpcodeIndex())
+    builtin = max(code.BuiltinCode(), code.DeprecatedBuiltinCode())
+    if builtin == schema.BuiltinOperator.FULLY_CONNECTED and slot == 1:
+        return True
+    if builtin == schema.BuiltinOperator.BATCH_MATMUL and slot == 1:
+        table = operator.BuiltinOptions()
+        options = schema.BatchMatMulOptions()
+        options.Init(table.Bytes, table.Pos)
+        return bool(options.AdjY())
+    return None
+
+
+def _readings(model) -> tuple[dict, dict]:
+    """{buffer: its tensors' shapes} and {buffer: how operations read it
+    (`_read_transposed`)} over every subgraph of `model`."""
+    shapes: dict[int, set[tuple[int, ...]]] = {}
+    readings: dict[int, set[bool | None]] = {}
+    for s in range(model.SubgraphsLength()):
+        subgraph = model.Subgraphs(s)
+        buffers = []
+        for t in range(subgraph.TensorsLength()):
+            tensor = subgraph.Tensors(t)
+            buffers.append(tensor.Buffer())
+            shapes.setdefault(tensor.Buffer(), set()).add(
+                tuple(int(d) for d in tensor.ShapeAsNumpy())
+                if tensor.ShapeLength()
+                else ()
+            )
+        for o in range(subgraph.OperatorsLength()):
+            operator = subgraph.Operators(o)
+            for slot in range(operator.InputsLength()):
+                tensor = operator.Inputs(slot)
+                if tensor >= 0:
+                    readings.setdefault(buffers[tensor], set()).add(
+                        _read_transposed(model, operator, slot)
+                    )
+    return shapes, readings
+
+
+def _transposed(each: Marked, shape: tuple, readings: set) -> bool | None:
+    """Whether the buffer of `shape` holds `each` transposed, or None if
+    that cannot be told: a square matrix by the operations reading it."""
+    if shape != each.shape and shape != each.shape[::-1]:
+        return None
+    if shape[0] != shape[1]:
+        return shape != each.shape
+    if len(readings) != 1:
+        return None
+    (transposed,) = readings
+    return transposed
+
+
 def _fills(
     path: str, marked: Sequence[Marked]
 ) -> list[tuple[int, Marked, bool]] | None:
@@ -151,16 +210,7 @@ def _fills(
         mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped,
     ):
         model = _model(mapped)
-        shapes: dict[int, set[tuple[int, ...]]] = {}
-        for s in range(model.SubgraphsLength()):
-            subgraph = model.Subgraphs(s)
-            for t in range(subgraph.TensorsLength()):
-                tensor = subgraph.Tensors(t)
-                shapes.setdefault(tensor.Buffer(), set()).add(
-                    tuple(int(d) for d in tensor.ShapeAsNumpy())
-                    if tensor.ShapeLength()
-                    else ()
-                )
+        shapes, readings = _readings(model)
         for index in range(model.BuffersLength()):
             start, size = _data_span(model.Buffers(index))
             if size < 4 or size % 4:
@@ -178,12 +228,10 @@ def _fills(
             ):
                 return None
             (shape,) = found
-            if shape == each.shape:
-                fills.append((start, each, False))
-            elif shape == each.shape[::-1]:
-                fills.append((start, each, True))
-            else:
+            transposed = _transposed(each, shape, readings.get(index, set()))
+            if transposed is None:
                 return None
+            fills.append((start, each, transposed))
     found = {id(each) for _, each, _ in fills}
     if any(each.read and id(each) not in found for each in marked):
         return None
