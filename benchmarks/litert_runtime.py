@@ -1,10 +1,12 @@
 """The memory a LiteRT generator file takes to run, by way of running it.
 
 LiteRT's Interpreter (its default XNNPACK delegate, as the export's check
-runs a file) packs each weight once per subgraph that reads it: a
-generator's file has four (the "generate" prompt pass and its loop body,
-"prefill", "decode"). LiteRT's CompiledModel with an XNNPACK weight cache
-file packs each once for all of them, into the file, and maps it. Each way
+runs a file of at most 1 GiB) packs each weight once per subgraph that
+reads it: a generator's file has four (the "generate" prompt pass and its
+loop body, "prefill", "decode"). On LiteRT's builtin kernels (XNNPACK off,
+as the check runs a larger file) it reads the mapped file's weights as
+they are. LiteRT's CompiledModel with an XNNPACK weight cache file packs
+each once for all of them, into the file, and maps it. Each way
 runs in a process of its own (`benchmarks.litert_runtime_child`): its peak
 RSS (polled every 0.2 s, as `benchmarks.real_size` polls), the time to load
 and answer a first greedy request, a request's median after, and whether
@@ -32,6 +34,7 @@ from benchmarks.real_size_child import FILES, MODELS
 
 WAYS = (
     ("interpreter", "Interpreter (default XNNPACK delegate)"),
+    ("builtin", "Interpreter, builtin kernels (XNNPACK off)"),
     ("compiled_model", "CompiledModel, XNNPACK weight cache written"),
     ("compiled_model", "CompiledModel, XNNPACK weight cache mapped"),
 )

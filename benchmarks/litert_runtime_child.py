@@ -3,7 +3,9 @@
     python -m benchmarks.litert_runtime_child WAY FILE VOCABULARY CACHE
 
 WAY is "interpreter" (`ai_edge_litert`'s Interpreter, its default XNNPACK
-delegate: what the export's check runs) or "compiled_model" (LiteRT's
+delegate: what the export's check runs on a file of at most 1 GiB),
+"builtin" (the Interpreter on LiteRT's builtin kernels, XNNPACK off: what
+the check runs on a larger file) or "compiled_model" (LiteRT's
 CompiledModel on the CPU with an XNNPACK weight cache file at CACHE,
 written by its first load and mapped by the next). The file's "generate"
 runs `ROUNDS` greedy requests of `real_size_child`'s prompt; the last line
@@ -31,13 +33,11 @@ def _request(vocabulary: int) -> dict:
     return greedy_request(_prompts(vocabulary), NEW_TOKENS, vocabulary)
 
 
-def _interpreter(path: str, request: dict):
-    from ai_edge_litert.interpreter import Interpreter
+def _interpreter(path: str, request: dict, xnnpack: bool):
+    from keras_selfattn_runtimes import litert
 
-    runner = Interpreter(model_path=path, num_threads=THREADS).get_signature_runner(
-        "generate"
-    )
-    return lambda: runner(**request)["tokens"]
+    loaded = litert.load(path, "generate", num_threads=THREADS, xnnpack=xnnpack)
+    return lambda: loaded(request)["tokens"]
 
 
 def _compiled_model(path: str, request: dict, cache: str):
@@ -78,8 +78,8 @@ def main(argv: list[str]) -> None:
     way, path, vocabulary, cache = argv
     request = _request(int(vocabulary))
     start = time.perf_counter()
-    if way == "interpreter":
-        run = _interpreter(path, request)
+    if way in ("interpreter", "builtin"):
+        run = _interpreter(path, request, xnnpack=way == "interpreter")
     else:
         run = _compiled_model(path, request, cache)
     tokens = np.asarray(run())

@@ -9,12 +9,12 @@ copy the converter makes (the loaded variables, MLIR's constants, the
 flatbuffer, Python's bytes of it) is returned to the system when the
 process ends.
 
-A LiteRT generator's export needs several times the weights
-(`NEEDED_PER_WEIGHT_BYTE`, measured; its check's interpreter most): one
-that cannot fit in the memory available is refused before the conversion
-starts, and a conversion that runs the machine short
-(`/proc/meminfo`'s MemAvailable under `RESERVE_BYTES`) is stopped, each in
-one line naming what it needed, not left for the kernel to kill.
+A LiteRT generator's converter needs several times the weights
+(`NEEDED_PER_WEIGHT_BYTE`, measured): an export that cannot fit in the
+memory available is refused before the conversion starts, and a
+conversion that runs the machine short (`/proc/meminfo`'s MemAvailable
+under `RESERVE_BYTES`) is stopped, each in one line naming what it
+needed, not left for the kernel to kill.
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-# Peak resident memory of a LiteRT generator's export per byte of float32
-# weights, and a base (TensorFlow imported, MLIR's context), with a margin:
-# its largest process is the fresh-process check, whose interpreter maps
-# the file and packs the weights again for XNNPACK, once per subgraph that
-# reads them (11.9 GiB at 2.21 GiB of weights: docs/export.md, "Large
-# models"); the converter's, the matrices read as markers
-# (`litert_weights`), needs less.
-NEEDED_PER_WEIGHT_BYTE = 5.0
-BASE_BYTES = 2**30
+# Peak resident memory of a LiteRT generator's converter per byte of
+# float32 weights, and a base (TensorFlow imported, MLIR's context): the
+# matrices read as markers (`litert_weights`), it writes each marker's
+# buffer expanded into the flatbuffer, then returns Python's bytes of it
+# (7.8 GiB at 2.21 GiB of weights, 15.5 at 4.60: docs/export.md, "Large
+# models"). The export's largest process; its check runs a large file on
+# LiteRT's builtin kernels, in about the file's size.
+NEEDED_PER_WEIGHT_BYTE = 3.3
+BASE_BYTES = 2**29
 # The machine's available memory under which a conversion is stopped.
 RESERVE_BYTES = 2**29
 _POLL_S = 0.2
@@ -81,8 +81,9 @@ def check_memory(weights: int) -> None:
         raise OutOfMemory(
             f"a LiteRT generator of {_gib(weights)} of weights needs about "
             f"{_gib(needed)} ({NEEDED_PER_WEIGHT_BYTE:g} times the weights plus "
-            f"{_gib(BASE_BYTES)}: LiteRT's interpreter packs them again for "
-            f"XNNPACK) and this machine has {_gib(available)} available"
+            f"{_gib(BASE_BYTES)}: TensorFlow's converter writes them into the "
+            "flatbuffer, then Python's bytes of it) and this machine has "
+            f"{_gib(available)} available"
         )
 
 
