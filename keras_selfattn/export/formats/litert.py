@@ -215,8 +215,6 @@ class LiteRTFormat(Format):
                 "int8 first, or export its generator (weights after the "
                 "flatbuffer), ONNX (external data) or a SavedModel"
             )
-        if len(entries) > 1:
-            _refuse_short_memory(litert_process.check_memory, size)
         recipe = recipe_name(target.quantized)
         if target.quantized and recipe is None:
             modes = sorted({q.mode for q in target.quantized})
@@ -244,7 +242,9 @@ class LiteRTFormat(Format):
         ):
             warnings.simplefilter("ignore")
             if len(entries) > 1:
-                _refuse_short_memory(litert_signatures.convert, entries, path, large)
+                _refuse_short_memory(
+                    litert_signatures.convert, entries, path, size, large
+                )
             else:
                 target.keras_model().export(
                     path, format="litert", verbose=False, input_signature=entries[0][1]

@@ -88,17 +88,24 @@ def check_memory(weights: int) -> None:
 
 
 def convert(
-    saved_model: str, path: str, signature_keys: Sequence[str], large: bool
+    saved_model: str,
+    path: str,
+    signature_keys: Sequence[str],
+    large: bool,
+    weights: int,
 ) -> None:
     """Converts the SavedModel's `signature_keys` into the .tflite file `path`
-    in a new process (`large`: weights after the flatbuffer).
+    in a new process (`large`: weights after the flatbuffer), unless the
+    memory available now (the model traced and its SavedModel written)
+    cannot hold it for `weights` bytes of weights (`check_memory`).
 
     Raises:
-        OutOfMemory: if the machine's available memory fell under
-            `RESERVE_BYTES` (the process is stopped) or the process was
-            killed by a signal.
+        OutOfMemory: if the conversion cannot fit (it does not start), the
+            machine's available memory fell under `RESERVE_BYTES` (the
+            process is stopped) or the process was killed by a signal.
         RuntimeError: the converter's failure, with what it printed.
     """
+    check_memory(weights)
     request = {
         "saved_model": saved_model,
         "path": path,

@@ -43,7 +43,10 @@ def _named(target: Signature, marked: Sequence[litert_weights.Marked]) -> Callab
 
 
 def convert(
-    entries: Sequence[tuple[Signature, list]], path: str, large: bool = False
+    entries: Sequence[tuple[Signature, list]],
+    path: str,
+    weights: int,
+    large: bool = False,
 ) -> None:
     """Writes the targets into the .tflite file `path`, one signature each.
 
@@ -55,30 +58,34 @@ def convert(
             signature `target.signature_name`, its inputs as given
             (`model.export`'s `input_signature`: one list of
             `keras.InputSpec`).
+        weights: The model's weights in bytes, which the converter's
+            memory is reckoned from (`litert_process.check_memory`).
         large: Write the weights after the flatbuffer, at offsets it records
             (TensorFlow's `_experimental_use_buffer_offset`: a flatbuffer
             holds at most 2 GiB).
 
     Raises:
-        litert_process.OutOfMemory: if the converter ran the machine short.
+        litert_process.OutOfMemory: if the converter cannot fit in the
+            memory available, or ran the machine short.
         RuntimeError: the converter's failure, with what it printed.
     """
     marked = litert_weights.marks(entries[0][0].model)
     if marked:
         try:
-            _convert(entries, path, large, marked)
+            _convert(entries, path, weights, large, marked)
             if litert_weights.fill(path, marked):
                 return
             why = "a marked matrix's buffer could not be told apart"
         except litert_weights.Assigned as error:
             why = str(error)
         logger.info("LiteRT: converting again with the weights (%s)", why)
-    _convert(entries, path, large, ())
+    _convert(entries, path, weights, large, ())
 
 
 def _convert(
     entries: Sequence[tuple[Signature, list]],
     path: str,
+    weights: int,
     large: bool,
     marked: Sequence[litert_weights.Marked],
 ) -> None:
@@ -95,6 +102,5 @@ def _convert(
     with tempfile.TemporaryDirectory(prefix="keras_selfattn_litert_") as saved:
         archive.write_out(saved, verbose=False)
         del archive
-        litert_process.convert(
-            saved, path, [target.signature_name for target, _ in entries], large
-        )
+        keys = [target.signature_name for target, _ in entries]
+        litert_process.convert(saved, path, keys, large, weights)
