@@ -328,8 +328,9 @@ def test_onnx_generator_just_over_2_gib(big_model, tmp_path):
 @pytest.mark.release
 def test_litert_generator_just_over_2_gib(big_model, tmp_path):
     """Written with its weights after the flatbuffer and checked in a fresh
-    process, or refused before converting where the machine lacks the
-    memory the converter needs."""
+    process, or refused before its converter starts where the machine lacks
+    the memory the converter needs (reckoned here before the export: the
+    traced model takes some of it later, so it errs towards converting)."""
     from keras_selfattn.export.formats import ExportError, litert_process
 
     weights = _weights(big_model)
