@@ -270,10 +270,10 @@ def test_a_large_litert_file_is_checked_on_the_builtin_kernels(exported, monkeyp
     """Past `XNNPACK_CHECK_MAX_BYTES`, the check's LiteRT process runs the
     file without XNNPACK (whose copies of the weights per subgraph would
     outgrow the export); the report says so, and the tokens still agree."""
-    from keras_selfattn.export.generator import check
+    from keras_selfattn.export.formats import litert
 
     model, _, _, litert_path = exported
-    monkeypatch.setattr(check, "XNNPACK_CHECK_MAX_BYTES", 0)
+    monkeypatch.setattr(litert, "XNNPACK_CHECK_MAX_BYTES", 0)
     report = verify_generator(model, litert_path=litert_path, max_length=MAX_LENGTH)
     assert all(row.ok for row in report.rows) and len(report.rows) > 1
     assert any("LiteRT's builtin kernels, XNNPACK off" in n for n in report.notes)

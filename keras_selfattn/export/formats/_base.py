@@ -278,6 +278,14 @@ class Format:
         """
         return {}
 
+    def generator_runtime(
+        self, path: str, options: Mapping[str, object]
+    ) -> tuple[dict[str, object], str | None]:
+        """The runtime options a generator's check runs the artifact at
+        `path` with, from its `options`, and the report's note on why they
+        differ, if they do: `options` as given by default."""
+        return dict(options), None
+
     def runtime_label(self, options: Mapping[str, object]) -> str:
         """The report's label of this format's artifact run with the
         `runtime_options` `options`: the format's name by default."""

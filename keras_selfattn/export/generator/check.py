@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 import keras
 import numpy as np
 
+from keras_selfattn.export import formats
 from keras_selfattn.export.decode_step.graph import (
     INDEX_NAME,
     DecodeStep,
@@ -46,11 +47,6 @@ FORMATS = tuple(row.name for row in table.ROWS if row.generator)
 PAIR_RUNTIME = "litert prefill/decode"
 # The checks' generations: greedy, then seeded top-k / top-p with an end.
 _SAMPLED = {"temperature": 0.9, "top_k": 12, "top_p": 0.9, "seed": 1234}
-# A LiteRT generator file past this size is checked on LiteRT's builtin
-# kernels: XNNPACK, the interpreter's default, would pack its weights again
-# for each of the file's four subgraphs that read them
-# (`keras_selfattn_runtimes.litert`), 4.8 times a 2.1 GiB file resident.
-XNNPACK_CHECK_MAX_BYTES = 2**30
 
 
 def _sizes(generator: Generator) -> tuple[int, int]:
@@ -261,21 +257,16 @@ def verify_generator(
 
 
 def _unpacked(artifacts: Mapping[str, Artifact]) -> tuple[dict, list[str]]:
-    """`artifacts`, each LiteRT file past `XNNPACK_CHECK_MAX_BYTES` run on
-    LiteRT's builtin kernels; with the report's note on each."""
+    """`artifacts`, each with the runtime options its format checks a
+    generator with (`Format.generator_runtime`: a large LiteRT file on the
+    builtin kernels); with the report's notes."""
     runs, notes = {}, []
     for label, artifact in artifacts.items():
-        litert = artifact.format == table.LITERT.name
-        size = os.path.getsize(artifact.path) if litert else 0
-        if size > XNNPACK_CHECK_MAX_BYTES:
-            options = {**artifact.options, "xnnpack": False}
-            artifact = dataclasses.replace(artifact, options=options)
-            notes.append(
-                f"{label} ran on LiteRT's builtin kernels, XNNPACK off: its "
-                f"{size / 2**30:.1f} GiB file's weights would be packed again "
-                "for each subgraph that reads them"
-            )
-        runs[label] = artifact
+        export_format = formats.get(artifact.format)
+        options, note = export_format.generator_runtime(artifact.path, artifact.options)
+        runs[label] = dataclasses.replace(artifact, options=options)
+        if note is not None:
+            notes.append(note)
     return runs, notes
 
 
@@ -284,8 +275,9 @@ def check_generator(
 ) -> ParityReport:
     """The check `verify_generator` runs, on a generator already built: the
     exporter passes its own (`GeneratorExport`), `verify_generator` builds
-    one from its arguments. A LiteRT file past `XNNPACK_CHECK_MAX_BYTES`
-    runs on LiteRT's builtin kernels, as the report notes.
+    one from its arguments. A LiteRT file past the LiteRT format's
+    `XNNPACK_CHECK_MAX_BYTES` runs on LiteRT's builtin kernels, as the
+    report notes.
 
     Args:
         generator: The generator (`build_generator`).
