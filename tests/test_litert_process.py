@@ -119,8 +119,8 @@ def test_a_generator_whose_marker_is_folded_is_converted_again_with_its_weights(
     filled = []
     fill = litert_weights.fill
 
-    def recorded(path, marked):
-        filled.append(fill(path, marked))
+    def recorded(path, marked, placed):
+        filled.append(fill(path, marked, placed))
         return filled[-1]
 
     monkeypatch.setattr(litert_weights, "fill", recorded)

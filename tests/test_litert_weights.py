@@ -2,7 +2,9 @@
 converted file holds each matrix's marker, not its values; `fill` writes the
 values in, transposed where the converter transposed them, and the file
 computes the model's numbers (numpy, in LiteRT's interpreter); a square
-matrix's layout is told by the operation reading it. A marker the converter
+matrix's layout is told by the operation reading it. A large model's large
+markers are FILL operations, which `litert_unfolded.place` makes buffers of
+the matrices after the flatbuffer. A marker the converter
 folded with other values, or a square one read by an operation that does not
 tell its layout, leaves the file untouched, and a model that assigns a
 variable is refused the markers."""
@@ -13,7 +15,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_selfattn.export.formats import litert_weights
+from keras_selfattn.export.formats import litert_unfolded, litert_weights
 
 pytestmark = pytest.mark.tensorflow_only("TensorFlow's LiteRT converter")
 
@@ -52,9 +54,11 @@ def _token_model() -> keras.Model:
     return keras.Model(tokens, logits)
 
 
-def _convert(model, marked, path, inputs) -> None:
+def _convert(model, marked, path, inputs, large=False) -> None:
     """The model converted as `litert_signatures` converts it (a SavedModel
-    of Keras's `ExportArchive`), `marked` read as markers, in this process."""
+    of Keras's `ExportArchive`), `marked` read as markers, in this process;
+    `large` as a large model's (weights after the flatbuffer, large markers
+    as FILL operations)."""
     import tensorflow as tf
 
     def serve(x):
@@ -68,6 +72,9 @@ def _convert(model, marked, path, inputs) -> None:
     archive.write_out(saved, verbose=False)
     converter = tf.lite.TFLiteConverter.from_saved_model(saved, ["serve"])
     converter.experimental_enable_resource_variables = True
+    converter.canonicalizing_inf_as_min_max_float = False
+    converter._experimental_use_buffer_offset = large
+    converter._experimental_unfold_large_splat_constant = large
     with open(path, "wb") as file:
         file.write(converter.convert())
 
@@ -152,3 +159,77 @@ def test_a_model_that_assigns_a_variable_is_refused_the_markers(tmp_path):
     marked = litert_weights.marks(model)
     with pytest.raises(litert_weights.Assigned, match="assigns '.*calls'"):
         _convert(model, marked, tmp_path / "m.tflite", np.ones((1, 3), np.float32))
+
+
+def _wide_model() -> keras.Model:
+    """Matrices past the converter's unfolding size (31,250 values), a
+    square one among them, and a small one it keeps as a buffer."""
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((3,), dtype="int32")
+    h = keras.layers.Embedding(300, 128, name="embedding")(tokens)
+    h = keras.layers.Dense(256, activation="relu", name="hidden")(h)
+    h = keras.layers.Dense(256, use_bias=False, name="square")(h)
+    h = keras.layers.Dense(300, use_bias=False, name="logits")(h)
+    return keras.Model(tokens, keras.layers.Dense(8, use_bias=False, name="small")(h))
+
+
+def _operators(path) -> set[int]:
+    from tensorflow.lite.python import schema_py_generated as schema
+
+    model = schema.Model.GetRootAs(path.read_bytes(), 0)
+    found = set()
+    for s in range(model.SubgraphsLength()):
+        subgraph = model.Subgraphs(s)
+        for o in range(subgraph.OperatorsLength()):
+            code = model.OperatorCodes(subgraph.Operators(o).OpcodeIndex())
+            found.add(max(code.BuiltinCode(), code.DeprecatedBuiltinCode()))
+    return found
+
+
+def test_large_markers_filled_by_operations_become_the_matrices_buffers(tmp_path):
+    from tensorflow.lite.python import schema_py_generated as schema
+
+    model = _wide_model()
+    tokens = np.array([[1, 299, 3], [150, 0, 42]], np.int32)
+    marked = litert_weights.marks(model)
+    path = tmp_path / "m.tflite"
+    _convert(model, marked, path, tokens, large=True)
+    assert schema.BuiltinOperator.FILL in _operators(path)
+    assert path.stat().st_size < 100_000
+
+    placed = litert_unfolded.place(str(path), marked)
+
+    by_name = {each.variable.path.split("/")[0]: each for each in marked}
+    assert placed == {
+        id(by_name[n]) for n in ("embedding", "hidden", "square", "logits")
+    }
+    assert schema.BuiltinOperator.FILL not in _operators(path)
+    written = path.read_bytes()
+    embeddings, hidden, square, logits = (
+        by_name[n].variable.numpy() for n in ("embedding", "hidden", "square", "logits")
+    )
+    # Each matrix once, as the operation reading it wants it: the table as
+    # it is, the fully connected layers' weights transposed.
+    assert written.count(embeddings.tobytes()) == 1
+    for kernel in (hidden, square, logits):
+        assert written.count(np.ascontiguousarray(kernel.T).tobytes()) == 1
+    assert litert_weights.fill(str(path), marked, placed)
+
+    small = by_name["small"].variable.numpy()
+    bias = model.get_layer("hidden").bias.numpy()
+    want = np.maximum(embeddings[tokens] @ hidden + bias, 0) @ square @ logits @ small
+    np.testing.assert_allclose(_run(path, tokens), want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_large_square_marker_read_otherwise_is_not_placed(tmp_path):
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((3,), dtype="int32")
+    h = keras.layers.Embedding(256, 256, name="square_table")(tokens)
+    model = keras.Model(tokens, keras.layers.Dense(7, name="out")(h))
+    marked = litert_weights.marks(model)
+    path = tmp_path / "m.tflite"
+    _convert(model, marked, path, np.array([[1, 4, 0]], np.int32), large=True)
+    written = path.read_bytes()
+
+    assert litert_unfolded.place(str(path), marked) is None
+    assert path.read_bytes() == written

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Sequence, Set
 
 import keras
 import numpy as np
@@ -181,7 +181,7 @@ def _readings(model) -> tuple[dict, dict]:
     return shapes, readings
 
 
-def _transposed(each: Marked, shape: tuple, readings: set) -> bool | None:
+def layout(each: Marked, shape: tuple, readings: set) -> bool | None:
     """Whether the buffer of `shape` holds `each` transposed, or None if
     that cannot be told: a square matrix by the operations reading it."""
     if shape != each.shape and shape != each.shape[::-1]:
@@ -195,12 +195,12 @@ def _transposed(each: Marked, shape: tuple, readings: set) -> bool | None:
 
 
 def _fills(
-    path: str, marked: Sequence[Marked]
+    path: str, marked: Sequence[Marked], placed: Set[int]
 ) -> list[tuple[int, Marked, bool]] | None:
     """(offset, matrix, transposed) for each marked buffer of the file at
     `path`, or None if a buffer holding a marker is not one of them or a
-    matrix the conversion read has none (its marker folded with other
-    values, or cast)."""
+    matrix the conversion read has none and is not `placed` (its marker
+    folded with other values, or cast)."""
     import mmap
 
     by_value = {float(each.value): each for each in marked}
@@ -217,7 +217,7 @@ def _fills(
                 continue
             first = np.frombuffer(os.pread(file.fileno(), 4, start), np.float32)[0]
             each = by_value.get(float(first))
-            if each is None:
+            if each is None or id(each) in placed:  # a placed FILL's value
                 continue
             found = shapes.get(index, set())
             count = math.prod(each.shape)
@@ -228,21 +228,22 @@ def _fills(
             ):
                 return None
             (shape,) = found
-            transposed = _transposed(each, shape, readings.get(index, set()))
+            transposed = layout(each, shape, readings.get(index, set()))
             if transposed is None:
                 return None
             fills.append((start, each, transposed))
-    found = {id(each) for _, each, _ in fills}
+    found = {id(each) for _, each, _ in fills} | set(placed)
     if any(each.read and id(each) not in found for each in marked):
         return None
     return fills
 
 
-def fill(path: str, marked: Sequence[Marked]) -> bool:
+def fill(path: str, marked: Sequence[Marked], placed: Set[int] = frozenset()) -> bool:
     """Writes the marked matrices' values over their markers in the LiteRT
     file at `path`; False (the file untouched) if a marker's buffer cannot
-    be told apart."""
-    fills = _fills(path, marked)
+    be told apart. `placed`: the ids of matrices already written in
+    (`litert_unfolded.place`), which have no marker buffer."""
+    fills = _fills(path, marked, placed)
     if fills is None:
         return False
     with open(path, "r+b") as file:

@@ -1,0 +1,175 @@
+"""Markers the converter left as FILL operations, made the matrices' buffers.
+
+A large model's conversion (weights after the flatbuffer) runs with
+TensorFlow's `_experimental_unfold_large_splat_constant`: the converter
+then writes each large marker (`litert_weights`) as a FILL operation of its
+value instead of the value repeated, so it never expands the markers and
+its flatbuffer holds no weights. `place` turns each such FILL into the
+matrix it marks: the FILL's output tensor gets a buffer of the matrix's
+values after the flatbuffer (laid out as the operations reading it want,
+`litert_weights.layout`), the FILL is dropped, and the file is written anew
+beside the old one, then put in its place. One buffer serves every tensor
+of a matrix in the same layout, in every signature.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+
+import numpy as np
+
+from keras_selfattn.export.formats import litert_weights
+
+# Where each buffer after the flatbuffer starts: a multiple of this.
+_ALIGN = 64
+# An offset while the flatbuffer is measured: any value past it, so the
+# field is written (a default 0 would be left out) in the size it keeps.
+_PLACEHOLDER = 2**40
+
+
+def _builtin(model, operator) -> int:
+    code = model.operatorCodes[operator.opcodeIndex]
+    return max(code.builtinCode, code.deprecatedBuiltinCode)
+
+
+def _data(buffer, original: bytes) -> bytes:
+    if buffer.offset > 1:
+        return original[buffer.offset : buffer.offset + buffer.size]
+    return b"" if buffer.data is None else np.asarray(buffer.data).tobytes()
+
+
+def _read_transposed(model, operator, slot: int) -> bool | None:
+    """`litert_weights.read_transposed` on the flatbuffer's object form."""
+    from tensorflow.lite.python import schema_py_generated as schema
+
+    builtin = _builtin(model, operator)
+    if builtin == schema.BuiltinOperator.FULLY_CONNECTED and slot == 1:
+        return True
+    if builtin == schema.BuiltinOperator.BATCH_MATMUL and slot == 1:
+        return bool(operator.builtinOptions.adjY)
+    return None
+
+
+def _marker_fill(model, subgraph, operator, original, by_value):
+    """(matrix, output tensor index) if `operator` fills a marker, else None."""
+    from tensorflow.lite.python import schema_py_generated as schema
+
+    if _builtin(model, operator) != schema.BuiltinOperator.FILL:
+        return None
+    value = subgraph.tensors[operator.inputs[1]]
+    data = _data(model.buffers[value.buffer], original)
+    if value.type != schema.TensorType.FLOAT32 or len(data) != 4:
+        return None
+    each = by_value.get(float(np.frombuffer(data, np.float32)[0]))
+    return None if each is None else (each, int(operator.outputs[0]))
+
+
+def _readings(model, subgraph, tensor: int) -> set[bool | None]:
+    """How the operations of `subgraph` read `tensor` (a subgraph output:
+    None)."""
+    readings = {None} if tensor in list(subgraph.outputs) else set()
+    for operator in subgraph.operators:
+        for slot, read in enumerate(operator.inputs):
+            if read == tensor:
+                readings.add(_read_transposed(model, operator, slot))
+    return readings
+
+
+def place(path: str, marked: Sequence[litert_weights.Marked]) -> set[int] | None:
+    """Makes each marker FILL of the LiteRT file at `path` a buffer of its
+    matrix's values (module docstring).
+
+    Returns:
+        The ids of the matrices placed (empty, and the file untouched, if it
+        has no marker FILL), or None (the file untouched) if a marker
+        FILL's shape or the operations reading it do not tell its layout.
+    """
+    from tensorflow.lite.python import schema_py_generated as schema
+
+    with open(path, "rb") as file:
+        original = file.read()
+    model = schema.ModelT.InitFromPackedBuf(original, 0)
+    by_value = {float(each.value): each for each in marked}
+    buffers: dict[tuple[int, bool], int] = {}
+    placed: dict[int, tuple[litert_weights.Marked, bool]] = {}
+    for subgraph in model.subgraphs:
+        kept = []
+        for operator in subgraph.operators:
+            found = _marker_fill(model, subgraph, operator, original, by_value)
+            if found is None:
+                kept.append(operator)
+                continue
+            each, output = found
+            tensor = subgraph.tensors[output]
+            shape = tuple(int(d) for d in tensor.shape)
+            readings = _readings(model, subgraph, output)
+            transposed = litert_weights.layout(each, shape, readings)
+            if transposed is None:
+                return None
+            key = (id(each), transposed)
+            if key not in buffers:
+                buffers[key] = len(model.buffers)
+                model.buffers.append(schema.BufferT())
+                placed[buffers[key]] = (each, transposed)
+            tensor.buffer = buffers[key]
+        subgraph.operators = kept
+    if not placed:
+        return set()
+    _write(model, original, placed, path)
+    return {id(each) for each, _ in placed.values()}
+
+
+def _write(model, original: bytes, placed: dict, path: str) -> None:
+    """Writes `model`, its buffers with offsets after it (the converter's,
+    read from `original`, and the `placed` matrices'), beside `path`, then
+    moves it there."""
+    import flatbuffers
+
+    sources: dict[int, bytes] = {}
+    sizes: dict[int, int] = {}
+    for index, buffer in enumerate(model.buffers):
+        if index in placed:
+            sizes[index] = 4 * int(np.prod(placed[index][0].shape))
+        elif buffer.offset > 1:
+            sources[index] = _data(buffer, original)
+            sizes[index] = buffer.size
+        else:
+            continue
+        buffer.offset, buffer.size = _PLACEHOLDER, sizes[index]
+    measured = len(_packed(model, flatbuffers))
+    offsets, end = {}, measured
+    for index, size in sizes.items():
+        offsets[index] = end = -(-end // _ALIGN) * _ALIGN
+        model.buffers[index].offset = offsets[index]
+        end += size
+    flatbuffer = _packed(model, flatbuffers)
+    if len(flatbuffer) != measured:
+        raise RuntimeError("the LiteRT flatbuffer changed size with its offsets")
+    folder = os.path.dirname(os.path.abspath(path))
+    with tempfile.NamedTemporaryFile(dir=folder, delete=False) as file:
+        try:
+            file.write(flatbuffer)
+            for index in sizes:
+                file.write(b"\0" * (offsets[index] - file.tell()))
+                if index in sources:
+                    file.write(sources[index])
+                    continue
+                each, transposed = placed[index]
+                values = np.asarray(each.variable.numpy(), dtype=np.float32)
+                file.write(np.ascontiguousarray(values.T if transposed else values))
+                del values
+        except BaseException:
+            file.close()
+            os.unlink(file.name)
+            raise
+    shutil.copymode(path, file.name)
+    os.replace(file.name, path)
+
+
+def _packed(model, flatbuffers) -> bytes:
+    builder = flatbuffers.Builder(1024)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    return bytes(builder.Output())
