@@ -161,14 +161,31 @@ def test_a_model_that_assigns_a_variable_is_refused_the_markers(tmp_path):
         _convert(model, marked, tmp_path / "m.tflite", np.ones((1, 3), np.float32))
 
 
+class _Looped(keras.layers.Layer):
+    """x @ kernel @ kernel in a loop: the kernel is passed to the loop's body,
+    which reads it."""
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(
+            shape=(input_shape[-1], input_shape[-1]), name="kernel"
+        )
+
+    def call(self, x):
+        return keras.ops.fori_loop(
+            0, 2, lambda i, h: keras.ops.matmul(h, self.kernel), x
+        )
+
+
 def _wide_model() -> keras.Model:
-    """Matrices past the converter's unfolding size (31,250 values), a
-    square one among them, and a small one it keeps as a buffer."""
+    """Matrices past the converter's unfolding size (31,250 values), square
+    ones among them (one read in a loop), and a small one it keeps as a
+    buffer."""
     keras.utils.set_random_seed(0)
     tokens = keras.Input((3,), dtype="int32")
     h = keras.layers.Embedding(300, 128, name="embedding")(tokens)
     h = keras.layers.Dense(256, activation="relu", name="hidden")(h)
     h = keras.layers.Dense(256, use_bias=False, name="square")(h)
+    h = _Looped(name="looped")(h)
     h = keras.layers.Dense(300, use_bias=False, name="logits")(h)
     return keras.Model(tokens, keras.layers.Dense(8, use_bias=False, name="small")(h))
 
@@ -200,24 +217,24 @@ def test_large_markers_filled_by_operations_become_the_matrices_buffers(tmp_path
     placed = litert_unfolded.place(str(path), marked)
 
     by_name = {each.variable.path.split("/")[0]: each for each in marked}
-    assert placed == {
-        id(by_name[n]) for n in ("embedding", "hidden", "square", "logits")
-    }
+    large = ("embedding", "hidden", "square", "looped", "logits")
+    assert placed == {id(by_name[n]) for n in large}
     assert schema.BuiltinOperator.FILL not in _operators(path)
     written = path.read_bytes()
-    embeddings, hidden, square, logits = (
-        by_name[n].variable.numpy() for n in ("embedding", "hidden", "square", "logits")
+    embeddings, hidden, square, looped, logits = (
+        by_name[n].variable.numpy() for n in large
     )
     # Each matrix once, as the operation reading it wants it: the table as
     # it is, the fully connected layers' weights transposed.
     assert written.count(embeddings.tobytes()) == 1
-    for kernel in (hidden, square, logits):
+    for kernel in (hidden, square, looped, logits):
         assert written.count(np.ascontiguousarray(kernel.T).tobytes()) == 1
     assert litert_weights.fill(str(path), marked, placed)
 
     small = by_name["small"].variable.numpy()
     bias = model.get_layer("hidden").bias.numpy()
-    want = np.maximum(embeddings[tokens] @ hidden + bias, 0) @ square @ logits @ small
+    h = np.maximum(embeddings[tokens] @ hidden + bias, 0) @ square @ looped @ looped
+    want = h @ logits @ small
     np.testing.assert_allclose(_run(path, tokens), want, rtol=1e-4, atol=1e-4)
 
 

@@ -67,14 +67,32 @@ def _marker_fill(model, subgraph, operator, original, by_value):
     return None if each is None else (each, int(operator.outputs[0]))
 
 
-def _readings(model, subgraph, tensor: int) -> set[bool | None]:
-    """How the operations of `subgraph` read `tensor` (a subgraph output:
-    None)."""
-    readings = {None} if tensor in list(subgraph.outputs) else set()
+def _readings(model, index: int, tensor: int, carried: int | None = None) -> set:
+    """How the operations of subgraph `index` read `tensor` (`_read_transposed`),
+    following it into the loops it is passed to (a loop's body carries it
+    through as its output `carried`); any other output: None."""
+    from tensorflow.lite.python import schema_py_generated as schema
+
+    subgraph = model.subgraphs[index]
+    outputs = [int(t) for t in subgraph.outputs]
+    readings = (
+        {None} if tensor in outputs and outputs.index(tensor) != carried else set()
+    )
     for operator in subgraph.operators:
         for slot, read in enumerate(operator.inputs):
-            if read == tensor:
+            if read != tensor:
+                continue
+            if _builtin(model, operator) != schema.BuiltinOperator.WHILE:
                 readings.add(_read_transposed(model, operator, slot))
+                continue
+            options = operator.builtinOptions
+            body = options.bodySubgraphIndex
+            readings |= _readings(
+                model, body, int(model.subgraphs[body].inputs[slot]), slot
+            )
+            cond = options.condSubgraphIndex
+            readings |= _readings(model, cond, int(model.subgraphs[cond].inputs[slot]))
+            readings |= _readings(model, index, int(operator.outputs[slot]))
     return readings
 
 
@@ -95,7 +113,7 @@ def place(path: str, marked: Sequence[litert_weights.Marked]) -> set[int] | None
     by_value = {float(each.value): each for each in marked}
     buffers: dict[tuple[int, bool], int] = {}
     placed: dict[int, tuple[litert_weights.Marked, bool]] = {}
-    for subgraph in model.subgraphs:
+    for number, subgraph in enumerate(model.subgraphs):
         kept = []
         for operator in subgraph.operators:
             found = _marker_fill(model, subgraph, operator, original, by_value)
@@ -105,7 +123,7 @@ def place(path: str, marked: Sequence[litert_weights.Marked]) -> set[int] | None
             each, output = found
             tensor = subgraph.tensors[output]
             shape = tuple(int(d) for d in tensor.shape)
-            readings = _readings(model, subgraph, output)
+            readings = _readings(model, number, output)
             transposed = litert_weights.layout(each, shape, readings)
             if transposed is None:
                 return None
