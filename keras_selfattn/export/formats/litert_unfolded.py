@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 import tempfile
 from collections.abc import Sequence
 
@@ -25,8 +26,8 @@ from keras_selfattn.export.formats import litert_weights
 
 # Where each buffer after the flatbuffer starts: a multiple of this.
 _ALIGN = 64
-# An offset while the flatbuffer is measured: any value past it, so the
-# field is written (a default 0 would be left out) in the size it keeps.
+# Each offset while the flatbuffer is packed (a default 0 would leave the
+# field out), then written over in place (`_set_offsets`).
 _PLACEHOLDER = 2**40
 
 
@@ -67,32 +68,41 @@ def _marker_fill(model, subgraph, operator, original, by_value):
     return None if each is None else (each, int(operator.outputs[0]))
 
 
-def _readings(model, index: int, tensor: int, carried: int | None = None) -> set:
-    """How the operations of subgraph `index` read `tensor` (`_read_transposed`),
-    following it into the loops it is passed to (a loop's body carries it
-    through as its output `carried`); any other output: None."""
+def _readers(model) -> list[dict[int, list]]:
+    """For each subgraph of `model`: {tensor: [(operator, input slot)]}."""
+    found = []
+    for subgraph in model.subgraphs:
+        readers: dict[int, list] = {}
+        for operator in subgraph.operators:
+            for slot, tensor in enumerate(operator.inputs):
+                readers.setdefault(int(tensor), []).append((operator, slot))
+        found.append(readers)
+    return found
+
+
+def _readings(model, readers, index: int, tensor: int, carried=None) -> set:
+    """How the operations of subgraph `index` read `tensor`
+    (`_read_transposed`), following it into the loops it is passed to (a
+    loop's body carries it through as its output `carried`); any other
+    output of the subgraph: None."""
     from tensorflow.lite.python import schema_py_generated as schema
 
-    subgraph = model.subgraphs[index]
-    outputs = [int(t) for t in subgraph.outputs]
+    outputs = [int(t) for t in model.subgraphs[index].outputs]
     readings = (
         {None} if tensor in outputs and outputs.index(tensor) != carried else set()
     )
-    for operator in subgraph.operators:
-        for slot, read in enumerate(operator.inputs):
-            if read != tensor:
-                continue
-            if _builtin(model, operator) != schema.BuiltinOperator.WHILE:
-                readings.add(_read_transposed(model, operator, slot))
-                continue
-            options = operator.builtinOptions
-            body = options.bodySubgraphIndex
-            readings |= _readings(
-                model, body, int(model.subgraphs[body].inputs[slot]), slot
-            )
-            cond = options.condSubgraphIndex
-            readings |= _readings(model, cond, int(model.subgraphs[cond].inputs[slot]))
-            readings |= _readings(model, index, int(operator.outputs[slot]))
+    for operator, slot in readers[index].get(tensor, ()):
+        if _builtin(model, operator) != schema.BuiltinOperator.WHILE:
+            readings.add(_read_transposed(model, operator, slot))
+            continue
+        options = operator.builtinOptions
+        for loop, kept in (
+            (options.bodySubgraphIndex, slot),
+            (options.condSubgraphIndex, None),
+        ):
+            inside = int(model.subgraphs[loop].inputs[slot])
+            readings |= _readings(model, readers, loop, inside, kept)
+        readings |= _readings(model, readers, index, int(operator.outputs[slot]))
     return readings
 
 
@@ -111,6 +121,7 @@ def place(path: str, marked: Sequence[litert_weights.Marked]) -> set[int] | None
         original = file.read()
     model = schema.ModelT.InitFromPackedBuf(original, 0)
     by_value = {float(each.value): each for each in marked}
+    readers = _readers(model)
     buffers: dict[tuple[int, bool], int] = {}
     placed: dict[int, tuple[litert_weights.Marked, bool]] = {}
     for number, subgraph in enumerate(model.subgraphs):
@@ -123,7 +134,7 @@ def place(path: str, marked: Sequence[litert_weights.Marked]) -> set[int] | None
             each, output = found
             tensor = subgraph.tensors[output]
             shape = tuple(int(d) for d in tensor.shape)
-            readings = _readings(model, number, output)
+            readings = _readings(model, readers, number, output)
             transposed = litert_weights.layout(each, shape, readings)
             if transposed is None:
                 return None
@@ -144,8 +155,6 @@ def _write(model, original: bytes, placed: dict, path: str) -> None:
     """Writes `model`, its buffers with offsets after it (the converter's,
     read from `original`, and the `placed` matrices'), beside `path`, then
     moves it there."""
-    import flatbuffers
-
     sources: dict[int, bytes] = {}
     sizes: dict[int, int] = {}
     for index, buffer in enumerate(model.buffers):
@@ -157,15 +166,12 @@ def _write(model, original: bytes, placed: dict, path: str) -> None:
         else:
             continue
         buffer.offset, buffer.size = _PLACEHOLDER, sizes[index]
-    measured = len(_packed(model, flatbuffers))
-    offsets, end = {}, measured
+    flatbuffer = _packed(model)
+    offsets, end = {}, len(flatbuffer)
     for index, size in sizes.items():
         offsets[index] = end = -(-end // _ALIGN) * _ALIGN
-        model.buffers[index].offset = offsets[index]
         end += size
-    flatbuffer = _packed(model, flatbuffers)
-    if len(flatbuffer) != measured:
-        raise RuntimeError("the LiteRT flatbuffer changed size with its offsets")
+    _set_offsets(flatbuffer, offsets)
     folder = os.path.dirname(os.path.abspath(path))
     with tempfile.NamedTemporaryFile(dir=folder, delete=False) as file:
         try:
@@ -187,7 +193,25 @@ def _write(model, original: bytes, placed: dict, path: str) -> None:
     os.replace(file.name, path)
 
 
-def _packed(model, flatbuffers) -> bytes:
+def _packed(model) -> bytearray:
+    import flatbuffers
+
     builder = flatbuffers.Builder(1024)
     builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
-    return bytes(builder.Output())
+    return builder.Output()
+
+
+def _set_offsets(flatbuffer: bytearray, offsets: dict[int, int]) -> None:
+    """Writes each buffer's offset over its placeholder, in place: a
+    flatbuffer's scalar field is its little-endian value at a position its
+    table's vtable gives."""
+    from tensorflow.lite.python import schema_py_generated as schema
+
+    model = schema.Model.GetRootAs(flatbuffer, 0)
+    for index, offset in offsets.items():
+        table = model.Buffers(index)._tab  # the generated class's table
+        field = table.Offset(6)  # Buffer's second field, `offset`
+        at = table.Pos + field
+        if not field or struct.unpack_from("<Q", flatbuffer, at)[0] != _PLACEHOLDER:
+            raise RuntimeError(f"LiteRT buffer {index} has no offset to set")
+        struct.pack_into("<Q", flatbuffer, at, offset)
