@@ -23,6 +23,20 @@ def test_needed_memory_scales_with_the_weights():
     assert litert_process.needed_bytes(2**30) == pytest.approx(
         litert_process.BASE_BYTES + litert_process.NEEDED_PER_WEIGHT_BYTE * 2**30, abs=1
     )
+    unfolded = litert_process.needed_bytes(2**30, unfolded=True)
+    assert unfolded == pytest.approx(
+        litert_process.UNFOLDED_BASE_BYTES
+        + litert_process.UNFOLDED_PER_WEIGHT_BYTE * 2**30,
+        abs=1,
+    )
+    # Measured (docs/export.md): the unfolded converter's peaks at 0.59 B
+    # and 1.24 B fit under the reckoning, which is under the expanded one's.
+    gib = 2**30
+    assert litert_process.needed_bytes(int(2.21 * gib), True) >= 4.43 * gib
+    assert litert_process.needed_bytes(int(4.60 * gib), True) >= 6.65 * gib
+    assert litert_process.needed_bytes(int(4.60 * gib), True) < (
+        litert_process.needed_bytes(int(4.60 * gib))
+    )
 
 
 def test_available_memory_is_read_on_linux():

@@ -29,14 +29,21 @@ import time
 from collections.abc import Sequence
 
 # Peak resident memory of a LiteRT generator's converter per byte of
-# float32 weights, and a base (TensorFlow imported, MLIR's context): the
-# matrices read as markers (`litert_weights`), it writes each marker's
-# buffer expanded into the flatbuffer, then returns Python's bytes of it
-# (7.8 GiB at 2.21 GiB of weights, 15.5 at 4.60: docs/export.md, "Large
-# models"). The export's largest process; its check runs a large file on
-# LiteRT's builtin kernels, in about the file's size.
+# float32 weights, and a base (TensorFlow imported, MLIR's context), the
+# matrices read as markers (`litert_weights`; docs/export.md, "Large
+# models"). A small model's converter writes each marker's buffer expanded
+# into the flatbuffer, then returns Python's bytes of it (7.8 GiB at 2.21
+# GiB of weights, 15.5 at 4.60, before the markers were unfolded).
 NEEDED_PER_WEIGHT_BYTE = 3.3
 BASE_BYTES = 2**29
+# A large model's markers, unfolded into FILL operations
+# (`litert_unfolded`), are never expanded: the converter holds the traced
+# graph and the constants it folds (4.43 GiB at 2.21 GiB of weights, a
+# 28-layer Llama's three signatures; 6.65 GiB at 4.60, 16 layers). The
+# export's largest process with the Keras one; its check runs a large file
+# on LiteRT's builtin kernels, in about the file's size.
+UNFOLDED_PER_WEIGHT_BYTE = 1.5
+UNFOLDED_BASE_BYTES = 3 * 2**29
 # The machine's available memory under which a conversion is stopped.
 RESERVE_BYTES = 2**29
 _POLL_S = 0.2
@@ -60,8 +67,11 @@ def available_bytes() -> int | None:
     return None
 
 
-def needed_bytes(weights: int) -> int:
-    """The memory the converting process needs for `weights` bytes."""
+def needed_bytes(weights: int, unfolded: bool = False) -> int:
+    """The memory the converting process needs for `weights` bytes (their
+    markers `unfolded` or not)."""
+    if unfolded:
+        return int(UNFOLDED_PER_WEIGHT_BYTE * weights) + UNFOLDED_BASE_BYTES
     return int(NEEDED_PER_WEIGHT_BYTE * weights) + BASE_BYTES
 
 
@@ -69,22 +79,31 @@ def _gib(size: int) -> str:
     return f"{size / 2**30:.1f} GiB"
 
 
-def check_memory(weights: int) -> None:
-    """Refuses a conversion that cannot fit in the available memory.
+def check_memory(weights: int, unfolded: bool = False) -> None:
+    """Refuses a conversion that cannot fit in the available memory
+    (`needed_bytes`).
 
     Raises:
         OutOfMemory: naming what it needs and what is available.
     """
     available = available_bytes()
-    needed = needed_bytes(weights)
-    if available is not None and needed > available - RESERVE_BYTES:
-        raise OutOfMemory(
-            f"a LiteRT generator of {_gib(weights)} of weights needs about "
-            f"{_gib(needed)} ({NEEDED_PER_WEIGHT_BYTE:g} times the weights plus "
-            f"{_gib(BASE_BYTES)}: TensorFlow's converter writes them into the "
-            "flatbuffer, then Python's bytes of it) and this machine has "
-            f"{_gib(available)} available"
+    needed = needed_bytes(weights, unfolded)
+    if available is None or needed <= available - RESERVE_BYTES:
+        return
+    if unfolded:
+        times, base = UNFOLDED_PER_WEIGHT_BYTE, UNFOLDED_BASE_BYTES
+        why = "TensorFlow's converter holds the traced graph and folds constants"
+    else:
+        times, base = NEEDED_PER_WEIGHT_BYTE, BASE_BYTES
+        why = (
+            "TensorFlow's converter writes them into the flatbuffer, then "
+            "Python's bytes of it"
         )
+    raise OutOfMemory(
+        f"a LiteRT generator of {_gib(weights)} of weights needs about "
+        f"{_gib(needed)} ({times:g} times the weights plus {_gib(base)}: "
+        f"{why}) and this machine has {_gib(available)} available"
+    )
 
 
 def convert(
@@ -107,7 +126,7 @@ def convert(
             process is stopped) or the process was killed by a signal.
         RuntimeError: the converter's failure, with what it printed.
     """
-    check_memory(weights)
+    check_memory(weights, unfold)
     request = {
         "saved_model": saved_model,
         "path": path,
