@@ -136,13 +136,18 @@ def test_a_marker_folded_with_other_values_leaves_the_file_unfilled(tmp_path):
     assert path.read_bytes() == written
 
 
+def _square_table_model(size: int) -> keras.Model:
+    """A square embedding table, gathered, then a dense layer."""
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((3,), dtype="int32")
+    h = keras.layers.Embedding(size, size, name="square_table")(tokens)
+    return keras.Model(tokens, keras.layers.Dense(7, name="out")(h))
+
+
 def test_a_square_marker_read_otherwise_leaves_the_file_unfilled(tmp_path):
     """A square embedding table is gathered, which does not tell whether
     its buffer holds it transposed."""
-    keras.utils.set_random_seed(0)
-    tokens = keras.Input((3,), dtype="int32")
-    h = keras.layers.Embedding(5, 5, name="square_table")(tokens)
-    model = keras.Model(tokens, keras.layers.Dense(7, name="out")(h))
+    model = _square_table_model(5)
     marked = litert_weights.marks(model)
     path = tmp_path / "m.tflite"
     _convert(model, marked, path, np.array([[1, 4, 0]], np.int32))
@@ -239,10 +244,8 @@ def test_large_markers_filled_by_operations_become_the_matrices_buffers(tmp_path
 
 
 def test_a_large_square_marker_read_otherwise_is_not_placed(tmp_path):
-    keras.utils.set_random_seed(0)
-    tokens = keras.Input((3,), dtype="int32")
-    h = keras.layers.Embedding(256, 256, name="square_table")(tokens)
-    model = keras.Model(tokens, keras.layers.Dense(7, name="out")(h))
+    """The same past the unfolding size: the FILL's readings do not tell."""
+    model = _square_table_model(256)
     marked = litert_weights.marks(model)
     path = tmp_path / "m.tflite"
     _convert(model, marked, path, np.array([[1, 4, 0]], np.int32), large=True)

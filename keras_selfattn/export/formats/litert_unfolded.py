@@ -43,7 +43,10 @@ def _data(buffer, original: bytes) -> bytes:
 
 
 def _read_transposed(model, operator, slot: int) -> bool | None:
-    """`litert_weights.read_transposed` on the flatbuffer's object form."""
+    """Whether `operator` reads the matrix in its input `slot` transposed,
+    as `litert_weights` tells it for a marker's buffer (a fully connected
+    layer's weights; a batch matmul's right side under `adj_y`), or None
+    for any other reading; on the flatbuffer's object form."""
     from tensorflow.lite.python import schema_py_generated as schema
 
     builtin = _builtin(model, operator)
