@@ -138,9 +138,13 @@ def test_variables_set_by_the_user_are_kept(monkeypatch):
     monkeypatch.delenv("TF_ENABLE_ONEDNN_OPTS")
     assert tensorflow_env.writer_env(X="y")["TF_ENABLE_ONEDNN_OPTS"] == "0"
     assert os.environ.get("TF_ENABLE_ONEDNN_OPTS") is None
-    # The LiteRT converter's process: oneDNN's ops on, whatever is set.
-    monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", "0")
-    assert tensorflow_env.converter_env(X="y")["TF_ENABLE_ONEDNN_OPTS"] == "1"
+    # The LiteRT converter's process: oneDNN's ops off, whatever is set, and
+    # one malloc arena.
+    monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", "1")
+    converter = tensorflow_env.converter_env(X="y")
+    assert converter["TF_ENABLE_ONEDNN_OPTS"] == "0"
+    assert converter["MALLOC_ARENA_MAX"] == "1"
+    assert converter["X"] == "y"
 
 
 @pytest.mark.parametrize(
