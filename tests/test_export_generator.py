@@ -269,17 +269,23 @@ def test_the_litert_check_generates_through_prefill_and_decode(exported):
 def test_a_large_litert_file_is_checked_on_the_builtin_kernels(exported, monkeypatch):
     """Past `XNNPACK_CHECK_MAX_BYTES`, the check's LiteRT process runs the
     file without XNNPACK (whose copies of the weights per subgraph would
-    outgrow the export); the report says so, and the tokens still agree."""
+    outgrow the export), one row a request (the builtin kernels keep a
+    packed copy of the weights for several); the report says so, and the
+    tokens still agree."""
     from keras_selfattn.export.formats import litert
 
     model, _, _, litert_path = exported
     monkeypatch.setattr(litert, "XNNPACK_CHECK_MAX_BYTES", 0)
     report = verify_generator(model, litert_path=litert_path, max_length=MAX_LENGTH)
-    assert all(row.ok for row in report.rows) and len(report.rows) > 1
+    assert all(row.ok for row in report.rows) and len(report.rows) == 3
+    assert {row.shape.split("x")[0] for row in report.rows} == {"1"}, report.table()
     assert any("LiteRT's builtin kernels, XNNPACK off" in n for n in report.notes)
+    assert any("one row a request" in note for note in report.notes)
     monkeypatch.undo()
     report = verify_generator(model, litert_path=litert_path, max_length=MAX_LENGTH)
     assert not any("XNNPACK" in note for note in report.notes)
+    shapes = [row.shape.split("x")[0] for row in report.rows]
+    assert shapes == ["8", "8", "4"], report.table()
 
 
 @exports

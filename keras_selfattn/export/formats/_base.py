@@ -286,6 +286,11 @@ class Format:
         differ, if they do: `options` as given by default."""
         return dict(options), None
 
+    def generator_rows(self, path: str) -> int | None:
+        """The most rows a request of a generator's check may hold for the
+        artifact at `path` (the runtime's memory): None, any, by default."""
+        return None
+
     def runtime_label(self, options: Mapping[str, object]) -> str:
         """The report's label of this format's artifact run with the
         `runtime_options` `options`: the format's name by default."""

@@ -197,8 +197,16 @@ class LiteRTFormat(Format):
         return {**options, "xnnpack": False}, (
             f"{self.name} ran on LiteRT's builtin kernels, XNNPACK off: its "
             f"{size / 2**30:.1f} GiB file's weights would be packed again for "
-            "each subgraph that reads them"
+            "each subgraph that reads them; one row a request: the builtin "
+            "fully connected kernel keeps a packed copy of them for several"
         )
+
+    def generator_rows(self, path: str) -> int | None:
+        """One past `XNNPACK_CHECK_MAX_BYTES`: LiteRT's builtin fully
+        connected kernel keeps a packed copy of the weights (ruy's cache)
+        once a request has two rows; a 0.59 B Llama's generator resident
+        2.29 GiB for one row, 4.55 GiB for two."""
+        return 1 if os.path.getsize(path) > XNNPACK_CHECK_MAX_BYTES else None
 
     def detail(self, options: Mapping[str, object]) -> str:
         """The fixed shape, if any."""

@@ -47,6 +47,9 @@ FORMATS = tuple(row.name for row in table.ROWS if row.generator)
 PAIR_RUNTIME = "litert prefill/decode"
 # The checks' generations: greedy, then seeded top-k / top-p with an end.
 _SAMPLED = {"temperature": 0.9, "top_k": 12, "top_p": 0.9, "seed": 1234}
+# Rows of the checks' requests and of the pair's, unless a format limits
+# them (`Format.generator_rows`).
+ROWS, PAIR_ROWS = 8, 4
 
 
 def _sizes(generator: Generator) -> tuple[int, int]:
@@ -55,23 +58,29 @@ def _sizes(generator: Generator) -> tuple[int, int]:
     return width, min(12, generator.max_length - width)
 
 
-def requests(generator: Generator, seed: int = 0) -> list[tuple[str, dict]]:
-    """The checks' requests: 8 prompts of mixed lengths, greedy and (token
-    models) seeded top-k / top-p with an end token; (label, inputs)."""
+def requests(
+    generator: Generator, seed: int = 0, rows: int = ROWS
+) -> list[tuple[str, dict]]:
+    """The checks' requests: `rows` prompts of mixed lengths (the first
+    full), greedy and (token models) seeded top-k / top-p with an end
+    token; (label, inputs)."""
     width, steps = _sizes(generator)
-    prompts, lengths = random_prompts(generator.read, 8, width, seed)
+    prompts, lengths = random_prompts(generator.read, rows, width, seed)
     base = {
         generator.prompt_name: prompts,
         "prompt_lengths": lengths,
         "max_new_tokens": np.int32(steps),
     }
     if not generator.read.tokens:
-        return [(f"8x{width} +{steps}", base)]
+        return [(f"{rows}x{width} +{steps}", base)]
     sampled = {**_SAMPLED, "top_k": min(_SAMPLED["top_k"], generator.read.vocabulary)}
     return [
-        (f"8x{width} +{steps} greedy", {**base, **control_inputs({}, generator.read)}),
         (
-            f"8x{width} +{steps} sampled",
+            f"{rows}x{width} +{steps} greedy",
+            {**base, **control_inputs({}, generator.read)},
+        ),
+        (
+            f"{rows}x{width} +{steps} sampled",
             {**base, **control_inputs({**sampled, "end_token": 0}, generator.read)},
         ),
     ]
@@ -120,10 +129,10 @@ def _reference(generator: Generator) -> Iterator[None]:
 
 
 def pair_run(
-    generator: Generator, step: DecodeStep, seed: int = 0
+    generator: Generator, step: DecodeStep, seed: int = 0, rows: int = PAIR_ROWS
 ) -> tuple[str, Run, dict]:
-    """The greedy generation the LiteRT pair is checked on: 4 prompts of one
-    length through "prefill", then one "decode" call per new token, each
+    """The greedy generation the LiteRT pair is checked on: `rows` prompts of
+    one length through "prefill", then one "decode" call per new token, each
     fed the argmax of the last logits (value models: the last output) and
     the caches the call before returned.
 
@@ -131,7 +140,7 @@ def pair_run(
         (label, the `Run`, the generator request whose tokens it must give).
     """
     width, steps = _sizes(generator)
-    prompts, lengths = random_prompts(generator.read, 4, width, seed, mixed=False)
+    prompts, lengths = random_prompts(generator.read, rows, width, seed, mixed=False)
     request = {
         generator.prompt_name: prompts,
         "prompt_lengths": lengths,
@@ -151,7 +160,7 @@ def pair_run(
         signatures=(PREFILL_SIGNATURE,) + (DECODE_SIGNATURE,) * (steps - 1),
         generated={step.output_name: step.input.name},
     )
-    label = f"4x{width} +{steps}" + (" greedy" if generator.read.tokens else "")
+    label = f"{rows}x{width} +{steps}" + (" greedy" if generator.read.tokens else "")
     return label, run, request
 
 
@@ -161,13 +170,14 @@ def pair_runtime(export_format: str) -> str:
 
 
 def _pair_row(
-    generator: Generator, artifact: Artifact, tolerance: float, seed: int
+    generator: Generator, artifact: Artifact, tolerance: float, seed: int, rows: int
 ) -> tuple[ParityRow, str | None]:
-    """The artifact's "prefill" and "decode" generating `pair_run` in a
-    fresh process, against `keras_selfattn.generate` (`_near_ties`)."""
+    """The artifact's "prefill" and "decode" generating `pair_run` (`rows`
+    prompts) in a fresh process, against `keras_selfattn.generate`
+    (`_near_ties`)."""
     read = generator.read
     step = build_decode_step(read.model, generator.max_length, read.reading)
-    label, run, request = pair_run(generator, step, seed)
+    label, run, request = pair_run(generator, step, seed, rows)
     runtime = pair_runtime(artifact.format)
     outcome = run_checked(
         step.target(PREFILL_SIGNATURE),
@@ -256,18 +266,21 @@ def verify_generator(
     return check_generator(generator, collect_artifacts(paths), seed)
 
 
-def _unpacked(artifacts: Mapping[str, Artifact]) -> tuple[dict, list[str]]:
+def _unpacked(artifacts: Mapping[str, Artifact]) -> tuple[dict, list[str], int]:
     """`artifacts`, each with the runtime options its format checks a
     generator with (`Format.generator_runtime`: a large LiteRT file on the
-    builtin kernels); with the report's notes."""
-    runs, notes = {}, []
+    builtin kernels); with the report's notes, and the most rows every
+    artifact's requests may hold (`Format.generator_rows`; `ROWS` if none
+    limits them)."""
+    runs, notes, rows = {}, [], ROWS
     for label, artifact in artifacts.items():
         export_format = formats.get(artifact.format)
         options, note = export_format.generator_runtime(artifact.path, artifact.options)
         runs[label] = dataclasses.replace(artifact, options=options)
+        rows = min(rows, export_format.generator_rows(artifact.path) or rows)
         if note is not None:
             notes.append(note)
-    return runs, notes
+    return runs, notes, rows
 
 
 def check_generator(
@@ -276,16 +289,17 @@ def check_generator(
     """The check `verify_generator` runs, on a generator already built: the
     exporter passes its own (`GeneratorExport`), `verify_generator` builds
     one from its arguments. A LiteRT file past the LiteRT format's
-    `XNNPACK_CHECK_MAX_BYTES` runs on LiteRT's builtin kernels, as the
-    report notes.
+    `XNNPACK_CHECK_MAX_BYTES` runs on LiteRT's builtin kernels, and every
+    artifact's requests (the pair's too) then hold one row, as the report
+    notes.
 
     Args:
         generator: The generator (`build_generator`).
         artifacts: {runtime label: artifact} (`collect_artifacts`).
         seed: As given to `verify_generator`.
     """
-    artifacts, unpacked = _unpacked(artifacts)
-    labelled = requests(generator, seed)
+    artifacts, unpacked, rows = _unpacked(artifacts)
+    labelled = requests(generator, seed, rows)
     labels = [label for label, _ in labelled]
     runs = [Run((request,)) for _, request in labelled]
     with _reference(generator):
@@ -313,7 +327,8 @@ def check_generator(
             judged.append(_near_ties(generator, row, request, runtime_pair, keras_pair))
     for artifact in artifacts.values():
         if table.BY_NAME[artifact.format].extra_signatures:
-            judged.append(_pair_row(generator, artifact, tolerance, seed))
+            pair_rows = min(rows, PAIR_ROWS)
+            judged.append(_pair_row(generator, artifact, tolerance, seed, pair_rows))
     rows = [row for row, _ in judged]
     notes = unpacked + [note for _, note in judged if note]
     return finish_report(rows, tolerance, tolerance, "generations differ", "", notes)
