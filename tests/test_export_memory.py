@@ -1,7 +1,8 @@
 """What an export leaves in the exporting process: none of the graphs it
 traced (the artifact's function, the loop its check ran as the reference),
 so its fresh-process check runs beside the model alone (docs/export.md,
-"Large models"); the loops the user's own `generate` compiled stay."""
+"Large models"), and none while LiteRT's converter runs beside it; the
+loops the user's own `generate` compiled stay."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 import keras_selfattn
 from keras_selfattn import SelfAttention
-from keras_selfattn.export import export_generator, pipeline
+from keras_selfattn.export import export_generator, traced_graphs
 
 pytestmark = pytest.mark.tensorflow_only("TensorFlow's traced graphs")
 
@@ -40,7 +41,7 @@ def _graphs() -> dict[int, object]:
 
 
 def _registered() -> set[str]:
-    return set(pipeline._gradient_registry())
+    return set(traced_graphs._gradient_registry())
 
 
 @pytest.mark.parametrize("export_format", ["saved_model", "onnx"])
@@ -66,6 +67,34 @@ def test_a_generator_export_keeps_no_graph_it_traced(tmp_path, export_format):
     assert _registered() == registered
 
 
+def test_no_traced_graph_is_alive_while_the_litert_converter_runs(
+    tmp_path, monkeypatch
+):
+    """The converter's process starts once the generator's SavedModel is
+    written and the graphs traced for it are dropped: only the user's
+    compiled `generate` is alive beside it."""
+    from keras_selfattn.export.formats import litert_process
+
+    model = _silu_model()
+    keras_selfattn.generate(model, np.array([[1, 2]], np.int32), 2, max_length=8)
+    users, registered = _graphs(), _registered()
+    seen = []
+    convert = litert_process.convert
+
+    def watched(*args, **kwargs):
+        seen.append(
+            ([g.name for k, g in _graphs().items() if k not in users], _registered())
+        )
+        return convert(*args, **kwargs)
+
+    monkeypatch.setattr(litert_process, "convert", watched)
+    export_generator(model, str(tmp_path / "g.tflite"), "litert", max_length=8)
+    assert seen, "the converter was not started"
+    for alive, names in seen:
+        assert not alive, f"graphs traced for the file, alive: {alive[:5]}"
+        assert names == registered
+
+
 def test_released_drops_only_the_registrations_made_within():
     import tensorflow as tf
 
@@ -76,7 +105,7 @@ def test_released_drops_only_the_registrations_made_within():
 
     kept = traced_silu()
     before = _registered()
-    with pipeline.released(keras.Sequential()):
+    with traced_graphs.released(keras.Sequential()):
         dropped = traced_silu()
         within = _registered() - before
         assert within, "tracing tf.nn.silu registered no custom gradient"

@@ -9,40 +9,20 @@ hidden temporary beside the destination and moves it into place when its
 `export(target, {format: path})` is the three steps for any `Target` (the
 forward pass's in `exporters`, the decoding step's in `decode_step`, the
 generator's in `generator`) and any formats; between staging and the
-check, `released` drops what tracing the artifacts kept.
-
-TensorFlow's `tf.custom_gradient`, traced into a graph, registers its
-gradient function in TensorFlow's process-wide gradient registry under a
-new name and never removes it (tensorflow/tensorflow#97697, #27492). The
-function holds the traced tensors, and through them the whole graph:
-every `tf.nn.silu` (the feed-forward layers of keras-hub's Llama, Mistral
-and Gemma call it) keeps the graph it was traced in alive for the life of
-the process. An export differentiates none of the graphs it traces (the
-artifact's function, the loop a generator's check runs as the reference),
-so `released` drops the registrations made within it and, for a model of
-`COLLECTED_BYTES` of weights or more, collects and gives the freed memory
-back to the system, before the fresh-process check (docs/export.md,
-"Large models").
+check, `traced_graphs.released` drops what tracing the artifacts kept.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import gc
 import os
-import sys
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
 
 from keras_selfattn.export import _files, formats
 from keras_selfattn.export.formats import Destination, Writer
 from keras_selfattn.export.signature import Signature
+from keras_selfattn.export.traced_graphs import released
 from keras_selfattn_runtimes import table
-
-if TYPE_CHECKING:
-    import keras
 
 
 def check_destination(
@@ -195,50 +175,3 @@ def export(
         if check:
             target.check({f: artifact.path for f, artifact in staged.items()})
     return {f: artifact.target for f, artifact in staged.items()}
-
-
-# How `tf.custom_gradient` names the gradients it registers in a graph.
-_CUSTOM_GRADIENT = "CustomGradient-"
-# A full collection takes about 0.2 s in a process holding TensorFlow and
-# Keras, longer as it grows: under this much weight, the dropped graphs are
-# left to Python's own collections.
-COLLECTED_BYTES = 2**27
-
-
-def _gradient_registry() -> dict | None:
-    """TensorFlow's gradient functions by name (private: no public route
-    removes one), or None where TensorFlow is not imported or holds no
-    such registry."""
-    ops = sys.modules.get("tensorflow.python.framework.ops")
-    registry = getattr(getattr(ops, "_gradient_registry", None), "_registry", None)
-    return registry if isinstance(registry, dict) else None
-
-
-@contextlib.contextmanager
-def released(model: keras.Model) -> Iterator[None]:
-    """Within the context, graphs of `model` may be traced; after it, the
-    custom gradients they registered are dropped, and where the model
-    holds `COLLECTED_BYTES` of weights or more, the memory they held goes
-    back to the system (`return_freed_memory`)."""
-    before = set(_gradient_registry() or ())
-    try:
-        yield
-    finally:
-        registry = _gradient_registry()
-        if registry is not None:
-            for name in [n for n in registry if n not in before]:
-                if name.startswith(_CUSTOM_GRADIENT):
-                    del registry[name]
-        if formats.model_weight_bytes(model) >= COLLECTED_BYTES:
-            return_freed_memory()
-
-
-def return_freed_memory() -> None:
-    """Collects reference cycles and gives the memory this process freed
-    back to the system (glibc's `malloc_trim`; nothing elsewhere)."""
-    gc.collect()
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):  # not glibc
-        pass
