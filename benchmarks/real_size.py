@@ -47,7 +47,7 @@ import time
 
 import psutil
 
-from benchmarks import machine, report
+from benchmarks import machine, quantized, report
 from benchmarks.real_size_child import MODELS
 
 STEPS = ("generate", "saved_model", "onnx", "litert", "saved_model-int8", "onnx-int8")
@@ -128,6 +128,7 @@ def step_row(model: str, step: str, work: str, timeout_s: float) -> dict:
         "model": model,
         "step": step,
         "onednn": _onednn(),
+        "cpu": _cpu(before),
         "date_utc": before["date_utc"],
         "load_before": before["load_average_1_5_15min"],
     }
@@ -145,8 +146,14 @@ def _onednn() -> str:
     return "off" if os.environ.get("TF_ENABLE_ONEDNN_OPTS") == "0" else "on"
 
 
-def _key(row: dict) -> tuple[str, str, str]:
-    return row["model"], row["step"], row.get("onednn", "on")
+def _cpu(described: dict) -> str:
+    """The CPU and its integer features: "AMD EPYC (AVX2)"."""
+    features = ", ".join(quantized.cpu_features() or []) or "features unknown"
+    return f"{described['cpu']} ({features})"
+
+
+def _key(row: dict) -> tuple[str, str, str, str]:
+    return row["model"], row["step"], row.get("onednn", "on"), row.get("cpu", "")
 
 
 def run(models: list[str], steps: list[str], work: str, timeout_s: float) -> dict:
@@ -199,6 +206,7 @@ def merged(results: dict, path: str) -> dict:
             models.index(row["model"]),
             STEPS.index(row["step"]),
             row["onednn"],
+            row.get("cpu", ""),
         ),
     )
     return {**results, "rows": rows}
@@ -267,7 +275,9 @@ def to_markdown(results: dict) -> str:
         "have none). Each step is a fresh "
         "process that builds the model first (its time is in the total); "
         "the header's machine, load and commit are the last run's, each "
-        "row's run and load its own. oneDNN: TensorFlow's oneDNN ops in the "
+        "row's CPU, run and load its own (rows run before 2026-12-01 23:30 "
+        "UTC did not record their CPU: docs/export.md names each figure's "
+        "machine). oneDNN: TensorFlow's oneDNN ops in the "
         'step\'s processes ("off": `TF_ENABLE_ONEDNN_OPTS=0` in its environment; '
         "its allocator keeps every block it once held). "
         f"{results['memory_available_gib_before']:.1f} GiB available before; "
@@ -284,6 +294,7 @@ def to_markdown(results: dict) -> str:
                 ),
                 ("step", "step"),
                 ("onednn", "oneDNN"),
+                (lambda r: r.get("cpu", "not recorded"), "CPU"),
                 (lambda r: f"{r['peak_rss_gib']:.2f} GiB", "peak RSS"),
                 (
                     lambda r: (

@@ -67,12 +67,16 @@ def test_a_generator_export_keeps_no_graph_it_traced(tmp_path, export_format):
     assert _registered() == registered
 
 
-def test_no_traced_graph_is_alive_while_the_litert_converter_runs(
+def test_the_litert_converter_runs_beside_no_traced_graph_and_registers_none(
     tmp_path, monkeypatch
 ):
     """The converter's process starts once the generator's SavedModel is
     written and the graphs traced for it are dropped: only the user's
-    compiled `generate` is alive beside it."""
+    compiled `generate` is alive beside it. The SavedModel holds no custom
+    gradient (the SiLU's), so loading it, as the converter does, registers
+    none to keep its functions alive."""
+    import tensorflow as tf
+
     from keras_selfattn.export.formats import litert_process
 
     model = _silu_model()
@@ -81,18 +85,20 @@ def test_no_traced_graph_is_alive_while_the_litert_converter_runs(
     seen = []
     convert = litert_process.convert
 
-    def watched(*args, **kwargs):
-        seen.append(
-            ([g.name for k, g in _graphs().items() if k not in users], _registered())
-        )
-        return convert(*args, **kwargs)
+    def watched(saved, *args, **kwargs):
+        alive = [g.name for key, g in _graphs().items() if key not in users]
+        before_load = _registered()
+        tf.saved_model.load(saved)
+        seen.append((alive, before_load, _registered()))
+        return convert(saved, *args, **kwargs)
 
     monkeypatch.setattr(litert_process, "convert", watched)
     export_generator(model, str(tmp_path / "g.tflite"), "litert", max_length=8)
     assert seen, "the converter was not started"
-    for alive, names in seen:
+    for alive, before_load, after_load in seen:
         assert not alive, f"graphs traced for the file, alive: {alive[:5]}"
-        assert names == registered
+        assert before_load == registered
+        assert after_load == registered, "loading the SavedModel registered gradients"
 
 
 def test_released_drops_only_the_registrations_made_within():
