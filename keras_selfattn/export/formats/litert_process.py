@@ -40,10 +40,10 @@ BASE_BYTES = 2**29
 # (`litert_unfolded`), are never expanded: the converter holds the traced
 # graph and the constants it folds (4.43 GiB at 2.21 GiB of weights, a
 # 28-layer Llama's three signatures; 6.65 GiB at 4.60, 16 layers; 3.2 GiB
-# at 2.21 since it runs in one malloc arena, `tensorflow_env`: the
-# reckoning is kept, on the safe side). Its check runs a large file on
-# LiteRT's builtin kernels, in about the file's size, twice that once a
-# request has several rows (their packed weights, docs/export.md).
+# at 2.21 since it runs in one malloc arena, `tensorflow_env`; 1.6-1.9
+# GiB since its SavedModel holds no custom gradients: the reckoning is
+# kept, on the safe side). Its check runs a large file on LiteRT's builtin
+# kernels, one row a request, in about the file's size (docs/export.md).
 UNFOLDED_PER_WEIGHT_BYTE = 1.5
 UNFOLDED_BASE_BYTES = 3 * 2**29
 # The machine's available memory under which a conversion is stopped.
