@@ -14,7 +14,8 @@ import pytest
 
 import keras_selfattn
 from keras_selfattn import SelfAttention
-from keras_selfattn.export import export_generator, traced_graphs
+from keras_selfattn.export import export_generator, formats
+from keras_selfattn.export.formats import _base
 
 pytestmark = pytest.mark.tensorflow_only("TensorFlow's traced graphs")
 
@@ -41,7 +42,7 @@ def _graphs() -> dict[int, object]:
 
 
 def _registered() -> set[str]:
-    return set(traced_graphs._gradient_registry())
+    return set(_base._gradient_registry())
 
 
 @pytest.mark.parametrize("export_format", ["saved_model", "onnx"])
@@ -111,7 +112,7 @@ def test_released_drops_only_the_registrations_made_within():
 
     kept = traced_silu()
     before = _registered()
-    with traced_graphs.released(keras.Sequential()):
+    with formats.released(keras.Sequential()):
         dropped = traced_silu()
         within = _registered() - before
         assert within, "tracing tf.nn.silu registered no custom gradient"

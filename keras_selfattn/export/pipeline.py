@@ -9,7 +9,7 @@ hidden temporary beside the destination and moves it into place when its
 `export(target, {format: path})` is the three steps for any `Target` (the
 forward pass's in `exporters`, the decoding step's in `decode_step`, the
 generator's in `generator`) and any formats; between staging and the
-check, `traced_graphs.released` drops what tracing the artifacts kept.
+check, `formats.released` drops what tracing the artifacts kept.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ import os
 from collections.abc import Iterator, Mapping
 
 from keras_selfattn.export import _files, formats
-from keras_selfattn.export.formats import Destination, Writer
+from keras_selfattn.export.formats import Destination, Writer, released
 from keras_selfattn.export.signature import Signature
-from keras_selfattn.export.traced_graphs import released
 from keras_selfattn_runtimes import table
 
 

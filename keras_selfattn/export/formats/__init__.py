@@ -19,6 +19,7 @@ from keras_selfattn.export.formats._base import (
     Writer,
     model_weight_bytes,
     one_line,
+    released,
 )
 from keras_selfattn_runtimes import table
 from keras_selfattn_runtimes.table import BY_NAME, NAMES, ROWS
@@ -33,6 +34,7 @@ __all__ = [
     "get",
     "model_weight_bytes",
     "one_line",
+    "released",
     "table",
 ]
 

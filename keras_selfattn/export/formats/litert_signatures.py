@@ -27,8 +27,8 @@ from keras_selfattn.export.formats import (
     litert_unfolded,
     litert_weights,
 )
+from keras_selfattn.export.formats._base import released
 from keras_selfattn.export.signature import Signature
-from keras_selfattn.export.traced_graphs import released
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def _convert(
         # The traced graphs are dropped, and the memory they held handed
         # back, before the converter starts beside this process: a 0.59 B
         # Llama's generator 4.37 GiB resident then, 3.78 with the graphs
-        # its SiLUs' gradients kept alive (`traced_graphs`).
+        # its SiLUs' gradients kept alive (`_base.released`).
         with released(entries[0][0].model):
             _write_saved_model(entries, marked, saved)
         keys = [target.signature_name for target, _ in entries]
@@ -143,7 +143,7 @@ def _write_saved_model(
     # Without the gradient functions of `tf.custom_gradient` (every SiLU's):
     # loading them registers each in TensorFlow's process-wide gradient
     # registry, which then keeps every function the converter loaded alive
-    # (`traced_graphs`): a 28-layer Llama's converter peaked at 3.00 GiB
+    # (`_base.released`): a 28-layer Llama's converter peaked at 3.00 GiB
     # with them, 1.81 without.
     options = tf.saved_model.SaveOptions(experimental_custom_gradients=False)
     tf.saved_model.save(root, directory, signatures=signatures, options=options)

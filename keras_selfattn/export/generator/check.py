@@ -36,7 +36,6 @@ from keras_selfattn.export.parity.engine import (
 from keras_selfattn.export.parity.report import ParityReport, finish_report
 from keras_selfattn.export.parity.rules import ParityRow, parity_row
 from keras_selfattn.export.parity.runner import Artifact, Run
-from keras_selfattn.export.traced_graphs import released
 from keras_selfattn.generation import arguments, compiled
 from keras_selfattn.generation.generate import generated
 from keras_selfattn_runtimes import table
@@ -121,10 +120,10 @@ def keras_generate(generator: Generator, request: dict) -> dict[str, np.ndarray]
 @contextlib.contextmanager
 def _reference(generator: Generator) -> Iterator[None]:
     """The context the reference is computed in: its traced loops are not
-    kept past it (`compiled.not_kept`, `traced_graphs.released`), so the fresh
+    kept past it (`compiled.not_kept`, `formats.released`), so the fresh
     processes after it run beside the model alone."""
     model = generator.read.model
-    with released(model), compiled.not_kept(model):
+    with formats.released(model), compiled.not_kept(model):
         yield
 
 
