@@ -99,9 +99,9 @@ def _convert(
     markers, and converts it into `path`."""
     with tempfile.TemporaryDirectory(prefix="keras_selfattn_litert_") as saved:
         # The traced graphs are dropped, and the memory they held handed
-        # back, before the converter starts beside this process: a 0.59 B
-        # Llama's generator 4.37 GiB resident then, 3.78 with the graphs
-        # its SiLUs' gradients kept alive (`_base.released`).
+        # back, before the converter starts beside this process
+        # (`_base.released`): a 0.59 B Llama's generator held 3.24-3.33 GiB
+        # beside it, 3.78 when its SiLUs' gradients kept the graphs alive.
         with released(entries[0][0].model):
             _write_saved_model(entries, marked, saved)
         keys = [target.signature_name for target, _ in entries]
