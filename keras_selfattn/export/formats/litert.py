@@ -165,6 +165,11 @@ def _refuse_short_memory(function, *args) -> None:
 XNNPACK_CHECK_MAX_BYTES = 2**30
 
 
+def _past_xnnpack_check(path: str) -> bool:
+    """Whether the file at `path` is checked on LiteRT's builtin kernels."""
+    return os.path.getsize(path) > XNNPACK_CHECK_MAX_BYTES
+
+
 class LiteRTFormat(Format):
     """LiteRT flatbuffers, checked with `ai_edge_litert`."""
 
@@ -191,9 +196,9 @@ class LiteRTFormat(Format):
         self, path: str, options: Mapping[str, object]
     ) -> tuple[dict[str, object], str | None]:
         """A file past `XNNPACK_CHECK_MAX_BYTES` on LiteRT's builtin kernels."""
-        size = os.path.getsize(path)
-        if size <= XNNPACK_CHECK_MAX_BYTES:
+        if not _past_xnnpack_check(path):
             return dict(options), None
+        size = os.path.getsize(path)
         return {**options, "xnnpack": False}, (
             f"{self.name} ran on LiteRT's builtin kernels, XNNPACK off: its "
             f"{size / 2**30:.1f} GiB file's weights would be packed again for "
@@ -206,7 +211,7 @@ class LiteRTFormat(Format):
         connected kernel keeps a packed copy of the weights (ruy's cache)
         once a request has two rows; a 0.59 B Llama's generator resident
         2.29 GiB for one row, 4.55 GiB for two."""
-        return 1 if os.path.getsize(path) > XNNPACK_CHECK_MAX_BYTES else None
+        return 1 if _past_xnnpack_check(path) else None
 
     def detail(self, options: Mapping[str, object]) -> str:
         """The fixed shape, if any."""

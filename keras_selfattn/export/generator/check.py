@@ -297,8 +297,8 @@ def check_generator(
         artifacts: {runtime label: artifact} (`collect_artifacts`).
         seed: As given to `verify_generator`.
     """
-    artifacts, unpacked, rows = _unpacked(artifacts)
-    labelled = requests(generator, seed, rows)
+    artifacts, unpacked, most_rows = _unpacked(artifacts)
+    labelled = requests(generator, seed, most_rows)
     labels = [label for label, _ in labelled]
     runs = [Run((request,)) for _, request in labelled]
     with _reference(generator):
@@ -324,9 +324,9 @@ def check_generator(
             runtime_pair = tuple(produced[name] for name in names)
             keras_pair = tuple(wanted[name] for name in names)
             judged.append(_near_ties(generator, row, request, runtime_pair, keras_pair))
+    pair_rows = min(most_rows, PAIR_ROWS)
     for artifact in artifacts.values():
         if table.BY_NAME[artifact.format].extra_signatures:
-            pair_rows = min(rows, PAIR_ROWS)
             judged.append(_pair_row(generator, artifact, tolerance, seed, pair_rows))
     rows = [row for row, _ in judged]
     notes = unpacked + [note for _, note in judged if note]
