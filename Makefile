@@ -58,14 +58,18 @@ $(BACKENDS:%=test-%): test-%: install
 # The long tests, likewise on every backend. CI's TensorFlow slow suite
 # passes SLOW_MARKS="slow and not release" (.ci/run): the tests marked
 # `release` (every keras-hub family's SavedModel generator and seeded
-# sampling) run here, before a release.
+# sampling) run here, before a release. SLOW_WORKERS=2 runs a suite's test
+# files in two processes (pytest-xdist), as CI's one suite does: the three
+# suites of `make test-slow` already share the cores.
 SLOW_MARKS ?= slow
+SLOW_WORKERS ?=
 test-slow: install
 	$(MAKE) --no-print-directory -j3 --output-sync=target $(BACKENDS:%=test-slow-%)
 
 $(BACKENDS:%=test-slow-%): test-slow-%: install
 	@echo "=== KERAS_BACKEND=$* (slow) ==="
 	KERAS_BACKEND=$* KERAS_SELFATTN_XLA_OPTIMIZE=1 $(PYTEST) -m "$(SLOW_MARKS)" \
+		$(if $(SLOW_WORKERS),-n $(SLOW_WORKERS) --dist loadfile) \
 		|| [ $$? -eq 5 ]  # 5: none collected
 
 # Newest releases allowed by pyproject.toml (and the constraints), no lock,

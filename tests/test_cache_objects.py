@@ -14,6 +14,10 @@ from keras_selfattn.attention import cache as cache_lib
 from keras_selfattn.generation import cached_model
 from tests.backend import BACKEND, to_numpy
 
+pytestmark = pytest.mark.slow_on(
+    "jax", "each cache write compiled op by op; the other suites check it"
+)
+
 RNG = np.random.default_rng(11)
 X = RNG.normal(size=(2, 6, 8)).astype("float32")
 PADDING = np.ones((2, 6), bool)

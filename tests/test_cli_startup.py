@@ -77,7 +77,10 @@ def test_help_and_argument_errors_import_no_keras(argv, status, output):
         assert len(result.stderr.splitlines()) == 1, result.stderr
 
 
-@pytest.mark.one_suite("runs the console script in its own interpreter")
+@pytest.mark.slow  # the console script importing TensorFlow: 10 s
+@pytest.mark.one_suite(
+    "runs the console script in its own interpreter", slow_suite="tensorflow"
+)
 def test_a_command_prints_no_tensorflow_log(tmp_path):
     """The name is refused after TensorFlow is imported, before the model is
     read: stderr holds the one error line and nothing else."""

@@ -191,6 +191,7 @@ def test_converted_llama_saves_and_loads_without_custom_objects(tmp_path):
     )
 
 
+@jax_slow
 def test_converted_model_keeps_its_weights_when_the_original_predicts():
     """On JAX a copied variable shared the original's array, which Keras's
     compiled `predict` of the original donates (deletes)."""

@@ -12,6 +12,10 @@ from keras import layers
 import keras_selfattn
 from tests import user_blocks
 
+pytestmark = pytest.mark.slow_on(
+    "jax", "JAX compiles every eager op of a new model; the other suites check it"
+)
+
 TOKENS = np.array([[3, 4, 5, 6, 9, 2], [7, 8, 9, 1, 2, 3]], "int32")
 
 

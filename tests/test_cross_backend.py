@@ -1,9 +1,9 @@
 """examples/cross_backend.py: trained on JAX or PyTorch, exported under TensorFlow.
 
 The example runs as a driver in a fresh interpreter for each training
-backend (JAX and PyTorch, in `make test-slow`'s TensorFlow suite: several
-interpreters each; its refusals run in `make test`); the driver starts its
-train stage with `KERAS_BACKEND=jax` or `torch` and its export stage with
+backend (JAX and PyTorch, in the TensorFlow slow suite, with its refusals:
+several interpreters each); the driver starts its train stage with
+`KERAS_BACKEND=jax` or `torch` and its export stage with
 `KERAS_BACKEND=tensorflow`, each in its own process. Beyond the example's
 own checks (which make it exit non-zero), this test reads what it wrote:
 the .npz records which backend trained the model, and here the .keras file,
@@ -28,19 +28,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.one_suite(
-    "spawns its own jax, torch and tensorflow processes", slow_suite="tensorflow"
-)
+# Every test starts interpreters (the drivers: a training and an export
+# interpreter each, the exports checked in fresh processes; the refusals:
+# 6-12 s each): the TensorFlow slow suite, which CI runs.
+pytestmark = [
+    pytest.mark.one_suite(
+        "spawns its own jax, torch and tensorflow processes", slow_suite="tensorflow"
+    ),
+    pytest.mark.slow,
+]
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "cross_backend.py"
-# Both drivers (a training and an export interpreter each, the exports
-# checked in fresh processes) run in the slow suite; `make test` exports
-# from JAX and PyTorch in every format through the same pipeline in
-# test_export_formats.
-TRAIN_BACKENDS = (
-    pytest.param("jax", marks=pytest.mark.slow),
-    pytest.param("torch", marks=pytest.mark.slow),
-)
+TRAIN_BACKENDS = ("jax", "torch")
 ATOL = 1e-5
 TIMEOUT = 600
 

@@ -14,6 +14,10 @@ import keras_selfattn
 from keras_selfattn.generation import decode_check
 from tests import decoder_zoo
 
+pytestmark = pytest.mark.slow_on(
+    "jax", "tensorflow", "the decode check's loops (5-15 s): PyTorch's suite checks it"
+)
+
 WIDTH, VOCABULARY = 4, 8
 # What LengthNoise adds: float noise's size, not a change the float rule sees.
 NOISE = 2e-5

@@ -23,6 +23,7 @@ class Spy(keras.layers.Layer):
         return x
 
 
+@pytest.mark.slow_on("jax", "the decode check's loops, compiled op by op")
 def test_the_culprit_is_named_without_replacing_the_users_calls():
     tokens = keras.Input((None,), dtype="int32")
     x = decoder_zoo.ArangePositions(

@@ -93,7 +93,22 @@ def saved(tmp_path_factory):
 
 
 # ------------------------------------------------------------------ imports
-@pytest.mark.parametrize("backend", ["jax", "torch"])
+# PyTorch's interpreter imports torch (14 s): in the TensorFlow slow suite.
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "jax",
+        pytest.param(
+            "torch",
+            marks=[
+                pytest.mark.slow,
+                pytest.mark.one_suite(
+                    "starts a torch interpreter", slow_suite="tensorflow"
+                ),
+            ],
+        ),
+    ],
+)
 def test_importing_the_package_adds_no_tensorflow(backend):
     """Only what Keras itself imports on the backend; the exporters, serving
     and CLI import TensorFlow, tf2onnx, onnx and gRPC on use."""

@@ -60,18 +60,23 @@ FILES = {row.name: "m" + row.suffix for row in table.FILE_ROWS}
 # at this one (batch, time).
 TORCH_LITERT_SHAPE = (3, 33)
 FAST_SHAPES = ((2, 7), (3, 33))
-# The matrix's interpreter per backend costs 40 to 60 s: `make test` runs
-# TensorFlow's (the exports TF Serving gets), the slow suite JAX's and
-# PyTorch's.
-FAST_BACKENDS = ("tensorflow",)
+# The matrix's interpreter per backend costs 40 to 60 s, so its cells are
+# slow: TensorFlow's (the exports TF Serving gets) in the TensorFlow slow
+# suite, which CI runs, JAX's and PyTorch's in the JAX slow suite.
+CI_BACKENDS = ("tensorflow",)
+IN_CI = pytest.mark.one_suite(
+    "starts one interpreter per Keras backend", slow_suite="tensorflow"
+)
 
 
 def _cases(pairs) -> list:
-    """(backend, ...) tuples as parameters, slow off `FAST_BACKENDS`."""
+    """(backend, ...) tuples as slow parameters, in CI's suite for
+    `CI_BACKENDS`."""
     return [
-        pair
-        if pair[0] in FAST_BACKENDS
-        else pytest.param(*pair, marks=pytest.mark.slow)
+        pytest.param(
+            *pair,
+            marks=[pytest.mark.slow, *([IN_CI] if pair[0] in CI_BACKENDS else [])],
+        )
         for pair in pairs
     ]
 
@@ -257,9 +262,7 @@ def test_the_table_has_the_cells_measured_with_keras_3_15():
         assert reason in table.BY_NAME[fmt].refused[backend], (backend, fmt)
 
 
-@pytest.mark.parametrize(
-    "backend", ["tensorflow", pytest.param("jax", marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize("backend", _cases([("tensorflow",), ("jax",)]))
 def test_saved_models_say_whether_tf_serving_needs_xla(matrix, backend):
     """jax2tf's SavedModel is one XlaCallModule, which TF Serving runs only
     with --xla_cpu_compilation_enabled=true (its check ran with XLA off

@@ -17,7 +17,11 @@ from keras_selfattn import SelfAttention
 from keras_selfattn.export import export_generator, formats
 from keras_selfattn.export.formats import _base
 
-pytestmark = pytest.mark.tensorflow_only("TensorFlow's traced graphs")
+# Each test exports a generator and checks it in a fresh process (20-30 s).
+pytestmark = [
+    pytest.mark.tensorflow_only("TensorFlow's traced graphs"),
+    pytest.mark.slow,
+]
 
 VOCABULARY, FEATURES = 24, 8
 

@@ -24,7 +24,9 @@ def test_jit_compile_other_than_auto_or_a_boolean_is_named(model, value):
         generate(model, PROMPTS, 2, jit_compile=value)
 
 
-@pytest.mark.slow_on("jax", "generate compiled twice: eager JAX traces the loop")
+@pytest.mark.slow_on(
+    "tensorflow", "jax", "generate compiled twice, with XLA and without: PyTorch checks"
+)
 def test_with_and_without_xla_equal_the_uncached_forward(model):
     tokens, lengths = reference.uncached(model, PROMPTS, STEPS)
     for jit_compile in ("auto", True, False):

@@ -10,6 +10,10 @@ import pytest
 
 from keras_selfattn.export.generator import near_ties
 
+pytestmark = pytest.mark.slow_on(
+    "jax", "the sampler's loops, compiled op by op; the other suites check it"
+)
+
 VOCABULARY = 6
 
 

@@ -8,8 +8,13 @@ import collections
 import math
 
 import numpy as np
+import pytest
 
 from benchmarks import matmul_bound
+
+pytestmark = pytest.mark.slow_on(
+    "jax", "a keras-hub Llama built, compiled op by op; the other suites check it"
+)
 
 
 def test_llama_kernels_are_keras_hubs_kernel_shapes():

@@ -21,6 +21,10 @@ from keras_selfattn.export import export_decode_step, export_generator
 from keras_selfattn.generation import cached_model
 from tests import generation_reference as reference
 
+pytestmark = pytest.mark.slow_on(
+    "jax", "each decoding step compiled op by op; the other suites check it"
+)
+
 keras_hub = pytest.importorskip("keras_hub")
 
 PROMPTS = [[3, 7, 1, 9, 4], [5], [8, 2, 6]]

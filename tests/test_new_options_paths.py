@@ -13,6 +13,10 @@ import pytest
 
 from keras_selfattn import SelfAttention
 
+pytestmark = pytest.mark.slow_on(
+    "jax", "each path compiled op by op; the other suites check it"
+)
+
 BASE = dict(num_heads=4, num_key_value_heads=2, key_dim=8, causal=True)
 OPTIONS = {
     "query and key norms": dict(rope_max_wavelength=100.0, use_query_key_norm=True),

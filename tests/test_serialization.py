@@ -51,9 +51,7 @@ def _masked_model():
     return keras.Model(tokens, keras.layers.Dense(3)(x))
 
 
-@pytest.mark.slow_on(
-    "jax", "tensorflow", "a fresh interpreter (10 s); PyTorch's suite checks it"
-)
+@pytest.mark.slow  # a fresh interpreter: 10-20 s
 def test_load_in_fresh_process_with_only_the_package_import(tmp_path):
     model = _masked_model()
     tokens = np.array([[3, 9, 4, 0, 0], [5, 0, 0, 0, 0], [1, 2, 3, 4, 5]])
