@@ -17,11 +17,16 @@ from keras_selfattn_cli import main
 
 CONSOLE = os.path.join(os.path.dirname(sys.executable), "keras-selfattn")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The console script in a fresh interpreter (15-20 s): in the TensorFlow slow
-# suite, which CI runs; `make test` calls `main` in this process.
-CONSOLE_IN_CI = pytest.mark.one_suite(
-    "runs the console script in its own interpreter", slow_suite="tensorflow"
-)
+
+
+def _console_in_ci(test):
+    """Marks a test that runs the console script in a fresh interpreter
+    (15-20 s) slow, in the TensorFlow slow suite, which CI runs; `make
+    test` calls `main` in this process."""
+    one_suite = pytest.mark.one_suite(
+        "runs the console script in its own interpreter", slow_suite="tensorflow"
+    )
+    return pytest.mark.slow(one_suite(test))
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +39,7 @@ def saved(tmp_path_factory):
     return model, path
 
 
-@pytest.mark.slow
-@CONSOLE_IN_CI
+@_console_in_ci
 def test_convert_command_writes_an_equal_model(saved, tmp_path):
     model, path = saved
     out = tmp_path / "converted.keras"
@@ -98,8 +102,7 @@ def test_convert_command_reaches_keras_hub_layers(tmp_path, capsys):
     )
 
 
-@pytest.mark.slow
-@CONSOLE_IN_CI
+@_console_in_ci
 def test_convert_command_loads_and_converts_a_keras_hub_llama(tmp_path):
     """A keras-hub file loads in a fresh interpreter: the command imports
     keras-hub for it (its classes register on import)."""
