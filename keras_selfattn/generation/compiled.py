@@ -153,15 +153,21 @@ def jit(jit_compile: bool | str) -> bool:
     return jit_compile
 
 
-def run(read: Model, request: Request, jit: bool) -> tuple[np.ndarray, np.ndarray]:
+def run(
+    read: Model, request: Request, jit: bool, greedy_loop: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
     """Runs `request` on `read`'s model, compiled when `jit` (as `jit()`
     resolves it); returns numpy (generated, lengths), generated cut to
-    `request.max_new_tokens` columns."""
+    `request.max_new_tokens` columns. A greedy request runs the loop traced
+    for greedy requests alone (`loop.run`'s `greedy`) unless `greedy_loop`
+    is False: then the loop that samples, which at temperature 0 chooses the
+    same tokens (a caller running greedy and sampled requests then traces
+    one loop)."""
     backend = keras.backend.backend()
     key = (
         request.max_length,
         request.max_new_tokens,
-        request.controls.temperature == 0,
+        greedy_loop and request.controls.temperature == 0,
         jit,
     )
     functions = _COMPILED.setdefault(read.model, {})

@@ -147,10 +147,14 @@ def generate(
 
 
 def generated(
-    read: arguments.Model, request: arguments.Request, jit: bool
+    read: arguments.Model,
+    request: arguments.Request,
+    jit: bool,
+    greedy_loop: bool = True,
 ) -> Generated:
     """`generate`'s result for a model already read and checked, and a
     checked request (an exported generator's check runs it), its loop
-    compiled when `jit` (`compiled.jit`)."""
-    values, lengths = compiled.run(read, request, jit)
+    compiled when `jit` (`compiled.jit`); `greedy_loop` as `compiled.run`
+    takes it."""
+    values, lengths = compiled.run(read, request, jit, greedy_loop)
     return Generated(values, lengths)

@@ -110,8 +110,11 @@ def keras_generate(generator: Generator, request: dict) -> dict[str, np.ndarray]
         max_length=generator.max_length,
         **options,
     )
-    # The reference: the loop as a tf.function, without an XLA compile.
-    result = generated(read, checked, jit=False)
+    # The reference: the loop as a tf.function, without an XLA compile; the
+    # loop that samples for greedy requests too, as the generator's graph
+    # holds it (one loop traced for all the check's requests: about 20 s a
+    # trace for a 0.59 B Llama).
+    result = generated(read, checked, jit=False, greedy_loop=False)
     return dict(
         zip(generator.output_names, (result.tokens, result.lengths), strict=True)
     )
@@ -168,20 +171,37 @@ def pair_runtime(export_format: str) -> str:
     return f"{export_format} prefill/decode"
 
 
-def _pair_row(
-    generator: Generator, artifact: Artifact, tolerance: float, seed: int, rows: int
-) -> tuple[ParityRow, str | None]:
-    """The artifact's "prefill" and "decode" generating `pair_run` (`rows`
-    prompts) in a fresh process, against `keras_selfattn.generate`
-    (`_near_ties`)."""
+@dataclasses.dataclass
+class _Pair:
+    """The LiteRT pair's check (`pair_run`): its decoding step, label, run
+    and request, and the request's reference once computed."""
+
+    step: DecodeStep
+    label: str
+    run: Run
+    request: dict
+    reference: dict[str, np.ndarray] | None = None
+
+
+def _pair(generator: Generator, seed: int, rows: int) -> _Pair:
+    """The pair's check of `rows` prompts, its reference not yet computed."""
     read = generator.read
     step = build_decode_step(read.model, generator.max_length, read.reading)
-    label, run, request = pair_run(generator, step, seed, rows)
+    return _Pair(step, *pair_run(generator, step, seed, rows))
+
+
+def _pair_row(
+    generator: Generator, artifact: Artifact, tolerance: float, pair: _Pair
+) -> tuple[ParityRow, str | None]:
+    """The artifact's "prefill" and "decode" generating `pair.run` in a
+    fresh process, against its reference, `keras_selfattn.generate`'s tokens
+    (`_near_ties`)."""
+    step, label = pair.step, pair.label
     runtime = pair_runtime(artifact.format)
     outcome = run_checked(
         step.target(PREFILL_SIGNATURE),
         {runtime: artifact},
-        [run],
+        [pair.run],
         [label],
         "generating {label} through prefill and decode",
         tolerance,
@@ -191,13 +211,11 @@ def _pair_row(
         [outputs[step.output_name][:, -1:] for outputs in outcome.outputs[0]], axis=1
     )
     produced = np.argmax(last, axis=-1) if generator.read.tokens else last
-    with _reference(generator):
-        reference = keras_generate(generator, request)
-    wanted, wanted_lengths = (reference[name] for name in generator.output_names)
+    wanted, wanted_lengths = (pair.reference[name] for name in generator.output_names)
     row = parity_row(runtime, label, [(wanted, produced)], tolerance, tolerance)
     counts = np.full(len(produced), produced.shape[1])
     return _near_ties(
-        generator, row, request, (produced, counts), (wanted, wanted_lengths)
+        generator, row, pair.request, (produced, counts), (wanted, wanted_lengths)
     )
 
 
@@ -301,8 +319,15 @@ def check_generator(
     labelled = requests(generator, seed, most_rows)
     labels = [label for label, _ in labelled]
     runs = [Run((request,)) for _, request in labelled]
+    paired = [a for a in artifacts.values() if table.BY_NAME[a.format].extra_signatures]
+    pair = _pair(generator, seed, min(most_rows, PAIR_ROWS)) if paired else None
+    # One context for every reference: a request of the same shapes and
+    # controls as one before it reuses that one's traced loop (a large
+    # file's pair and greedy requests both hold one row).
     with _reference(generator):
         expected = [[keras_generate(generator, request)] for _, request in labelled]
+        if pair is not None:
+            pair.reference = keras_generate(generator, pair.request)
     tolerance = 0.0 if generator.read.tokens else 1e-5
     outcomes = run_checked(
         generator.target(),
@@ -324,10 +349,8 @@ def check_generator(
             runtime_pair = tuple(produced[name] for name in names)
             keras_pair = tuple(wanted[name] for name in names)
             judged.append(_near_ties(generator, row, request, runtime_pair, keras_pair))
-    pair_rows = min(most_rows, PAIR_ROWS)
-    for artifact in artifacts.values():
-        if table.BY_NAME[artifact.format].extra_signatures:
-            judged.append(_pair_row(generator, artifact, tolerance, seed, pair_rows))
+    for artifact in paired:
+        judged.append(_pair_row(generator, artifact, tolerance, pair))
     rows = [row for row, _ in judged]
     notes = unpacked + [note for _, note in judged if note]
     return finish_report(rows, tolerance, tolerance, "generations differ", "", notes)
