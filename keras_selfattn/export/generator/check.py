@@ -32,7 +32,6 @@ from keras_selfattn.export.parity.engine import (
     artifact_paths,
     collect_artifacts,
     run_checked,
-    started_checked,
 )
 from keras_selfattn.export.parity.report import ParityReport, finish_report
 from keras_selfattn.export.parity.rules import ParityRow, parity_row
@@ -123,10 +122,9 @@ def keras_generate(generator: Generator, request: dict) -> dict[str, np.ndarray]
 
 @contextlib.contextmanager
 def _reference(generator: Generator) -> Iterator[None]:
-    """The context the references are computed in (while the requests'
-    runtime processes run, `check_generator`): its traced loops are not kept
-    past it (`compiled.not_kept`, `formats.released`), so the processes
-    after it (the LiteRT pair's) run beside the model alone."""
+    """The context the reference is computed in: its traced loops are not
+    kept past it (`compiled.not_kept`, `formats.released`), so the fresh
+    processes after it run beside the model alone."""
     model = generator.read.model
     with formats.released(model), compiled.not_kept(model):
         yield
@@ -323,11 +321,15 @@ def check_generator(
     runs = [Run((request,)) for _, request in labelled]
     paired = [a for a in artifacts.values() if table.BY_NAME[a.format].extra_signatures]
     pair = _pair(generator, seed, min(most_rows, PAIR_ROWS)) if paired else None
+    # One context for every reference: a request of the same shapes and
+    # controls as one before it reuses that one's traced loop (a large
+    # file's pair and greedy requests both hold one row).
+    with _reference(generator):
+        expected = [[keras_generate(generator, request)] for _, request in labelled]
+        if pair is not None:
+            pair.reference = keras_generate(generator, pair.request)
     tolerance = 0.0 if generator.read.tokens else 1e-5
-    # The runtimes' processes run while Keras computes the references, in
-    # one context: a request of the same shapes as one before it reuses that
-    # one's traced loop (a large file's pair and requests all hold one row).
-    with started_checked(
+    outcomes = run_checked(
         generator.target(),
         artifacts,
         runs,
@@ -335,12 +337,7 @@ def check_generator(
         "generating {label}",
         tolerance,
         tolerance,
-    ) as outcomes_of:
-        with _reference(generator):
-            expected = [[keras_generate(generator, r)] for _, r in labelled]
-            if pair is not None:
-                pair.reference = keras_generate(generator, pair.request)
-        outcomes = outcomes_of()
+    )
     judged = []
     names = generator.output_names
     for index, (label, request) in enumerate(labelled):

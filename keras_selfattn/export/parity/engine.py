@@ -5,11 +5,10 @@ Keras's outputs by the rules (`rules`)."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -196,36 +195,7 @@ def run_checked(
         ParityError: if an artifact's names differ or it fails on a run.
         RuntimeError: if a runtime process imported keras or keras_selfattn.
     """
-    with started_checked(target, artifacts, runs, labels, action, atol, rtol) as wait:
-        return wait()
-
-
-@contextlib.contextmanager
-def started_checked(
-    target: Signature,
-    artifacts: Mapping[str, runner.Artifact],
-    runs: Sequence[runner.Run],
-    labels: Sequence[str],
-    action: str = "on {label} inputs",
-    atol: float = 0.0,
-    rtol: float = 0.0,
-) -> Iterator[Callable[[], dict[str, runner.Outcome]]]:
-    """`run_checked`'s processes, started (`runner.started_artifacts`): the
-    caller works while they run, then calls the function yielded, which
-    waits for them and returns or raises as `run_checked`."""
-    with runner.started_artifacts(target, artifacts, runs) as collect:
-        yield lambda: _checked(collect(), artifacts, labels, action, atol, rtol)
-
-
-def _checked(
-    outcomes: dict[str, runner.Outcome],
-    artifacts: Mapping[str, runner.Artifact],
-    labels: Sequence[str],
-    action: str,
-    atol: float,
-    rtol: float,
-) -> dict[str, runner.Outcome]:
-    """`outcomes`, once each is known to have run (`run_checked`'s Raises)."""
+    outcomes = runner.run_artifacts(target, artifacts, runs)
     for runtime, outcome in outcomes.items():
         row_of_format = table.BY_NAME[artifacts[runtime].format]
         what = f"{row_of_format.artifact} {artifacts[runtime].path}"

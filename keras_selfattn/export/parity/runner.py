@@ -3,21 +3,18 @@
 `run_artifacts` writes the inputs as `.npz` files, starts
 `_runner_process.py` once per artifact (each loads only its format's
 runtime, without keras or keras_selfattn) and reads back every step's
-outputs, keyed by the export target's output names. `started_artifacts`
-starts them and lets the caller work (compute its reference) while they
-run.
+outputs, keyed by the export target's output names.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -119,17 +116,6 @@ def run_artifacts(
     Returns:
         {label: Outcome}.
     """
-    with started_artifacts(target, artifacts, runs) as collect:
-        return collect()
-
-
-@contextlib.contextmanager
-def started_artifacts(
-    target: Signature, artifacts: Mapping[str, Artifact], runs: Sequence[Run]
-) -> Iterator[Callable[[], dict[str, Outcome]]]:
-    """`run_artifacts`' processes, started: yields the function that waits
-    for them and returns {label: Outcome}. A process still running when the
-    context ends is killed, and its inputs and outputs are removed."""
     with tempfile.TemporaryDirectory(prefix="keras_selfattn_verify_") as work:
         step_files = []
         for run_index, run in enumerate(runs):
@@ -146,64 +132,45 @@ def started_artifacts(
             "PYTHONPATH": os.pathsep.join(path for path in search if path),
         }
         started = {}
-        try:
-            for number, (label, artifact) in enumerate(artifacts.items()):
-                folder = os.path.join(work, f"artifact{number}")
-                started[label] = _start(folder, artifact, target, runs, step_files, env)
-            yield lambda: {label: _collect(*one) for label, one in started.items()}
-        finally:
-            for process, log, _, _ in started.values():
-                if process.poll() is None:
-                    process.kill()
-                    process.wait()
-                log.close()
-
-
-def _start(
-    folder: str,
-    artifact: Artifact,
-    target: Signature,
-    runs: Sequence[Run],
-    step_files: list[list[str]],
-    env: Mapping[str, str],
-) -> tuple:
-    """Starts `artifact`'s runtime process on `runs` (their inputs in
-    `step_files`, linked into its own `folder`): (process, log, request,
-    folder)."""
-    os.mkdir(folder)
-    request = {
-        "runtime": table.BY_NAME[artifact.format].runtime_module,
-        "path": os.path.abspath(artifact.path),
-        "options": dict(artifact.options),
-        "signature": target.signature_name,
-        "owner": target.what,
-        "input_names": [spec.name for spec in target.inputs],
-        "output_names": list(target.output_names),
-        "runs": [
-            {
-                "steps": [os.path.join(folder, os.path.basename(f)) for f in files],
-                "feedback": dict(run.feedback),
-                "signatures": list(run.signatures),
-                "generated": dict(run.generated),
+        for number, (label, artifact) in enumerate(artifacts.items()):
+            folder = os.path.join(work, f"artifact{number}")
+            os.mkdir(folder)
+            request = {
+                "runtime": table.BY_NAME[artifact.format].runtime_module,
+                "path": os.path.abspath(artifact.path),
+                "options": dict(artifact.options),
+                "signature": target.signature_name,
+                "owner": target.what,
+                "input_names": [spec.name for spec in target.inputs],
+                "output_names": list(target.output_names),
+                "runs": [
+                    {
+                        "steps": [
+                            os.path.join(folder, os.path.basename(f)) for f in files
+                        ],
+                        "feedback": dict(run.feedback),
+                        "signatures": list(run.signatures),
+                        "generated": dict(run.generated),
+                    }
+                    for files, run in zip(step_files, runs, strict=True)
+                ],
             }
-            for files, run in zip(step_files, runs, strict=True)
-        ],
-    }
-    for files in step_files:
-        for file in files:
-            os.link(file, os.path.join(folder, os.path.basename(file)))
-    request_path = os.path.join(folder, "request.json")
-    with open(request_path, "w") as file:
-        json.dump(request, file)
-    log = open(os.path.join(folder, "stderr.txt"), "w")
-    process = subprocess.Popen(
-        [sys.executable, _WORKER, request_path],
-        stdout=log,
-        stderr=log,
-        stdin=subprocess.DEVNULL,
-        env=env,
-    )
-    return process, log, request, folder
+            for files in step_files:
+                for file in files:
+                    os.link(file, os.path.join(folder, os.path.basename(file)))
+            request_path = os.path.join(folder, "request.json")
+            with open(request_path, "w") as file:
+                json.dump(request, file)
+            log = open(os.path.join(folder, "stderr.txt"), "w")
+            process = subprocess.Popen(
+                [sys.executable, _WORKER, request_path],
+                stdout=log,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
+            started[label] = (process, log, request, folder)
+        return {label: _collect(*started_one) for label, started_one in started.items()}
 
 
 def _collect(process, log, request, folder) -> Outcome:
