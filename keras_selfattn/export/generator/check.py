@@ -112,7 +112,7 @@ def keras_generate(generator: Generator, request: dict) -> dict[str, np.ndarray]
     )
     # The reference: the loop as a tf.function, without an XLA compile; the
     # loop that samples for greedy requests too, as the generator's graph
-    # holds it (one loop traced for all the check's requests: about 20 s a
+    # holds it (one loop traced for all the check's requests: 20-30 s a
     # trace for a 0.59 B Llama).
     result = generated(read, checked, jit=False, greedy_loop=False)
     return dict(
@@ -321,9 +321,9 @@ def check_generator(
     runs = [Run((request,)) for _, request in labelled]
     paired = [a for a in artifacts.values() if table.BY_NAME[a.format].extra_signatures]
     pair = _pair(generator, seed, min(most_rows, PAIR_ROWS)) if paired else None
-    # One context for every reference: a request of the same shapes and
-    # controls as one before it reuses that one's traced loop (a large
-    # file's pair and greedy requests both hold one row).
+    # One context for every reference: a request of the same shapes as one
+    # before it reuses that one's traced loop (a large file's requests and
+    # pair all hold one row).
     with _reference(generator):
         expected = [[keras_generate(generator, request)] for _, request in labelled]
         if pair is not None:
