@@ -198,9 +198,10 @@ def _main(argv: list[str]) -> None:
     request = json.loads(argv[0])
     # The converter `TFLiteConverter.from_saved_model` returns, made without
     # its Python load of the SavedModel, which only checks that the
-    # signatures are there (this package wrote them): 12 of the 72 s of a
-    # 0.59 B Llama's generator's conversion (AMD EPYC, 2026-12-02), and a
-    # copy of the weights held until its reference cycles are collected.
+    # signatures are there (this package wrote them), and holds a copy of
+    # the weights until its reference cycles are collected: a 0.59 B
+    # Llama's generator converted in a median 47 s instead of 52 (AMD EPYC,
+    # 2026-12-02; docs/export.md, "Large models").
     converter = lite.TFLiteSavedModelConverterV2(
         request["saved_model"],
         {tf.saved_model.SERVING},
