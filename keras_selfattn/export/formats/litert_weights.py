@@ -259,6 +259,6 @@ def fill(path: str, marked: Sequence[Marked], placed: Set[int] = frozenset()) ->
         for start, each, transposed in fills:
             values = laid_out(each, transposed)
             file.seek(start)
-            file.write(memoryview(values).cast("B"))
+            file.write(values)
             del values
     return True
