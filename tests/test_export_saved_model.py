@@ -8,6 +8,7 @@ with the Keras model's own predictions.
 from __future__ import annotations
 
 import os
+import shutil
 
 import keras
 import numpy as np
@@ -20,6 +21,7 @@ from tensorflow_serving.config import model_server_config_pb2
 from keras_selfattn import SelfAttention
 from keras_selfattn.export import ParityError, export_saved_model
 from keras_selfattn.export.formats import saved_model as saved_model_module
+from keras_selfattn.export.formats import saved_model_shapes
 from keras_selfattn.export.forward.graph import build_endpoint
 from tests import model_zoo
 from tests.files import tree_digest
@@ -138,6 +140,49 @@ def test_tf_serving_layout_and_models_config(exports):
     entries = config.model_config_list.config
     assert sorted(entry.name for entry in entries) == sorted(MODELS)
     assert all(entry.model_platform == "tensorflow" for entry in entries)
+
+
+def _function_nodes(version_dir: str) -> list:
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    saved = saved_model_pb2.SavedModel()
+    with open(os.path.join(version_dir, "saved_model.pb"), "rb") as file:
+        saved.ParseFromString(file.read())
+    (graph,) = saved.meta_graphs
+    return [node for f in graph.graph_def.library.function for node in f.node_def]
+
+
+def _fingerprint(version_dir) -> bytes:
+    """The SavedModel's fingerprint, its random uuid cleared."""
+    from tensorflow.core.protobuf import fingerprint_pb2
+
+    fingerprint = fingerprint_pb2.FingerprintDef()
+    with open(os.path.join(version_dir, "fingerprint.pb"), "rb") as file:
+        fingerprint.ParseFromString(file.read())
+    assert fingerprint.saved_model_checksum
+    fingerprint.ClearField("uuid")
+    return fingerprint.SerializeToString()
+
+
+def test_functions_keep_only_the_shapes_tensorflow_cannot_infer(exports, tmp_path):
+    """Each function's ops lose the traced output shapes a session infers
+    again; calls and control flow keep theirs; the fingerprint TensorFlow
+    reads describes the file as written (TensorFlow's own writer, run on a
+    copy, writes the same one)."""
+    from tensorflow.python.saved_model import fingerprinting_utils
+
+    shapes = saved_model_shapes.SHAPES_ATTRIBUTE
+    opaque = saved_model_shapes.OPAQUE_OPS
+    for name, (_, version_dir) in exports[1].items():
+        nodes = _function_nodes(version_dir)
+        kept = [node.op for node in nodes if shapes in node.attr]
+        assert kept and set(kept) <= opaque, name
+        assert len(nodes) > 2 * len(kept), name
+        copy = tmp_path / name
+        shutil.copytree(version_dir, copy)
+        os.remove(copy / "fingerprint.pb")
+        fingerprinting_utils.write_fingerprint(str(copy))
+        assert _fingerprint(version_dir) == _fingerprint(copy), name
 
 
 def test_warmup_requests_run_through_the_signature(exports):

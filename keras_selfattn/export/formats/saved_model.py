@@ -43,6 +43,7 @@ from keras_selfattn.export.formats._base import (
     Writer,
     converting,
 )
+from keras_selfattn.export.formats.saved_model_shapes import drop_inferred_shapes
 from keras_selfattn.export.signature import SERVING_SIGNATURE, Signature, example_inputs
 from keras_selfattn.serving import layout
 from keras_selfattn_runtimes import table
@@ -68,7 +69,8 @@ def write_saved_model(target: Signature, directory: str) -> None:
     the tracked model's variables are the function's arguments. On JAX
     (through jax2tf) every dynamic axis after the batch is the one symbol
     "time", as in ONNX's axis names: inputs of one sequence have one
-    length, which the signature then checks.
+    length, which the signature then checks. Its functions keep only the
+    output shapes TensorFlow cannot infer again (`drop_inferred_shapes`).
     """
     archive = keras.export.ExportArchive()
     options = {}
@@ -88,6 +90,7 @@ def write_saved_model(target: Signature, directory: str) -> None:
 
     no_gradients = tf.saved_model.SaveOptions(experimental_custom_gradients=False)
     archive.write_out(directory, verbose=False, options=no_gradients)
+    drop_inferred_shapes(directory)
 
 
 def write_warmup(target: Signature, directory: str, model_name: str) -> None:
