@@ -3,9 +3,9 @@
 TensorFlow's save writes every op's traced output shapes into the
 SavedModel's functions (the `_output_shapes` attribute) for its Python
 loader. A session (TF Serving's, the export's check) infers them again
-from the ops and keeps every copy of the function library it makes with
-them: 0.13 GiB of a 28-layer Llama generator's 3.4 GiB resident in the
-check's process (docs/export.md, "Large models"). `drop_inferred_shapes`
+from the ops, and holds more memory with them than without: 0.14 GiB of
+a 28-layer Llama generator's 3.6 GiB peak in the check's process
+(docs/export.md, "Large models"). `drop_inferred_shapes`
 keeps them where nothing else says them: a call's or a control flow op's
 outputs, which TensorFlow cannot infer from the op's inputs (so a loaded
 signature's outputs keep their traced shapes), and the graph's own nodes.
