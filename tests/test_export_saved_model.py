@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from google.protobuf import text_format
+from tensorflow.core.protobuf import fingerprint_pb2, saved_model_pb2
 from tensorflow_serving.apis import prediction_log_pb2
 from tensorflow_serving.config import model_server_config_pb2
 
@@ -143,8 +144,6 @@ def test_tf_serving_layout_and_models_config(exports):
 
 
 def _function_nodes(version_dir: str) -> list:
-    from tensorflow.core.protobuf import saved_model_pb2
-
     saved = saved_model_pb2.SavedModel()
     with open(os.path.join(version_dir, "saved_model.pb"), "rb") as file:
         saved.ParseFromString(file.read())
@@ -154,8 +153,6 @@ def _function_nodes(version_dir: str) -> list:
 
 def _fingerprint(version_dir) -> bytes:
     """The SavedModel's fingerprint, its random uuid cleared."""
-    from tensorflow.core.protobuf import fingerprint_pb2
-
     fingerprint = fingerprint_pb2.FingerprintDef()
     with open(os.path.join(version_dir, "fingerprint.pb"), "rb") as file:
         fingerprint.ParseFromString(file.read())

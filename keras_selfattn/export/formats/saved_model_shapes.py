@@ -3,12 +3,12 @@
 TensorFlow's save writes every op's traced output shapes into the
 SavedModel's functions (the `_output_shapes` attribute) for its Python
 loader. A session (TF Serving's, the export's check) infers them again
-from the ops, and holds more memory with them than without: 0.14 GiB of
-a 28-layer Llama generator's 3.6 GiB peak in the check's process
-(docs/export.md, "Large models"). `drop_inferred_shapes`
-keeps them where nothing else says them: a call's or a control flow op's
-outputs, which TensorFlow cannot infer from the op's inputs (so a loaded
-signature's outputs keep their traced shapes), and the graph's own nodes.
+from the ops, and holds more memory with them than without: 0.13-0.15
+GiB of a 28-layer Llama generator's 3.45 GiB peak in the check's process
+(docs/export.md, "Large models"). `drop_inferred_shapes` keeps them where
+nothing else says them: a call's or a control flow op's outputs, which
+TensorFlow cannot infer from the op's inputs (so a loaded signature's
+outputs keep their traced shapes), and the graph's own nodes.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ def drop_inferred_shapes(directory: str) -> None:
     as TensorFlow's save does (`tf.saved_model.experimental.read_fingerprint`
     then describes the new file).
 
-    The file is left as it is where this TensorFlow has no fingerprint
-    writer where this module looks for it (a private module of
-    TensorFlow's): a fingerprint must describe its file.
+    A TensorFlow without the fingerprint writer imported here (a private
+    module of TensorFlow's) keeps the file as its save wrote it: a
+    fingerprint must describe its file.
     """
     from tensorflow.core.protobuf import saved_model_pb2
 
