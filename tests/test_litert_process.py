@@ -145,3 +145,84 @@ def test_a_generator_whose_marker_is_folded_is_converted_again_with_its_weights(
     export_generator(model, tmp_path / "lm.tflite", "litert", max_length=8)
     assert filled == [False]
     assert (tmp_path / "lm.tflite").exists()
+
+
+def _converters() -> list:
+    """This process's converter processes now running."""
+    import psutil
+
+    return [
+        child
+        for child in psutil.Process().children(recursive=True)
+        if any(part.endswith("litert_process.py") for part in child.cmdline())
+    ]
+
+
+class _Stopped(BaseException):
+    """Raised by the work run beside a converter."""
+
+
+@pytest.mark.slow
+def test_the_work_beside_the_converter_runs_while_it_converts_outside_its_modes(
+    tmp_path,
+):
+    """`meanwhile` runs while the converter's process is alive, without the
+    conversion's tracing modes; an exception out of it stops the converter
+    and comes out of `convert`, which otherwise fails as the converter did."""
+    from keras_selfattn import tracing
+
+    seen = []
+
+    def work():
+        seen.append((len(_converters()), tracing.active(tracing.FOR_CONVERTER)))
+
+    arguments = (str(tmp_path / "not-a-saved-model"), str(tmp_path / "lm.tflite"))
+    with tracing.traced_as(tracing.FOR_CONVERTER):
+        with pytest.raises(RuntimeError, match="error: OSError: .*not-a-saved-model"):
+            litert_process.convert(
+                *arguments, ["generate"], large=False, weights=0, meanwhile=work
+            )
+        assert seen == [(1, False)]
+
+        def stopped():
+            raise _Stopped
+
+        with pytest.raises(_Stopped):
+            litert_process.convert(
+                *arguments, ["generate"], large=False, weights=0, meanwhile=stopped
+            )
+    assert _converters() == []
+    assert not (tmp_path / "lm.tflite").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("foreseen", [True, False], ids=["foreseen", "not_foreseen"])
+def test_the_checks_references_are_computed_while_the_converter_runs(
+    tmp_path, monkeypatch, foreseen
+):
+    """The generator's check computes its Keras references once, while the
+    converter's process runs, for the rows the file allows; where the rows
+    were not foreseen (`expected_generator_rows`), the check computes them
+    again for the file's own, and the tokens are checked either way."""
+    from keras_selfattn.export import generator
+    from keras_selfattn.export.formats import litert
+    from keras_selfattn.export.generator import check
+
+    computed = []
+    references = check.references
+
+    def recorded(generator_, seed, rows, paired):
+        computed.append((rows, paired, len(_converters())))
+        return references(generator_, seed, rows, paired)
+
+    monkeypatch.setattr(generator, "references", recorded)
+    monkeypatch.setattr(check, "references", recorded)
+    if not foreseen:
+        monkeypatch.setattr(
+            litert.LiteRTFormat, "expected_generator_rows", lambda self, weights: 2
+        )
+    export_generator(token_model(), tmp_path / "lm.tflite", "litert", max_length=8)
+    rows = check.ROWS
+    expected = [(rows, True, 1)] if foreseen else [(2, True, 1), (rows, True, 0)]
+    assert computed == expected
+    assert (tmp_path / "lm.tflite").exists()

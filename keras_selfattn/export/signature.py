@@ -76,6 +76,11 @@ class Signature:
         cached_as: Builds this target with its decoding caches of another
             class (`attention.cache`: a format's own write); None: a target
             without caches (`with_caches`).
+        meanwhile: Work of the exporting process's own (the check's Keras
+            references, `export.generator`) that a format whose conversion
+            runs in another process does while it waits for it (LiteRT's
+            converter); it must not raise, and may be called again. None:
+            nothing.
     """
 
     model: keras.Model
@@ -89,13 +94,18 @@ class Signature:
     examples: Callable[[int, int, int], dict] | None = None
     extra_signatures: Callable[[], tuple[Signature, ...]] | None = None
     cached_as: Callable[[type], Signature] | None = None
+    meanwhile: Callable[[], None] | None = None
 
     def with_caches(self, cache_class: type) -> Signature:
         """This target with its decoding caches of `cache_class`, the write
         a format takes (`attention.cache.ConverterCache` for TensorFlow's
-        converters, `GatheredCache` for OpenVINO's); a target without
-        caches is returned as it is."""
-        return self if self.cached_as is None else self.cached_as(cache_class)
+        converters, `GatheredCache` for OpenVINO's), its `meanwhile` kept; a
+        target without caches is returned as it is."""
+        if self.cached_as is None:
+            return self
+        return dataclasses.replace(
+            self.cached_as(cache_class), meanwhile=self.meanwhile
+        )
 
     @contextlib.contextmanager
     def traced(self, form: str) -> Iterator[None]:

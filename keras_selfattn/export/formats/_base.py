@@ -356,6 +356,12 @@ class Format:
         artifact at `path` (the runtime's memory): None, any, by default."""
         return None
 
+    def expected_generator_rows(self, weights: int) -> int | None:
+        """`generator_rows` of the artifact of a model of `weights` bytes
+        of float32 weights, before it is written (the check's references
+        are computed while a converter runs): None by default."""
+        return None
+
     def runtime_label(self, options: Mapping[str, object]) -> str:
         """The report's label of this format's artifact run with the
         `runtime_options` `options`: the format's name by default."""

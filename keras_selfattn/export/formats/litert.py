@@ -213,6 +213,11 @@ class LiteRTFormat(Format):
         2.29 GiB for one row, 4.55 GiB for two."""
         return 1 if _past_xnnpack_check(path) else None
 
+    def expected_generator_rows(self, weights: int) -> int | None:
+        """One for a file of `weights` bytes past `XNNPACK_CHECK_MAX_BYTES`
+        (its float32 weights are most of it)."""
+        return 1 if weights > XNNPACK_CHECK_MAX_BYTES else None
+
     def detail(self, options: Mapping[str, object]) -> str:
         """The fixed shape, if any."""
         shape = options.get("shape")

@@ -19,6 +19,8 @@ needed, not left for the kernel to kill.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextvars
 import json
 import os
 import signal
@@ -26,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 # Peak resident memory of a LiteRT generator's converter per byte of
 # float32 weights, and a base (TensorFlow imported, MLIR's context), the
@@ -115,12 +117,19 @@ def convert(
     large: bool,
     weights: int,
     unfold: bool = False,
+    meanwhile: Callable[[], None] | None = None,
 ) -> None:
     """Converts the SavedModel's `signature_keys` into the .tflite file `path`
     in a new process (`large`: weights after the flatbuffer; `unfold`: large
     markers written as FILL operations, `litert_unfolded`), unless the
     memory available now (the model traced and its SavedModel written)
     cannot hold it for `weights` bytes of weights (`check_memory`).
+
+    While the converter runs, this process runs `meanwhile` (the check's
+    Keras references, `Signature.meanwhile`) in an empty `contextvars`
+    context, so the conversion's tracing modes do not reach it, while a
+    thread watches the converter; an exception out of it stops the
+    converter.
 
     Raises:
         OutOfMemory: if the conversion cannot fit (it does not start), the
@@ -148,7 +157,15 @@ def convert(
             stderr=subprocess.STDOUT,
             env=env,
         )
-        low = _watch(process)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            watched = pool.submit(_watch, process)
+            try:
+                if meanwhile is not None:
+                    contextvars.Context().run(meanwhile)
+            except BaseException:
+                process.kill()
+                raise
+            low = watched.result()
         log.seek(0)
         printed = log.read()
     if low is not None:

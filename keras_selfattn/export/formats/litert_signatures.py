@@ -106,7 +106,13 @@ def _convert(
             _write_saved_model(entries, marked, saved)
         keys = [target.signature_name for target, _ in entries]
         litert_process.convert(
-            saved, path, keys, large, weights, unfold=large and bool(marked)
+            saved,
+            path,
+            keys,
+            large,
+            weights,
+            unfold=large and bool(marked),
+            meanwhile=entries[0][0].meanwhile,
         )
 
 

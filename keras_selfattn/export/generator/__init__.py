@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 from collections.abc import Iterator, Mapping
 
@@ -71,7 +72,10 @@ from keras_selfattn.export.generator import _writer
 from keras_selfattn.export.generator.check import (
     FORMATS,
     PAIR_RUNTIME,
+    ROWS,
+    References,
     check_generator,
+    references,
     verify_generator,
 )
 from keras_selfattn.export.generator.graph import Generator, build_generator
@@ -81,6 +85,7 @@ from keras_selfattn.export.signature import Signature
 from keras_selfattn.generation import arguments, decode_check
 from keras_selfattn_runtimes import table
 
+logger = logging.getLogger(__name__)
 # What importers of `export_generator` find here besides it: its check.
 __all__ = ["FORMATS", "PAIR_RUNTIME", "export_generator", "verify_generator"]
 
@@ -156,7 +161,7 @@ def export_generator(
         "models_config": models_config,
         "opset": opset,
     }
-    exported = GeneratorExport(model, max_length, jit_compile, options)
+    exported = GeneratorExport(model, max_length, jit_compile, options, checked=check)
     with decode_check.waived(not check):
         return pipeline.export(exported, {export_format: path}, check)[export_format]
 
@@ -176,6 +181,9 @@ class GeneratorExport(pipeline.Target):
         keras_path: The model's .keras file where the caller has one (the
             command line loaded the model from it): off TensorFlow, the
             writer loads it instead of a new save of the model.
+        checked: Whether the export checks what it writes: the check's
+            Keras references are then computed while LiteRT's converter
+            runs (`references`).
     """
 
     model: keras.Model
@@ -183,8 +191,11 @@ class GeneratorExport(pipeline.Target):
     jit_compile: bool
     options: Mapping[str, object]
     keras_path: str | None = None
+    checked: bool = True
     _generator: Generator | None = None
     _structure: arguments.Model | None = None
+    _formats: list[str] = dataclasses.field(default_factory=list)
+    _references: References | None = None
 
     def _read(self) -> arguments.Model:
         """The model's one reading for this export
@@ -215,14 +226,36 @@ class GeneratorExport(pipeline.Target):
     ) -> formats.Destination:
         self.refuse(export_format)
         options = pipeline.format_options(export_format, self.options)
-        return check_destination(export_format, path, **options)
+        destination = check_destination(export_format, path, **options)
+        self._formats.append(export_format)
+        return destination
 
     def build(self, export_format: str) -> Signature:
         if self._generator is None:
             self._generator = build_generator(
                 self.model, self.max_length, self.jit_compile, self._structure
             )
-        return self._generator.target(export_format)
+        target = self._generator.target(export_format)
+        if not self.checked:
+            return target
+        return dataclasses.replace(target, meanwhile=self.prepare_check)
+
+    def prepare_check(self) -> None:
+        """Computes the check's Keras references (`check.references`) for
+        the rows its artifacts will allow (`Format.expected_generator_rows`),
+        once: LiteRT's converter calls it while its process runs
+        (`Signature.meanwhile`). A failure leaves them to the check, which
+        computes them again and reports what failed."""
+        if self._references is not None:
+            return
+        weights = formats.model_weight_bytes(self.model)
+        each = [formats.get(f).expected_generator_rows(weights) for f in self._formats]
+        rows = min([limit for limit in each if limit] or [ROWS])
+        paired = any(table.BY_NAME[f].extra_signatures for f in self._formats)
+        try:
+            self._references = references(self._generator, 0, rows, paired)
+        except Exception:  # the check computes them again, and raises there
+            logger.debug("The check's references failed early", exc_info=True)
 
     @contextlib.contextmanager
     def writing(self, export_format: str) -> Iterator[formats.Writer | None]:
@@ -241,7 +274,7 @@ class GeneratorExport(pipeline.Target):
         """`verify_generator`'s check of the staged artifacts, on the
         generator built for them (`build`)."""
         artifacts = collect_artifacts(artifact_paths({}, staged, FORMATS))
-        return check_generator(self._generator, artifacts)
+        return check_generator(self._generator, artifacts, computed=self._references)
 
 
 def writer(

@@ -300,8 +300,43 @@ def _unpacked(artifacts: Mapping[str, Artifact]) -> tuple[dict, list[str], int]:
     return runs, notes, rows
 
 
+@dataclasses.dataclass
+class References:
+    """The check's Keras side (`references`): its requests of `rows` rows
+    from `seed` (label, inputs), each one's reference, and the LiteRT
+    pair's check with its reference (None: no artifact holds the pair)."""
+
+    seed: int
+    rows: int
+    labelled: list[tuple[str, dict]]
+    expected: list[list[dict[str, np.ndarray]]]
+    pair: _Pair | None
+
+    def fits(self, seed: int, rows: int, paired: bool) -> bool:
+        """Whether these are the references of a check of `rows` rows from
+        `seed`, with the pair (`paired`) or without."""
+        return (self.seed, self.rows, self.pair is not None) == (seed, rows, paired)
+
+
+def references(generator: Generator, seed: int, rows: int, paired: bool) -> References:
+    """The check's requests of `rows` rows and their references
+    (`keras_generate`; `paired`: the pair's too), computed in one context:
+    a request of the same shapes as one before it reuses that one's traced
+    loop (a large file's requests and pair all hold one row)."""
+    labelled = requests(generator, seed, rows)
+    pair = _pair(generator, seed, min(rows, PAIR_ROWS)) if paired else None
+    with _reference(generator):
+        expected = [[keras_generate(generator, request)] for _, request in labelled]
+        if pair is not None:
+            pair.reference = keras_generate(generator, pair.request)
+    return References(seed, rows, labelled, expected, pair)
+
+
 def check_generator(
-    generator: Generator, artifacts: Mapping[str, Artifact], seed: int = 0
+    generator: Generator,
+    artifacts: Mapping[str, Artifact],
+    seed: int = 0,
+    computed: References | None = None,
 ) -> ParityReport:
     """The check `verify_generator` runs, on a generator already built: the
     exporter passes its own (`GeneratorExport`), `verify_generator` builds
@@ -314,20 +349,18 @@ def check_generator(
         generator: The generator (`build_generator`).
         artifacts: {runtime label: artifact} (`collect_artifacts`).
         seed: As given to `verify_generator`.
+        computed: References computed before the artifacts were written
+            (the exporter's, while LiteRT's converter ran), used where they
+            are this check's (`References.fits`); else they are computed
+            here.
     """
     artifacts, unpacked, most_rows = _unpacked(artifacts)
-    labelled = requests(generator, seed, most_rows)
+    paired = [a for a in artifacts.values() if table.BY_NAME[a.format].extra_signatures]
+    if computed is None or not computed.fits(seed, most_rows, bool(paired)):
+        computed = references(generator, seed, most_rows, bool(paired))
+    labelled, expected, pair = computed.labelled, computed.expected, computed.pair
     labels = [label for label, _ in labelled]
     runs = [Run((request,)) for _, request in labelled]
-    paired = [a for a in artifacts.values() if table.BY_NAME[a.format].extra_signatures]
-    pair = _pair(generator, seed, min(most_rows, PAIR_ROWS)) if paired else None
-    # One context for every reference: a request of the same shapes as one
-    # before it reuses that one's traced loop (a large file's requests and
-    # pair all hold one row).
-    with _reference(generator):
-        expected = [[keras_generate(generator, request)] for _, request in labelled]
-        if pair is not None:
-            pair.reference = keras_generate(generator, pair.request)
     tolerance = 0.0 if generator.read.tokens else 1e-5
     outcomes = run_checked(
         generator.target(),
