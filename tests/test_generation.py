@@ -319,22 +319,39 @@ GENERATOR_FORMATS = {"jax": ("saved_model", "onnx"), "torch": ("onnx", "litert")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("export_format", ["saved_model", "onnx", "litert"])
-def test_generator_exports_from_jax_and_torch(model, export_format, tmp_path):
+def test_generator_exports_from_jax_and_torch(
+    model, export_format, tmp_path, monkeypatch
+):
     """Off TensorFlow a TensorFlow process writes the generator from the
     model's .keras file; the exporter's own check runs it in its runtime
-    against this backend's `generate` (8 prompts, greedy and seeded). The
+    against this backend's `generate` (8 prompts, greedy and seeded), whose
+    references this process computes once, while that process writes. The
     ONNX file, run here, also equals the uncached reference."""
     backend = keras.backend.backend()
     if backend == "tensorflow":
         pytest.skip("TensorFlow's own generators: tests/test_export_generator.py")
     if export_format not in GENERATOR_FORMATS[backend]:
         pytest.skip(f"{export_format} from {backend}: the other backend's suite")
-    from keras_selfattn.export import export_generator
+    import psutil
 
+    from keras_selfattn.export import export_generator, generator
+    from keras_selfattn.export.generator import _writer, check
+
+    computed = []
+    references = check.references
+
+    def recorded(*args):
+        children = psutil.Process().children(recursive=True)
+        computed.append(any(_writer.WORKER in c.cmdline() for c in children))
+        return references(*args)
+
+    monkeypatch.setattr(generator, "references", recorded)
+    monkeypatch.setattr(check, "references", recorded)
     options = {"name": "lm"} if export_format == "saved_model" else {}
     suffix = {"saved_model": "", "onnx": ".onnx", "litert": ".tflite"}
     path = tmp_path / f"lm{suffix[export_format]}"
     written = export_generator(model, path, export_format, max_length=16, **options)
+    assert computed == [True]
     if export_format != "onnx":
         assert os.path.isdir(written) or os.path.isfile(written)
         return

@@ -15,6 +15,7 @@ the caller's own backend and moves it into place; a failure leaves nothing.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import os
 import subprocess
@@ -101,7 +102,9 @@ def writer(
     )
 
     def write(target: Signature, staged: str, options: Mapping[str, object]):
-        del target  # rebuilt from the .keras file by the TensorFlow process
+        # The generator is rebuilt from the .keras file by the TensorFlow
+        # process; this process does `target.meanwhile` (the check's
+        # references) while it writes, in an empty `contextvars` context.
         request = {
             "keras_file": path,
             "max_length": max_length,
@@ -120,21 +123,30 @@ def writer(
             TF_CPP_MIN_LOG_LEVEL="3",
             PYTHONPATH=os.pathsep.join(p for p in search if p),
         )
-        completed = subprocess.run(
-            [sys.executable, "-m", WORKER, json.dumps(request)],
-            capture_output=True,
-            text=True,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            timeout=_TIMEOUT_S,
-            check=False,
-        )
-        if completed.returncode != 0:
-            lines = completed.stderr.strip().splitlines() or ["no output"]
+        with tempfile.TemporaryFile(mode="w+") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", WORKER, json.dumps(request)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                env=env,
+            )
+            try:
+                if target.meanwhile is not None:
+                    contextvars.Context().run(target.meanwhile)
+                process.wait(timeout=_TIMEOUT_S)
+            except BaseException:
+                process.kill()
+                process.wait()
+                raise
+            log.seek(0)
+            printed = log.read()
+        if process.returncode != 0:
+            lines = printed.strip().splitlines() or ["no output"]
             raise ExportError(
                 f"The {WRITER_BACKEND} process writing the generator failed "
-                f"(exit status {completed.returncode}): {lines[-1]}",
-                completed.stderr,
+                f"(exit status {process.returncode}): {lines[-1]}",
+                printed,
             )
 
     return write
