@@ -15,7 +15,7 @@ import dataclasses
 import os
 import time
 import zipfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import keras
@@ -163,6 +163,9 @@ class _Command(pipeline.Target):
         # quantized model's formats), as the library's exporters make them.
         self.target.refuse(export_format)
         return self.destinations[export_format]
+
+    def plan(self, export_formats: Sequence[str], check: bool) -> None:
+        self.target.plan(export_formats, check)
 
     def build(self, export_format: str) -> Signature:
         built = self.target.build(export_format)

@@ -196,17 +196,19 @@ def test_the_work_beside_the_converter_runs_while_it_converts_outside_its_modes(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("foreseen", [True, False], ids=["foreseen", "not_foreseen"])
+@pytest.mark.parametrize("how", ["foreseen", "not_foreseen", "command_line"])
 def test_the_checks_references_are_computed_while_the_converter_runs(
-    tmp_path, monkeypatch, foreseen
+    tmp_path, monkeypatch, how
 ):
     """The generator's check computes its Keras references once, while the
-    converter's process runs, for the rows the file allows; where the rows
-    were not foreseen (`expected_generator_rows`), the check computes them
-    again for the file's own, and the tokens are checked either way."""
+    converter's process runs, for the rows the file allows, as the library
+    and the command line export it; where the rows were not foreseen
+    (`expected_generator_rows`), the check computes them again for the
+    file's own, and the tokens are checked either way."""
     from keras_selfattn.export import generator
     from keras_selfattn.export.formats import litert
     from keras_selfattn.export.generator import check
+    from keras_selfattn_cli import main
 
     computed = []
     references = check.references
@@ -217,12 +219,20 @@ def test_the_checks_references_are_computed_while_the_converter_runs(
 
     monkeypatch.setattr(generator, "references", recorded)
     monkeypatch.setattr(check, "references", recorded)
-    if not foreseen:
+    if how == "not_foreseen":
         monkeypatch.setattr(
             litert.LiteRTFormat, "expected_generator_rows", lambda self, weights: 2
         )
-    export_generator(token_model(), tmp_path / "lm.tflite", "litert", max_length=8)
+    path = tmp_path / "lm.tflite"
+    if how == "command_line":
+        token_model().save(tmp_path / "lm.keras")
+        argv = ["export", tmp_path / "lm.keras", "--generate", "--max-length", "8"]
+        assert main([str(a) for a in [*argv, "--litert", path]]) == 0
+    else:
+        export_generator(token_model(), path, "litert", max_length=8)
     rows = check.ROWS
-    expected = [(rows, True, 1)] if foreseen else [(2, True, 1), (rows, True, 0)]
-    assert computed == expected
-    assert (tmp_path / "lm.tflite").exists()
+    if how == "not_foreseen":
+        assert computed == [(2, True, 1), (rows, True, 0)]
+    else:
+        assert computed == [(rows, True, 1)]
+    assert path.exists()

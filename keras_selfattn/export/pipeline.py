@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 from keras_selfattn.export import _files, formats
 from keras_selfattn.export.formats import Destination, Writer, released
@@ -110,6 +110,12 @@ class Target:
         then checks the destination (`check_destination`), before any work."""
         raise NotImplementedError
 
+    def plan(self, export_formats: Sequence[str], check: bool) -> None:
+        """Told by `export` after every destination's check, before any
+        artifact is built: the formats it writes, in order, and whether it
+        checks them (a generator's check computes its references while a
+        converter runs): nothing by default."""
+
     def build(self, export_format: str) -> Signature:
         """The graph written in the format (after every destination's check)."""
         raise NotImplementedError
@@ -161,6 +167,7 @@ def export(
             f"`paths` must name at least one format. Received: paths={paths!r}"
         )
     destinations = {f: target.destination(f, path) for f, path in paths.items()}
+    target.plan(list(destinations), check)
     with contextlib.ExitStack() as files, contextlib.ExitStack() as folders:
         staged = {}
         for export_format, destination in destinations.items():

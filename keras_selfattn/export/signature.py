@@ -79,7 +79,8 @@ class Signature:
         meanwhile: Work of the exporting process's own (the check's Keras
             references, `export.generator`) that a format whose conversion
             runs in another process does while it waits for it (LiteRT's
-            converter); it must not raise, and may be called again. None:
+            converter; off TensorFlow, the TensorFlow process writing a
+            generator); it must not raise, and may be called again. None:
             nothing.
     """
 

@@ -62,7 +62,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import keras
 
@@ -161,7 +161,7 @@ def export_generator(
         "models_config": models_config,
         "opset": opset,
     }
-    exported = GeneratorExport(model, max_length, jit_compile, options, checked=check)
+    exported = GeneratorExport(model, max_length, jit_compile, options)
     with decode_check.waived(not check):
         return pipeline.export(exported, {export_format: path}, check)[export_format]
 
@@ -181,9 +181,6 @@ class GeneratorExport(pipeline.Target):
         keras_path: The model's .keras file where the caller has one (the
             command line loaded the model from it): off TensorFlow, the
             writer loads it instead of a new save of the model.
-        checked: Whether the export checks what it writes: the check's
-            Keras references are then computed while LiteRT's converter
-            runs (`references`).
     """
 
     model: keras.Model
@@ -191,10 +188,10 @@ class GeneratorExport(pipeline.Target):
     jit_compile: bool
     options: Mapping[str, object]
     keras_path: str | None = None
-    checked: bool = True
     _generator: Generator | None = None
     _structure: arguments.Model | None = None
-    _formats: list[str] = dataclasses.field(default_factory=list)
+    _formats: tuple[str, ...] = ()
+    _checked: bool = False
     _references: References | None = None
 
     def _read(self) -> arguments.Model:
@@ -226,9 +223,12 @@ class GeneratorExport(pipeline.Target):
     ) -> formats.Destination:
         self.refuse(export_format)
         options = pipeline.format_options(export_format, self.options)
-        destination = check_destination(export_format, path, **options)
-        self._formats.append(export_format)
-        return destination
+        return check_destination(export_format, path, **options)
+
+    def plan(self, export_formats: Sequence[str], check: bool) -> None:
+        """Where `check`, each target built carries `prepare_check` (for
+        the rows `export_formats` will allow)."""
+        self._formats, self._checked = tuple(export_formats), check
 
     def build(self, export_format: str) -> Signature:
         if self._generator is None:
@@ -236,14 +236,15 @@ class GeneratorExport(pipeline.Target):
                 self.model, self.max_length, self.jit_compile, self._structure
             )
         target = self._generator.target(export_format)
-        if not self.checked:
+        if not self._checked:
             return target
         return dataclasses.replace(target, meanwhile=self.prepare_check)
 
     def prepare_check(self) -> None:
         """Computes the check's Keras references (`check.references`) for
         the rows its artifacts will allow (`Format.expected_generator_rows`),
-        once: LiteRT's converter calls it while its process runs
+        once: LiteRT's converter calls it while its process runs, and off
+        TensorFlow the writer while the TensorFlow process writes
         (`Signature.meanwhile`). A failure leaves them to the check, which
         computes them again and reports what failed."""
         if self._references is not None:
