@@ -32,7 +32,11 @@ quantized tokens differ: its own rounding; reported, not required; int8's
 tokens part from any other computation's within a few tokens on this
 model, its per-token activation rounding: `benchmarks.forced_tokens`
 compares them on the same prefixes);
-keras-hub's `generate` is left out (its attention stays float).
+keras-hub's `generate` is left out (its attention stays float). With
+int4, the ONNX generator is also written with `int4_inputs="int8"`: its
+4-bit layers' inputs rounded to int8 in blocks, as onnxruntime-genai's
+level 4 rounds them (each row gives its share of onnxruntime-genai's
+tokens too).
 `--batch`, `--prompt` and `--new` set the request (default batch 1, a
 16-token prompt, 64 new tokens); `--busy K` keeps K other processes
 computing (a numpy matmul loop each, one thread) while the candidates are
@@ -65,6 +69,11 @@ CANDIDATES = (
     ("onnxruntime_genai", "onnxruntime-genai (fp32, cpu)"),
     ("onnx_generator", "ONNX generator in onnxruntime"),
     ("onnx_generator_no_spin", "ONNX generator, threads not spinning"),
+    ("onnx_int8_inputs_generator", 'ONNX generator, int4_inputs="int8"'),
+    (
+        "onnx_int8_inputs_generator_no_spin",
+        'ONNX generator, int4_inputs="int8", threads not spinning',
+    ),
     ("saved_model_generator", "SavedModel generator (XLA off)"),
     ("saved_model_generator_xla", "SavedModel generator, jit_compile=True"),
     ("litert_generator", "LiteRT generator"),
@@ -74,10 +83,13 @@ CANDIDATES = (
 # The exported generators `--generators` may name: (format, export options).
 GENERATORS = {
     "onnx": ("onnx", {}),
+    "onnx_int8_inputs": ("onnx", {"int4_inputs": "int8"}),
     "saved_model": ("saved_model", {"name": "lm"}),
     "saved_model_xla": ("saved_model", {"name": "lm", "jit_compile": True}),
     "litert": ("litert", {}),
 }
+# What a float model's run exports (`int4_inputs` changes only 4-bit layers).
+FLOAT_GENERATORS = ("onnx", "saved_model", "saved_model_xla", "litert")
 # onnxruntime-genai's builder options for a quantized model: Keras's int4
 # block size (the builder's default is 32); its accuracy level is its CPU
 # default (4: int8 activations).
@@ -201,10 +213,9 @@ def _exported(
             **options,
         )
         if export_format == "onnx":
-            loaded["onnx_generator"] = runtimes.load("onnx", written)
-            loaded["onnx_generator_no_spin"] = runtimes.load(
-                "onnx", written, spinning=False
-            )
+            key = f"{name}_generator"  # onnx_generator, onnx_int8_inputs_generator
+            loaded[key] = runtimes.load("onnx", written)
+            loaded[f"{key}_no_spin"] = runtimes.load("onnx", written, spinning=False)
         elif export_format == "saved_model":
             # TensorFlow's XLA as it is: the jit_compile generator needs it.
             key = name.replace("saved_model", "saved_model_generator")
@@ -311,6 +322,7 @@ def run(args: argparse.Namespace, work: str) -> dict:
         child.close()
     if args.quantize:  # the quantized Keras model's own tokens
         want = outputs["keras_selfattn_generate"]
+    genai_tokens = np.asarray(outputs["onnxruntime_genai"]).reshape(want.shape)
     rows = [
         {
             "candidate": title.replace("fp32", args.quantize or "fp32"),
@@ -322,6 +334,9 @@ def run(args: argparse.Namespace, work: str) -> dict:
             ),
             "share_of_reference_tokens": float(
                 np.mean(np.asarray(outputs[name]).reshape(want.shape) == want)
+            ),
+            "share_of_onnxruntime_genai_tokens": float(
+                np.mean(np.asarray(outputs[name]).reshape(want.shape) == genai_tokens)
             ),
         }
         for name, title in CANDIDATES
@@ -375,6 +390,10 @@ def to_markdown(results: dict) -> str:
                 ("vs_onnxruntime_genai", "vs onnxruntime-genai"),
                 ("same_tokens_as_reference", "reference tokens"),
                 ("share_of_reference_tokens", "share of reference tokens"),
+                (
+                    "share_of_onnxruntime_genai_tokens",
+                    "share of onnxruntime-genai's tokens",
+                ),
             ],
             results["rows"],
         ),
@@ -417,7 +436,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     if args.generators is None:  # LiteRT refuses a quantized model's loop
-        args.generators = ["onnx"] if args.quantize else list(GENERATORS)
+        args.generators = ["onnx"] if args.quantize else list(FLOAT_GENERATORS)
+        if args.quantize == "int4":
+            args.generators.append("onnx_int8_inputs")
     unknown = sorted(set(args.generators) - set(GENERATORS))
     if unknown:
         parser.error(f"--generators: unknown {unknown}; of {sorted(GENERATORS)}")

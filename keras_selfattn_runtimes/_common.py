@@ -23,7 +23,9 @@ class Loaded:
         input_names: The artifact's input names, in its order.
         output_names: Its output names, in its order.
         description: How it computes a quantized model, as the artifact
-            says or its runtime shows: {"scheme": str, "exact": bool}, or {}.
+            says or its runtime shows: {"scheme": str, "exact": bool}, or {};
+            "rounds_inputs": True where it rounds inputs Keras's layers
+            multiply as floats (an ONNX file's `int4_inputs="int8"`).
         positional_inputs: Whether its input names say only positions
             (torch.export keeps argument positions only).
     """

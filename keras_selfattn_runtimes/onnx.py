@@ -65,7 +65,11 @@ class OnnxSession(Loaded):
         if stated:
             stated = json.loads(stated)
             schemes = sorted(set(stated["layers"].values()))
-            return {"scheme": "; ".join(schemes), "exact": stated["exact"]}
+            return {
+                "scheme": "; ".join(schemes),
+                "exact": stated["exact"],
+                "rounds_inputs": stated.get("rounds_inputs", False),
+            }
         import onnx  # the ONNX runtime's own package, no Keras
 
         graph = onnx.load(path, load_external_data=False).graph  # no weights

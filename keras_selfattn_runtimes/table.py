@@ -238,7 +238,7 @@ ONNX = FormatRow(
     backend_packages={"jax": ("jax2onnx",), "torch": ("onnxscript",)},
     extra="onnx",
     half=("float16",),
-    options=("opset", "fuse_attention", "int8_matmul"),
+    options=("opset", "fuse_attention", "int8_matmul", "int4_inputs"),
     generator=True,
     cli_arguments=(
         CliArgument(
@@ -262,6 +262,17 @@ ONNX = FormatRow(
             "(it picks the CPU's fast exact int8 kernel itself)",
             "text",
             "KERNEL",
+        ),
+        CliArgument(
+            "int4_inputs",
+            "int4_inputs",
+            "with --generate and --onnx: the 4-bit layers' inputs, float (Keras's, "
+            "default) or int8 (rounded in blocks as onnxruntime-genai's int4 "
+            "models: faster, tokens judged at Keras's near ties)",
+            "text",
+            "KIND",
+            exports=("generate",),
+            choices=("float", "int8"),
         ),
     ),
 )

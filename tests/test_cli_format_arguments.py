@@ -97,3 +97,25 @@ def test_every_rows_argument_is_a_command_line_argument():
         for arg in row.cli_arguments:
             assert (arg.flag in flags(export)) == bool(arg.exports), arg
             assert (arg.flag in flags(verify)) == arg.verify, arg
+
+
+def test_int4_inputs_need_generate_and_onnx(capsys):
+    parser = cli.build_parser()
+
+    def refusal(*argv: str) -> str | None:
+        args = parser.parse_args(["export", "m.keras", *argv])
+        try:
+            cli._check_export_options(args)
+        except cli.CLIError as error:
+            return str(error)
+        return None
+
+    onnx = ["--onnx", "m.onnx", "--int4-inputs", "int8"]
+    assert refusal(*onnx) == "--int4-inputs needs --generate and --onnx"
+    assert refusal(*onnx, "--generate", "--max-length", "8") is None
+    args = parser.parse_args(["export", "m.keras", *onnx])
+    assert table.ONNX.cli_options["int4_inputs"] == "int4_inputs"
+    assert args.int4_inputs == "int8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["export", "m.keras", "--onnx", "m", "--int4-inputs", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err

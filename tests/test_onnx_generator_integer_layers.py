@@ -258,3 +258,139 @@ def test_generator_gives_the_quantized_models_tokens(exported):
         )
         np.testing.assert_array_equal(tokens, expected.tokens)
         np.testing.assert_array_equal(lengths, np.full(3, steps))
+
+
+def _accuracy_levels(graph) -> list[int]:
+    """The `accuracy_level` of each `MatMulNBits` in `graph`."""
+    return [
+        a.i
+        for node in graph.node
+        if node.op_type == "MatMulNBits"
+        for a in node.attribute
+        if a.name == "accuracy_level"
+    ]
+
+
+def _block_rounded(x: np.ndarray, kernel: np.ndarray, block: int) -> np.ndarray:
+    """numpy's `int4_inputs="int8"`: each row of `x` rounded to int8 per
+    block of `block` inputs (symmetric, largest magnitude to 127), times the
+    dequantized `kernel`, in float64."""
+    rows, inputs = x.shape
+    blocks = x.astype(np.float64).reshape(rows, inputs // block, block)
+    scale = np.abs(blocks).max(axis=-1, keepdims=True) / 127
+    rounded = np.rint(blocks / scale) * scale
+    return rounded.reshape(rows, inputs) @ kernel.astype(np.float64)
+
+
+def test_int8_inputs_round_each_block_of_a_4_bit_layer():
+    import json
+
+    import onnxruntime
+    from onnx import TensorProto, helper, numpy_helper
+
+    from keras_selfattn.export.formats.onnx import integer
+    from keras_selfattn.export.quantization import describe
+
+    layer = _int4_dense(256, 48)  # Keras's int4: blocks of 128 inputs
+    quantized = describe(layer)
+    x = np.random.default_rng(1).standard_normal((3, 256)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "kernel"], ["y"])],
+        "dense",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 256])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 48])],
+        [numpy_helper.from_array(quantized.kernel, "kernel")],
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    proto, (scheme,) = integer.rewrite(proto, [quantized], round_inputs=True)
+    assert not scheme.exact and scheme.rounds_inputs, scheme
+    (node,) = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
+    assert _accuracy_levels(proto.graph) == [4], node
+    stated = json.loads(proto.metadata_props[0].value)
+    assert stated["rounds_inputs"] and not stated["exact"], stated
+    (y,) = onnxruntime.InferenceSession(proto.SerializeToString()).run(None, {"x": x})
+    want = _block_rounded(x, quantized.kernel, 128)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    # Keras's float inputs give another product, farther than that.
+    floats = keras.ops.convert_to_numpy(layer(x))
+    assert np.abs(y - floats).max() > 100 * np.abs(y - want).max()
+
+
+def test_int8_inputs_are_refused_outside_onnx(tmp_path):
+    from keras_selfattn.export import export_generator
+
+    model = _language_model("int4")
+    with pytest.raises(
+        ValueError, match=r"int4_inputs='int8', export_format='saved_model'"
+    ):
+        export_generator(
+            model,
+            tmp_path / "lm",
+            "saved_model",
+            max_length=MAX_LENGTH,
+            name="lm",
+            int4_inputs="int8",
+        )
+    assert not list(tmp_path.iterdir())
+
+
+def test_unknown_int4_inputs_are_refused(tmp_path):
+    from keras_selfattn.export import export_generator
+
+    with pytest.raises(ValueError, match=r"Received: int4_inputs='int4'"):
+        export_generator(
+            _language_model("int4"),
+            tmp_path / "lm.onnx",
+            "onnx",
+            max_length=MAX_LENGTH,
+            int4_inputs="int4",
+        )
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+@pytest.mark.tensorflow_only("ONNX generators are written by TensorFlow")
+def test_int8_inputs_generator_rounds_in_both_passes(tmp_path):
+    import json
+
+    import onnx
+    import onnxruntime
+
+    from keras_selfattn.export import export_generator
+
+    model = _language_model("int4")
+    # The export's own check passed: Keras's tokens, or near ties of its
+    # logits (`near_ties`), in a fresh ONNX Runtime process.
+    path = export_generator(
+        model, tmp_path / "lm.onnx", "onnx", max_length=MAX_LENGTH, int4_inputs="int8"
+    )
+    proto = onnx.load(path)
+    for graph in [proto.graph, _loop_body(proto)]:
+        # 5 Dense layers and the LM head.
+        assert _accuracy_levels(graph) == [4] * 6, _accuracy_levels(graph)
+    (entry,) = [e for e in proto.metadata_props if e.key.endswith("quantization")]
+    assert json.loads(entry.value)["rounds_inputs"]
+    prompts = np.random.default_rng(3).integers(1, VOCABULARY, (3, 7))
+    tokens, _ = onnxruntime.InferenceSession(path).run(
+        ["tokens", "lengths"],
+        {
+            "prompt_tokens": prompts.astype(np.int32),
+            "prompt_lengths": np.full(3, 7, np.int32),
+            "max_new_tokens": np.asarray(12, np.int32),
+            "temperature": np.asarray(0.0, np.float32),
+            "top_k": np.asarray(VOCABULARY, np.int32),
+            "top_p": np.asarray(1.0, np.float32),
+            "seed": np.asarray(0, np.int32),
+            "end_token": np.asarray(-1, np.int32),
+        },
+    )
+    # Keras's logits on the file's own tokens (its full forward pass): each
+    # token is their largest, or within the rounding of it (two logits
+    # moved by 5 % of the largest magnitude each, `near_ties.BAND`).
+    ids = np.concatenate([prompts, tokens[:, :-1]], axis=1)
+    logits = keras.ops.convert_to_numpy(model(ids))[:, 6:].astype(np.float64)
+    chosen = np.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]
+    gaps = logits.max(axis=-1) - chosen
+    assert np.all(gaps <= 0.1 * np.abs(logits).max(axis=-1)), gaps
+    assert np.all(gaps[:, 0] == 0), gaps  # the prompt pass's token: Keras's
+    assert np.mean(gaps == 0) >= 0.9, gaps

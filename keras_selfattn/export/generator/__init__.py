@@ -102,6 +102,7 @@ def export_generator(
     models_config: bool = True,
     opset: int | None = None,
     jit_compile: bool = False,
+    int4_inputs: str = "float",
     check: bool = True,
 ) -> str:
     """Exports `model`'s whole generation as one call (module docstring).
@@ -125,6 +126,14 @@ def export_generator(
             needs `--xla_cpu_compilation_enabled=true` on a CPU, without
             which it answers every request with an error). Default False:
             servable by any TF Serving.
+        int4_inputs: ONNX only: the inputs of a quantized model's 4-bit
+            layers (Keras's int4, gptq, awq). "float" (default): Keras's
+            float inputs, its tokens. "int8": rounded to int8 in the
+            weights' blocks, as onnxruntime-genai's int4 models compute
+            them (`MatMulNBits`' accuracy level 4): about twice the tokens
+            per second on a CPU with int8 dot products (docs/quantization.md),
+            and tokens that may differ from Keras's where its logits nearly
+            tie (the check judges them there, as an int8 model's).
         check: Whether to run the generator in its runtime against
             `keras_selfattn.generate` before it appears (and the model's
             cached decode against its full forward pass first,
@@ -160,6 +169,7 @@ def export_generator(
         "warmup": warmup,
         "models_config": models_config,
         "opset": opset,
+        "int4_inputs": int4_inputs,
     }
     exported = GeneratorExport(model, max_length, jit_compile, options)
     with decode_check.waived(not check):
@@ -216,6 +226,13 @@ class GeneratorExport(pipeline.Target):
                 "`jit_compile` compiles a SavedModel's loop with XLA; ONNX and "
                 "LiteRT runtimes run their own graphs. Received: "
                 f"jit_compile=True, export_format={export_format!r}"
+            )
+        int4_inputs = self.options.get("int4_inputs")
+        if int4_inputs not in (None, "float") and export_format != table.ONNX.name:
+            raise ValueError(
+                "`int4_inputs` picks the ONNX generator's 4-bit kernel; "
+                f"{export_format!r} computes Keras's float inputs. Received: "
+                f"int4_inputs={int4_inputs!r}, export_format={export_format!r}"
             )
 
     def destination(

@@ -215,7 +215,12 @@ def _pair_row(
     row = parity_row(runtime, label, [(wanted, produced)], tolerance, tolerance)
     counts = np.full(len(produced), produced.shape[1])
     return _near_ties(
-        generator, row, pair.request, (produced, counts), (wanted, wanted_lengths)
+        generator,
+        row,
+        pair.request,
+        (produced, counts),
+        (wanted, wanted_lengths),
+        outcome.description,
     )
 
 
@@ -225,14 +230,15 @@ def _near_ties(
     request: dict,
     generated: tuple[np.ndarray, np.ndarray],
     reference: tuple[np.ndarray, np.ndarray],
+    description: Mapping[str, object],
 ) -> tuple[ParityRow, str | None]:
     """`row`, judged by `near_ties` where its tokens differ and the model's
-    layers round their inputs to integers; with the report's note then.
-    `generated` and `reference`: the runtime's and Keras's (tokens,
-    lengths); only the rows where they differ are replayed."""
-    if row.ok or not (
-        generator.read.tokens and generator.read.reading.quantizes_inputs
-    ):
+    layers, or the artifact's (its runtime's `description`), round their
+    inputs to integers; with the report's note then. `generated` and
+    `reference`: the runtime's and Keras's (tokens, lengths); only the rows
+    where they differ are replayed."""
+    rounds = generator.read.reading.quantizes_inputs or description.get("rounds_inputs")
+    if row.ok or not (generator.read.tokens and rounds):
         return row, None
     found = near_ties.ties(
         generator.read.model, request, generator.prompt_name, *generated, reference
@@ -381,7 +387,16 @@ def check_generator(
             row = parity_row(runtime, label, pairs, tolerance, tolerance)
             runtime_pair = tuple(produced[name] for name in names)
             keras_pair = tuple(wanted[name] for name in names)
-            judged.append(_near_ties(generator, row, request, runtime_pair, keras_pair))
+            judged.append(
+                _near_ties(
+                    generator,
+                    row,
+                    request,
+                    runtime_pair,
+                    keras_pair,
+                    outcome.description,
+                )
+            )
     for artifact in paired:
         judged.append(_pair_row(generator, artifact, tolerance, pair))
     rows = [row for row, _ in judged]

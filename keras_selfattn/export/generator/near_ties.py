@@ -9,6 +9,11 @@ gives the measurements). Where two tokens' logits are closer than that,
 the runtime may choose the other one, and from there on generates another
 sequence, as Keras's own cached and uncached passes may.
 
+An ONNX generator written with `int4_inputs="int8"` rounds the inputs of
+Keras's 4-bit layers, which Keras multiplies as floats, to int8 in blocks
+(the artifact's description says `rounds_inputs`): finer rounding than a
+token's, and its tokens are judged the same way.
+
 So a generator of such a model whose tokens are not Keras's is judged on
 its own tokens, teacher-forced: each row's prompt and generated tokens go
 once through the model's full forward pass, and at each step where the

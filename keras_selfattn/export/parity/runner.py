@@ -85,7 +85,8 @@ class Outcome:
         imported: Which of keras and keras_selfattn the process imported
             (neither: the process marks them absent).
         description: How the artifact computes a quantized model:
-            {"scheme": str, "exact": bool}, as the artifact says or its
+            {"scheme": str, "exact": bool} and, where it rounds inputs
+            Keras does not, "rounds_inputs", as the artifact says or its
             runtime shows ({} when neither says).
     """
 

@@ -53,6 +53,9 @@ NIBBLE_MODES = ("int4", "gptq", "awq")
 # `int8_matmul`: the default, and "vnni", deprecated (the default file probes
 # the CPU and runs uint8 x int8 where exact: `int8_layers`).
 INT8_MATMUL, DEPRECATED_INT8_MATMUL = "any_cpu", "vnni"
+# `int4_inputs`: the 4-bit layers' inputs as Keras computes them (float, the
+# default), or rounded to int8 in the weights' blocks (`integer.rewrite`).
+INT4_INPUTS = ("float", "int8")
 # tf2onnx 1.17 converts up to opset 18; below 13 it lacks ops these models use.
 MIN_OPSET = 13
 MAX_OPSET = 18
@@ -254,12 +257,12 @@ class OnnxFormat(Format):
     def check_options(
         self, options: Mapping[str, object], backend: str | None = None
     ) -> dict[str, object]:
-        """`opset` (13 to 18), `fuse_attention` (TensorFlow only) and
+        """`opset` (13 to 18), `fuse_attention` (TensorFlow only),
         `int8_matmul` (`INT8_MATMUL`; `DEPRECATED_INT8_MATMUL` warns and
-        writes the default file).
+        writes the default file) and `int4_inputs` (`INT4_INPUTS`).
 
         Raises:
-            ValueError: for an unknown `int8_matmul`.
+            ValueError: for an unknown `int8_matmul` or `int4_inputs`.
         """
         super().check_options(options)
         fuse = _checks.boolean("fuse_attention", options.get("fuse_attention", False))
@@ -287,10 +290,19 @@ class OnnxFormat(Format):
                 FutureWarning,
                 stacklevel=2,
             )
+        int4_inputs = options.get("int4_inputs") or INT4_INPUTS[0]
+        if int4_inputs not in INT4_INPUTS:
+            raise ValueError(
+                f"`int4_inputs` must be {INT4_INPUTS[0]!r} (Keras's float inputs) "
+                f"or {INT4_INPUTS[1]!r} (rounded to int8 in blocks, as "
+                f"onnxruntime-genai's int4 models). Received: "
+                f"int4_inputs={int4_inputs!r}"
+            )
         return {
             "opset": check_opset(options.get("opset"), backend),
             "opset_given": options.get("opset") is not None,
             "fuse_attention": fuse,
+            "int4_inputs": int4_inputs,
         }
 
     def detail(self, options: Mapping[str, object]) -> str:
@@ -395,7 +407,8 @@ def _rewritten(
     if target.quantized:  # after the loop passes: their upgrade is onnx's
         from keras_selfattn.export.formats.onnx import integer
 
-        proto, _ = integer.rewrite(proto, target.quantized)
+        rounded = options["int4_inputs"] == INT4_INPUTS[1]
+        proto, _ = integer.rewrite(proto, target.quantized, rounded)
     return proto
 
 

@@ -13,15 +13,19 @@ scale)`, which `rewrite` finds by the integers' value. Each is replaced:
 - weight-only modes (int4 per channel or per group, int8 without
   activation quantization, gptq, awq): `MatMulNBits` (4 or 8 bits, blocks
   along the input axis, codes - zero point times scale) with float
-  activations (`accuracy_level` 0), as Keras computes them. AWQ's
-  per-input divisor divides the input first. Groups that do not fit (a
+  activations (`accuracy_level` 0), as Keras computes them; 4-bit layers
+  asked to (`rewrite`'s `round_inputs`) on inputs rounded to int8 in the
+  weights' blocks instead (`accuracy_level` 4, onnxruntime-genai's int4
+  default: not Keras's computation). AWQ's per-input divisor divides the
+  input first. Groups that do not fit (a
   size that is not a power of two of at least 16, or `g_idx` out of
   order) keep the float kernel, and say so.
 - float8: kept as float32 (the float8-rounded kernel; ONNX Runtime has no
   CPU float8 matmul).
 
-The model's metadata (`METADATA_KEY`) names the scheme of every layer and
-whether the file computes Keras's own scheme (`exact`), which `verify`
+The model's metadata (`METADATA_KEY`) names the scheme of every layer,
+whether the file computes Keras's own scheme (`exact`) and whether it
+rounds float inputs Keras does not (`rounds_inputs`), which `verify`
 reads.
 """
 
@@ -53,6 +57,12 @@ INT8_KERNEL = (
     "(VNNI, AMX), uint8 x uint8 elsewhere (exact on every CPU)"
 )
 WEIGHT_ONLY = "float activations, {bits}-bit weights in blocks of {block}: MatMulNBits"
+ROUNDED_INPUTS = (
+    "int8 activations in blocks of {block} (onnxruntime-genai's int4 default, "
+    "not Keras's float ones), 4-bit weights: MatMulNBits accuracy level 4"
+)
+# MatMulNBits' `accuracy_level`: float inputs; inputs rounded to int8.
+FLOAT_INPUTS_LEVEL, INT8_INPUTS_LEVEL = 0, 4
 FLOAT8 = "float32 (float8-rounded kernel; activations not rounded to float8)"
 NOT_FOUND = "float32: its kernel is not a MatMul weight in the converted graph"
 NO_FIT = "float32: groups of {size} do not fit MatMulNBits (powers of two >= 16)"
@@ -66,19 +76,23 @@ class LayerScheme:
         layer: The layer's name.
         scheme: What ONNX Runtime computes for it.
         exact: Whether that is Keras's own computation of the layer.
+        rounds_inputs: Whether it rounds float inputs to integers where
+            Keras does not (`ROUNDED_INPUTS`).
     """
 
     layer: str
     scheme: str
     exact: bool
+    rounds_inputs: bool = False
 
 
 class _Builder:
     """Adds uniquely named nodes and initializers to a graph."""
 
-    def __init__(self, graph: onnx.GraphProto, opset: int):
+    def __init__(self, graph: onnx.GraphProto, opset: int, round_inputs: bool):
         self.graph = graph
         self.opset = opset
+        self.round_inputs = round_inputs  # `rewrite`'s
         self.nodes: list[onnx.NodeProto] = []
         taken = {i.name for i in graph.initializer}
         taken |= {out for node in graph.node for out in node.output}
@@ -169,9 +183,13 @@ def _pack_zero(zero: np.ndarray, bits: int) -> np.ndarray:
     return (zero[:, 0::2] | (zero[:, 1::2] << 4)).astype(np.uint8)
 
 
-def _weight_only(builder, x, output, quantized: QuantizedDense, stored) -> str:
+def _weight_only(
+    builder, x, output, quantized: QuantizedDense, stored
+) -> tuple[str, bool]:
     """A `MatMulNBits` of `x`; its codes, scales and zeros stored once per
-    layer (`stored`: a layer read in the prompt pass and in a loop body)."""
+    layer (`stored`: a layer read in the prompt pass and in a loop body).
+    Returns its scheme and whether it rounds its inputs (4 bits and
+    `builder.round_inputs`)."""
     block, codes, scale, zero = _blocks(quantized)
     inputs, outputs = quantized.shape
     name = quantized.layer.name
@@ -179,6 +197,7 @@ def _weight_only(builder, x, output, quantized: QuantizedDense, stored) -> str:
         divisor = builder.constant(f"{name}_awq_divisor", quantized.input_divisor)
         x = builder.node("Div", [x, divisor], f"{name}_awq_input")
     bits = quantized.bits
+    rounds = builder.round_inputs and bits == 4
     if id(quantized) not in stored:
         stored[id(quantized)] = [
             builder.constant(f"{name}_codes", _pack(codes, bits, block)),
@@ -196,10 +215,12 @@ def _weight_only(builder, x, output, quantized: QuantizedDense, stored) -> str:
             N=outputs,
             bits=bits,
             block_size=block,
-            accuracy_level=0,
+            accuracy_level=INT8_INPUTS_LEVEL if rounds else FLOAT_INPUTS_LEVEL,
         )
     )
-    return WEIGHT_ONLY.format(bits=bits, block=block)
+    if rounds:
+        return ROUNDED_INPUTS.format(block=block), True
+    return WEIGHT_ONLY.format(bits=bits, block=block), False
 
 
 def _kernels_by_value(
@@ -218,6 +239,7 @@ def _kernels_by_value(
 def rewrite(
     proto: onnx.ModelProto,
     quantized: Sequence[QuantizedDense],
+    round_inputs: bool = False,
 ) -> tuple[onnx.ModelProto, tuple[LayerScheme, ...]]:
     """Stores each quantized layer's kernel as Keras's integers (module doc).
 
@@ -227,6 +249,10 @@ def rewrite(
     Args:
         proto: The converted model, traced with `quantization.CAPTURED`.
         quantized: The model's quantized `Dense` layers.
+        round_inputs: Whether 4-bit weight-only layers round their inputs
+            to int8 in blocks (`ROUNDED_INPUTS`: faster on CPUs with int8
+            dot products, not Keras's computation) instead of multiplying
+            Keras's float inputs.
 
     Returns:
         The model (changed in place) and each layer's `LayerScheme`, also
@@ -236,7 +262,7 @@ def rewrite(
     opset = next(
         (o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 17
     )
-    builder = _Builder(graph, opset)
+    builder = _Builder(graph, opset, round_inputs)
     schemes: dict[str, LayerScheme] = {}
     _rewrite_graph(builder, [graph], _kernels_by_value(quantized), schemes, {})
     for q in quantized:
@@ -364,12 +390,12 @@ def _rewrite_graph(builder, scopes, by_value, schemes, stored) -> None:
             schemes[name] = LayerScheme(name, EXACT_INT8 + INT8_KERNEL, True)
             continue
         try:
-            scheme = _weight_only(builder, x, output, match, stored)
+            scheme, rounds = _weight_only(builder, x, output, match, stored)
         except ValueError as reason:
             kept.append(node)
             schemes[name] = LayerScheme(name, str(reason), False)
             continue
-        schemes.setdefault(name, LayerScheme(name, scheme, True))
+        schemes.setdefault(name, LayerScheme(name, scheme, not rounds, rounds))
     del graph.node[:]
     graph.node.extend(kept + builder.nodes)
     builder.nodes = outer_nodes
@@ -383,6 +409,7 @@ def describe(proto: onnx.ModelProto, schemes: Sequence[LayerScheme]) -> None:
     text = json.dumps(
         {
             "exact": all(s.exact for s in schemes),
+            "rounds_inputs": any(s.rounds_inputs for s in schemes),
             "layers": {s.layer: s.scheme for s in schemes},
         }
     )
