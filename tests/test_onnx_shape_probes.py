@@ -22,23 +22,38 @@ def _const(name, values):
 
 
 def _cache_write(update, operand, start, out):
-    """`format.dynamic_update_slice`'s nodes: `update` written into
-    `operand` at `start` (int64 [rank])."""
+    """`tf2onnx_handlers.dynamic_update_slice`'s nodes: `update` written
+    into `operand` at `start` (int64 [rank]) by a ScatterND over the first
+    two axes (the last one the update spans whole)."""
     make = helper.make_node
-    one = helper.make_tensor("one", TensorProto.UINT8, [1], [1])
-    return [
+    one = helper.make_tensor("one", TensorProto.INT64, [1], [1])
+    columns = []
+    nodes = [
         make("Shape", [operand], [f"{out}_operand_shape"]),
         make("Shape", [update], [f"{out}_update_shape"]),
         make("Sub", [f"{out}_operand_shape", f"{out}_update_shape"], [f"{out}_limit"]),
         make("Min", [start, f"{out}_limit"], [f"{out}_low"]),
-        make("Max", [f"{out}_low", "zeros3"], [f"{out}_start"]),
-        make("Sub", [f"{out}_limit", f"{out}_start"], [f"{out}_end"]),
-        make("Concat", [f"{out}_start", f"{out}_end"], [f"{out}_pads"], axis=0),
-        make("Pad", [update, f"{out}_pads"], [f"{out}_padded"]),
-        make("ConstantOfShape", [f"{out}_update_shape"], [f"{out}_ones"], value=one),
-        make("Pad", [f"{out}_ones", f"{out}_pads"], [f"{out}_mask8"]),
-        make("Cast", [f"{out}_mask8"], [f"{out}_mask"], to=TensorProto.BOOL),
-        make("Where", [f"{out}_mask", f"{out}_padded", operand], [out]),
+        make("Max", [f"{out}_low", "zero1"], [f"{out}_start"]),
+        make("Slice", [f"{out}_update_shape", "zero1", "two1"], [f"{out}_leading"]),
+        make("ConstantOfShape", [f"{out}_leading"], [f"{out}_ones"], value=one),
+    ]
+    for axis, (at, past) in enumerate([("zero1", "one1"), ("one1", "two1")]):
+        column = f"{out}_column{axis}"
+        nodes += [
+            make(
+                "CumSum",
+                [f"{out}_ones", f"axis{axis}"],
+                [f"{column}_count"],
+                exclusive=1,
+            ),
+            make("Slice", [f"{out}_start", at, past], [f"{column}_first"]),
+            make("Add", [f"{column}_count", f"{column}_first"], [f"{column}_sum"]),
+            make("Unsqueeze", [f"{column}_sum", "minus1"], [column]),
+        ]
+        columns.append(column)
+    return nodes + [
+        make("Concat", columns, [f"{out}_grid"], axis=-1),
+        make("ScatterND", [operand, f"{out}_grid", update], [out]),
     ]
 
 
@@ -93,7 +108,9 @@ def _model(grow: bool = False) -> onnx.ModelProto:
             _const("zero1", [0]),
             _const("four1", [4]),
             _const("two1", [2]),
-            _const("zeros3", [0, 0, 0]),
+            _const("axis0", 0),
+            _const("axis1", 1),
+            _const("minus1", [-1]),
         ],
     )
     graph = helper.make_graph(

@@ -396,7 +396,8 @@ def _rewritten(
         from keras_selfattn.export.formats.onnx import fused
 
         proto, _ = fused.fuse_attention(proto, target.model)
-    if any(node.op_type == "Loop" for node in proto.graph.node):  # a generator
+    looped = any(node.op_type == "Loop" for node in proto.graph.node)
+    if looped:  # a generator
         from keras_selfattn.export.formats.onnx import (
             generator_fusion,
             loop_invariant,
@@ -409,6 +410,10 @@ def _rewritten(
 
         rounded = options["int4_inputs"] == INT4_INPUTS[1]
         proto, _ = integer.rewrite(proto, target.quantized, rounded)
+    if looped:  # last: each pass above writes per-layer nodes too
+        from keras_selfattn.export.formats.onnx import common_nodes
+
+        common_nodes.merge(proto)
     return proto
 
 

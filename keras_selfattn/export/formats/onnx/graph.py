@@ -139,6 +139,24 @@ def topological_sort(graph: onnx.GraphProto) -> None:
     graph.node.extend(nodes[i] for i in order)
 
 
+def rename_inputs(nodes: Iterable[onnx.NodeProto], renamed: dict[str, str]) -> None:
+    """Replaces the names in `renamed` among the nodes' inputs, their
+    subgraphs' included."""
+    for node in nodes:
+        for i, name in enumerate(node.input):
+            if name in renamed:
+                node.input[i] = renamed[name]
+        for attribute in node.attribute:
+            graphs = list(attribute.graphs)
+            if attribute.HasField("g"):
+                graphs.append(attribute.g)
+            for graph in graphs:
+                rename_inputs(graph.node, renamed)
+                for output in graph.output:
+                    if output.name in renamed:
+                        output.name = renamed[output.name]
+
+
 def remove_nodes(graph: onnx.GraphProto, doomed: Iterable[onnx.NodeProto]) -> None:
     """Removes the given nodes (compared by identity) from `graph`."""
     doomed_ids = {id(node) for node in doomed}

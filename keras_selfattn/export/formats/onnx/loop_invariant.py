@@ -23,7 +23,7 @@ The values computed are unchanged: the same nodes on the same inputs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import onnx
 
@@ -72,24 +72,6 @@ def _body(loop: onnx.NodeProto) -> onnx.GraphProto:
     return next(a.g for a in loop.attribute if a.name == "body")
 
 
-def _rename_inputs(nodes: Iterable[onnx.NodeProto], renamed: dict[str, str]) -> None:
-    """Replaces the names in `renamed` among the nodes' inputs, their
-    subgraphs' included."""
-    for node in nodes:
-        for i, name in enumerate(node.input):
-            if name in renamed:
-                node.input[i] = renamed[name]
-        for attribute in node.attribute:
-            graphs = list(attribute.graphs)
-            if attribute.HasField("g"):
-                graphs.append(attribute.g)
-            for graph in graphs:
-                _rename_inputs(graph.node, renamed)
-                for output in graph.output:
-                    if output.name in renamed:
-                        output.name = renamed[output.name]
-
-
 def _source(name: str, producers: dict[str, onnx.NodeProto]) -> str:
     """The tensor `name` is an Identity chain of."""
     while name in producers and producers[name].op_type == "Identity":
@@ -126,7 +108,7 @@ def _outer_passthrough(graph: onnx.GraphProto, loop: onnx.NodeProto) -> None:
     _replace(body.output, body_outputs)
     _replace(loop.input, loop_inputs)
     _replace(loop.output, loop_outputs)
-    _rename_inputs(body.node, renamed)
+    graph_lib.rename_inputs(body.node, renamed)
     # The loop's final value of a pass-through is its initial value.
     graph.node.extend(
         onnx.helper.make_node("Identity", [initial], [output])
