@@ -41,7 +41,9 @@ tokens too).
 16-token prompt, 64 new tokens); `--busy K` keeps K other processes
 computing (a numpy matmul loop each, one thread) while the candidates are
 timed: a shared machine. The machine (CPU, cores, load average) is in the
-results file.
+results file (`benchmarks/results/peers_SIZE[_GENERATORS][_QUANTIZE]...`:
+the generators named where `--generators` chose some; Markdown by
+`peers_report`).
 
     make bench-peers                       # the 153M model (issue 56)
     .venv/bin/python -m benchmarks.peers --size tiny --rounds 5 \\
@@ -64,6 +66,7 @@ import numpy as np
 
 from benchmarks import machine, report, timing
 from benchmarks.generation import greedy_request
+from benchmarks.peers_report import TRANSFORMERS, to_markdown
 
 CANDIDATES = (
     ("onnxruntime_genai", "onnxruntime-genai (fp32, cpu)"),
@@ -94,7 +97,6 @@ FLOAT_GENERATORS = ("onnx", "saved_model", "saved_model_xla", "litert")
 # block size (the builder's default is 32); its accuracy level is its CPU
 # default (4: int8 activations).
 GENAI_QUANTIZED = {"int4": ["block_size=128"], "int8": ["block_size=128"]}
-TRANSFORMERS = "transformers' generate"
 # A busy process: one thread multiplying matrices until it is killed.
 BUSY = (
     "import os; os.environ['OMP_NUM_THREADS'] = '1'; "
@@ -367,40 +369,6 @@ def run(args: argparse.Namespace, work: str) -> dict:
     }
 
 
-def to_markdown(results: dict) -> str:
-    info = results["machine"]
-    lines = [
-        f"# Generators vs onnxruntime-genai ({results['size']} Llama"
-        f"{', ' + results['quantize'] if results.get('quantize') else ''})",
-        "",
-        f"{info['cpu']}, {info['cores']} cores; load average (1/5/15 min) "
-        f"before timing {results['load_average_before_timing']}, at its end "
-        f"{results['load_average_end_of_timing']}; "
-        f"{results['busy_processes']} busy processes beside; onnxruntime-genai "
-        f"{results['onnxruntime_genai']} "
-        f"({results.get('onnxruntime_genai_builder', '-p fp32 -e cpu')}); "
-        f"{results['request']}; "
-        f"{results['rounds']} interleaved rounds, medians; reference tokens: "
-        f"{results.get('reference_tokens', TRANSFORMERS)}.",
-        "",
-        *report.table(
-            [
-                ("candidate", "candidate"),
-                ("tokens_per_s", "tokens/s"),
-                ("vs_onnxruntime_genai", "vs onnxruntime-genai"),
-                ("same_tokens_as_reference", "reference tokens"),
-                ("share_of_reference_tokens", "share of reference tokens"),
-                (
-                    "share_of_onnxruntime_genai_tokens",
-                    "share of onnxruntime-genai's tokens",
-                ),
-            ],
-            results["rows"],
-        ),
-    ]
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: list[str] | None = None) -> None:
     from benchmarks.peers_child import SIZES
 
@@ -435,6 +403,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", default=None, help="checkpoint and models")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
+    chosen = args.generators
     if args.generators is None:  # LiteRT refuses a quantized model's loop
         args.generators = ["onnx"] if args.quantize else list(FLOAT_GENERATORS)
         if args.quantize == "int4":
@@ -446,7 +415,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--genai-accuracy-level is for a --quantize model")
     work = args.work or os.path.join("/tmp", f"keras_selfattn_peers_{args.size}")
     results = run(args, work)
-    stem = f"peers_{args.size}" + (f"_{args.quantize}" if args.quantize else "")
+    # A run of some generators only (`--generators`) names them.
+    stem = f"peers_{args.size}" + "".join(f"_{name}" for name in chosen or ())
+    stem += f"_{args.quantize}" if args.quantize else ""
     if args.quantize and args.genai_accuracy_level is not None:
         stem += f"_genai_level{args.genai_accuracy_level}"
     if (args.batch, args.prompt, args.new) != (1, 16, 64):

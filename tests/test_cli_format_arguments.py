@@ -101,18 +101,9 @@ def test_every_rows_argument_is_a_command_line_argument():
 
 def test_int4_inputs_need_generate_and_onnx(capsys):
     parser = cli.build_parser()
-
-    def refusal(*argv: str) -> str | None:
-        args = parser.parse_args(["export", "m.keras", *argv])
-        try:
-            cli._check_export_options(args)
-        except cli.CLIError as error:
-            return str(error)
-        return None
-
     onnx = ["--onnx", "m.onnx", "--int4-inputs", "int8"]
-    assert refusal(*onnx) == "--int4-inputs needs --generate and --onnx"
-    assert refusal(*onnx, "--generate", "--max-length", "8") is None
+    assert _refusal(parser, *onnx) == "--int4-inputs needs --generate and --onnx"
+    assert _refusal(parser, *onnx, "--generate", "--max-length", "8") is None
     args = parser.parse_args(["export", "m.keras", *onnx])
     assert table.ONNX.cli_options["int4_inputs"] == "int4_inputs"
     assert args.int4_inputs == "int8"
