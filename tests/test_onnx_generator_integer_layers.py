@@ -18,6 +18,7 @@ import keras
 import numpy as np
 import pytest
 
+from benchmarks.generation import greedy_request
 from tests.int8_probes import PROBE, with_inexact_probes
 
 VOCABULARY = 96
@@ -245,16 +246,7 @@ def test_generator_gives_the_quantized_models_tokens(exported):
         session = onnxruntime.InferenceSession(file)
         tokens, lengths = session.run(
             ["tokens", "lengths"],
-            {
-                "prompt_tokens": prompts.astype(np.int32),
-                "prompt_lengths": np.full(3, 7, np.int32),
-                "max_new_tokens": np.asarray(steps, np.int32),
-                "temperature": np.asarray(0.0, np.float32),
-                "top_k": np.asarray(VOCABULARY, np.int32),
-                "top_p": np.asarray(1.0, np.float32),
-                "seed": np.asarray(0, np.int32),
-                "end_token": np.asarray(-1, np.int32),
-            },
+            greedy_request(prompts.astype(np.int32), steps, VOCABULARY),
         )
         np.testing.assert_array_equal(tokens, expected.tokens)
         np.testing.assert_array_equal(lengths, np.full(3, steps))
@@ -373,16 +365,7 @@ def test_int8_inputs_generator_rounds_in_both_passes(tmp_path):
     prompts = np.random.default_rng(3).integers(1, VOCABULARY, (3, 7))
     tokens, _ = onnxruntime.InferenceSession(path).run(
         ["tokens", "lengths"],
-        {
-            "prompt_tokens": prompts.astype(np.int32),
-            "prompt_lengths": np.full(3, 7, np.int32),
-            "max_new_tokens": np.asarray(12, np.int32),
-            "temperature": np.asarray(0.0, np.float32),
-            "top_k": np.asarray(VOCABULARY, np.int32),
-            "top_p": np.asarray(1.0, np.float32),
-            "seed": np.asarray(0, np.int32),
-            "end_token": np.asarray(-1, np.int32),
-        },
+        greedy_request(prompts.astype(np.int32), 12, VOCABULARY),
     )
     # Keras's logits on the file's own tokens (its full forward pass): each
     # token is their largest, or within the rounding of it (two logits

@@ -12,7 +12,7 @@ each runs once per layer and token.
 (the same op, domain and attributes on the same inputs, a small constant
 input compared by value: `SMALL_ELEMENTS`) and has later readers read it,
 in the main graph and in every `Loop` body. Ops whose outputs differ from
-run to run (`_RANDOM_OPS`) and ops with subgraphs are kept as they are, and
+run to run (`graph.RANDOM_OPS`) and ops with subgraphs are kept as they are, and
 so is a node writing a graph's output. The values computed are unchanged.
 """
 
@@ -26,17 +26,6 @@ from keras_selfattn.export.formats.onnx import graph as graph_lib
 
 # Constants of at most this many elements are compared by value.
 SMALL_ELEMENTS = 1024
-# Ops whose output differs between two runs on the same inputs.
-_RANDOM_OPS = frozenset(
-    {
-        "Bernoulli",
-        "Multinomial",
-        "RandomNormal",
-        "RandomNormalLike",
-        "RandomUniform",
-        "RandomUniformLike",
-    }
-)
 
 
 def merge(proto: onnx.ModelProto) -> int:
@@ -87,7 +76,7 @@ def _node_key(node: onnx.NodeProto, inputs: tuple) -> tuple:
 
 def _mergeable(node: onnx.NodeProto, written: set[str]) -> bool:
     """Whether `node` may be replaced by an equal earlier one."""
-    if node.op_type in _RANDOM_OPS or any(
+    if node.op_type in graph_lib.RANDOM_OPS or any(
         a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
         for a in node.attribute
     ):

@@ -11,6 +11,19 @@ from collections.abc import Iterable, Iterator
 import onnx
 from onnx import numpy_helper
 
+# Ops whose output differs between two runs on the same inputs: never
+# hoisted out of a loop (`loop_invariant`) nor merged (`common_nodes`).
+RANDOM_OPS = frozenset(
+    {
+        "Bernoulli",
+        "Multinomial",
+        "RandomNormal",
+        "RandomNormalLike",
+        "RandomUniform",
+        "RandomUniformLike",
+    }
+)
+
 
 def _subgraph_inputs(node: onnx.NodeProto) -> set[str]:
     """Names a node's subgraphs (If/Loop/Scan bodies) read from outer scopes."""

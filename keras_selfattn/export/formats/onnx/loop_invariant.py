@@ -30,11 +30,6 @@ import onnx
 from keras_selfattn.export.formats.onnx import graph as graph_lib
 from keras_selfattn.export.formats.onnx import loop_select, loop_shapes
 
-# Ops whose output differs between two runs on the same inputs.
-_RANDOM_OPS = frozenset(
-    {"RandomUniform", "RandomNormal", "RandomUniformLike", "RandomNormalLike"}
-)
-
 
 def optimize_loops(proto: onnx.ModelProto) -> onnx.ModelProto:
     """Applies the pass (module docstring) to every `Loop` of the main graph.
@@ -144,7 +139,7 @@ def _hoist(graph: onnx.GraphProto, loop: onnx.NodeProto) -> None:
     hoisted = []
     for node in body.node:
         fixed = (
-            node.op_type not in _RANDOM_OPS
+            node.op_type not in graph_lib.RANDOM_OPS
             and node.domain in ("", "ai.onnx")
             and not any(a.type in _GRAPH_TYPES for a in node.attribute)
             and not any(name in varying for name in node.input if name)
