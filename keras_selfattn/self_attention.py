@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import keras
 from keras import ops
 
@@ -357,6 +359,8 @@ class SelfAttention(
             query = rotary.rotate(query, layout, table, turned)
             key = rotary.rotate(key, kv_layout, table, turned)
         if cached:
+            length = cache.attended_length(key, offset)
+            masks = dataclasses.replace(masks, key_length=length)
             cache, key, value = cache.update(key, value, offset, guard.valid, mask)
             if layout != kv_layout:
                 key, value = (heads_lib.transpose(x) for x in (key, value))

@@ -219,3 +219,34 @@ def test_each_caller_gets_the_write_it_needs():
     assert loop_ops() == {"TensorStridedSliceUpdate", "InplaceUpdate"}
     converter = loop.CacheClasses(cache_lib.ConverterCache, cache_lib.CheckedCache)
     assert loop_ops(converter) == {"XlaDynamicUpdateSlice"}
+
+
+@pytest.mark.parametrize("cache_class", [cache_lib.Cache, cache_lib.CheckedCache])
+@pytest.mark.parametrize("index", [0, 3, 5])
+def test_attended_length_is_the_number_of_keys_the_update_returns(cache_class, index):
+    """The key mask's length (`Masks.key_length`) is the keys' own: the
+    cache's attended length where it cuts them, else their shape's."""
+    tensor = RNG.normal(size=(2, 2, 6, 1, 4)).astype("float32")
+    key = keras.ops.convert_to_tensor(RNG.normal(size=(2, 1, 1, 4)).astype("float32"))
+    cache = cache_class(keras.ops.convert_to_tensor(tensor))
+    length = cache.attended_length(key, index)
+    _, keys, _ = cache.update(key, key, index)
+    assert keys.shape[1] == (length if length is not None else 6)
+    if BACKEND != "tensorflow":
+        return
+    import tensorflow as tf
+
+    # In a graph (as the generators are converted), at a tensor index.
+    @tf.function
+    def lengths(at):
+        _, graph_keys, _ = cache.update(key, key, at)
+        return tf.shape(graph_keys)[1], cache.attended_length(key, at)
+
+    found, given = lengths(tf.constant(index))
+    assert int(found) == int(given)
+    # The time-major cache attends up to its index.
+    major = cache_lib.TimeMajorCache.from_batch_major(
+        keras.ops.convert_to_tensor(tensor)
+    )
+    _, major_keys, _ = major.update(key, key, index)
+    assert major_keys.shape[0] == int(major.attended_length(key, index))

@@ -402,3 +402,23 @@ def test_soft_capped_windowed_step_fuses_with_keras_hub_s_tokens(soft_capped):
     assert len(np.unique(want)) >= 4, want
     np.testing.assert_array_equal(tokens, want)
     np.testing.assert_array_equal(lengths, want_lengths)
+
+
+@pytest.mark.slow
+@pytest.mark.tensorflow_only("ONNX generators are converted from TensorFlow")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generator_s_layers_share_the_step_s_key_mask_and_rows(generators, family):
+    """The loop body's layers read one key mask (built from the cache's
+    attended length, `Masks.key_length`, not from each layer's keys), their
+    matmuls read the normalized activations without a reshape to rows
+    (`matmul_rows`), and the rotation negates no input."""
+    lm, _, proto = generators[family]
+    assert lm.backbone.num_layers >= 2
+    (loop,) = [node for node in proto.graph.node if node.op_type == "Loop"]
+    body = next(a.g for a in loop.attribute if a.name == "body")
+    ops = _ops(body)
+    assert ops["Range"] == 1 and ops["Neg"] == 0, ops
+    producers = {out: node for node in body.node for out in node.output}
+    matmuls = [node for node in body.node if node.op_type == "MatMul"]
+    sources = [producers[node.input[0]].op_type for node in matmuls]
+    assert sources.count("RMSNormalization") >= 2 * lm.backbone.num_layers, sources

@@ -40,3 +40,14 @@ def narrow(x, axis: int, start, length):
     sizes = list(ops.shape(x))
     starts[axis], sizes[axis] = start, length
     return ops.slice(x, starts, sizes)
+
+
+def reorder_last(x, order):
+    """`x` with its last axis's features in `order` (a numpy int array):
+    `keras.ops.take(x, order, axis=-1)`; on PyTorch `torch.index_select`,
+    whose graph every PyTorch exporter converts (Keras's `take` traces an
+    `aten::ravel`, which torch.onnx's TorchScript exporter does not)."""
+    if _TORCH and isinstance(x, torch.Tensor):
+        indices = torch.as_tensor(order, dtype=torch.long, device=x.device)
+        return torch.index_select(x, x.dim() - 1, indices)
+    return ops.take(x, order, axis=-1)

@@ -37,6 +37,9 @@ class Masks:
             query among the cached keys (an int or scalar int32 tensor).
         segments: None or int `(B, T)`: packed sequences' ids; a query
             attends only keys of its own id.
+        key_length: None, or when decoding, how many keys the cache
+            returned (`Cache.attended_length`): computed from the index, so
+            the layers of a step share the mask built from it.
     """
 
     key_padding: Any = None
@@ -45,6 +48,7 @@ class Masks:
     sliding_window: int | None = None
     query_offset: Any = None
     segments: Any = None
+    key_length: Any = None
 
     @property
     def has_band(self) -> bool:

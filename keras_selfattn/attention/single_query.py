@@ -125,7 +125,10 @@ def single_query_attention(
     time = 0 if time_major else 1
     # Built outside the fusable step's name scope, which the fused ONNX
     # generator's rewrite reads (`tracing.FUSABLE_STEP_SCOPE`).
-    mask = _key_mask(masks, ops.shape(key)[time], time_major)
+    key_len = masks.key_length
+    if key_len is None:
+        key_len = ops.shape(key)[time]
+    mask = _key_mask(masks, key_len, time_major)
     with keras.name_scope(FUSABLE_STEP_SCOPE):
         return _core(query, key, value, mask, masks, scale, time_major, mods), None
 

@@ -100,6 +100,12 @@ class Cache:
             return writes.strided(self.tensor, key, value, index, valid)
         return writes.portable(self.tensor, key, value, index, valid)
 
+    def attended_length(self, key, index):
+        """How many keys `update` returns for new keys `key` at `index`
+        (`writes.attended_length`): an int, a scalar int32 tensor, or None
+        where it reads from the keys' shape."""
+        return writes.attended_length(self.tensor, key, index, self.checked)
+
     def update(self, key, value, index, valid=None, padding=None):
         """Writes the new positions' keys and values.
 
@@ -177,6 +183,9 @@ class TimeMajorCache(CheckedCache):
 
     def write(self, key, value, index, valid):
         return writes.in_place(self.tensor, key, value, index, valid)
+
+    def attended_length(self, key, index):
+        return ops.add(index, 1)  # `writes.time_major_attended`
 
     def update(self, key, value, index, valid=None, padding=None):
         tensor = self.write(key, value, index, valid)

@@ -189,26 +189,30 @@ def time_major_attended(cache, index):
     return cache[0][:end], cache[1][:end]
 
 
-def attended(cache, key, index, padding=None, checked: bool = False):
-    """The keys and values a call attends after writing `key` at `index`.
+def attended_length(cache, key, index, checked: bool = False):
+    """How many keys `attended` returns after writing `key` at `index`.
+
+    The layers of a model decoding one step compute it from the same index
+    and sizes, so a graph computes it once: a mask built from it (not from
+    the keys' own shape, which each layer reads from its own cache) is
+    common to the layers (`Masks.key_length`).
 
     Args:
-        cache: `(B, 2, L, G, K)`, written.
+        cache: `(B, 2, L, G, K)`.
         key: `(B, Tn, G, K)`, the keys written at `index .. index + Tn - 1`.
         index: The first new position (an int or a scalar int32 tensor).
-        padding: None, or bool `(B, L)`, False at padded positions.
-        checked: Whether the caller checked the call and keeps zeros in
-            every slot no query may attend (then nothing is clamped or
-            zeroed).
+        checked: As `attended`'s.
 
     Returns:
-        Tuple (keys `(B, Lk, G, K)`, values): those of positions `0 .. Lk
-        - 1`, with `Lk = index + Tn` where sizes may depend on `index`
-        (eager calls, TensorFlow graphs without XLA) and else `L`.
-        Positions no query of the call may attend (padded ones, and those
-        >= index + Tn) read zero, whatever the cache holds there, so their
-        values (NaN, inf) change no output.
+        `Lk` as an int or a scalar int32 tensor, or None where `attended`
+        returns all `L` positions.
     """
+    return _window(cache, key, index, checked)[0]
+
+
+def _window(cache, key, index, checked: bool):
+    """(`attended_length`, None) where the keys are cut to the positions
+    written so far, else (None, bool `(1, L)`, True at those positions)."""
     max_length = ops.shape(cache)[2]
     new_length = ops.shape(key)[1]
     if is_static(index) and is_static(new_length):
@@ -234,6 +238,30 @@ def attended(cache, key, index, padding=None, checked: bool = False):
     else:
         positions = masks.positions(max_length)
         visible = ops.expand_dims(ops.less(positions, end), 0)
+    return length, visible
+
+
+def attended(cache, key, index, padding=None, checked: bool = False):
+    """The keys and values a call attends after writing `key` at `index`.
+
+    Args:
+        cache: `(B, 2, L, G, K)`, written.
+        key: `(B, Tn, G, K)`, the keys written at `index .. index + Tn - 1`.
+        index: The first new position (an int or a scalar int32 tensor).
+        padding: None, or bool `(B, L)`, False at padded positions.
+        checked: Whether the caller checked the call and keeps zeros in
+            every slot no query may attend (then nothing is clamped or
+            zeroed).
+
+    Returns:
+        Tuple (keys `(B, Lk, G, K)`, values): those of positions `0 .. Lk
+        - 1`, with `Lk = index + Tn` where sizes may depend on `index`
+        (eager calls, TensorFlow graphs without XLA) and else `L`.
+        Positions no query of the call may attend (padded ones, and those
+        >= index + Tn) read zero, whatever the cache holds there, so their
+        values (NaN, inf) change no output.
+    """
+    length, visible = _window(cache, key, index, checked)
     keys, values = cache[:, 0, :length], cache[:, 1, :length]
     if checked:
         # The caller's caches read zero wherever no query may attend.
