@@ -162,8 +162,14 @@ def test_a_step_core_becomes_attention_with_numpy_s_numbers():
     (result,) = loop_attention.fuse_loop_attention(proto, _layer())
     assert (result.layer, result.fused, result.reason) == ("self_attention", 1, None)
     ops = _body_ops(proto)
-    assert ops["Attention"] == 1 and ops["Transpose"] == 4, ops
+    # Batch-major keys and values: reshaped to Attention's 3-D inputs (no
+    # copy of the cache), only the mask transposed.
+    assert ops["Attention"] == 1 and ops["Transpose"] == 1, ops
     assert ops["Exp"] == ops["ReduceSum"] == 0, ops
+    body = proto.graph.node[0].attribute[0].g
+    (attention,) = [n for n in body.node if n.op_type == "Attention"]
+    heads = {a.name: a.i for a in attention.attribute if a.type == a.INT}
+    assert heads == {"q_num_heads": HEADS, "kv_num_heads": KV_HEADS}, heads
     np.testing.assert_allclose(
         _run(proto, feed), _expected(feed, scale), rtol=1e-5, atol=1e-5
     )

@@ -411,9 +411,14 @@ def _rewritten(
         rounded = options["int4_inputs"] == INT4_INPUTS[1]
         proto, _ = integer.rewrite(proto, target.quantized, rounded)
     if looped:  # last: each pass above writes per-layer nodes too
-        from keras_selfattn.export.formats.onnx import common_nodes, matmul_rows
+        from keras_selfattn.export.formats.onnx import (
+            common_nodes,
+            matmul_rows,
+            squeeze_reshape,
+        )
 
         matmul_rows.read_rows_in_place(proto)
+        squeeze_reshape.skip_squeezes(proto)
         common_nodes.merge(proto)
     return proto
 

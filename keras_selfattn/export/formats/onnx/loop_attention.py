@@ -8,17 +8,13 @@ step core shares the prefix ".../<layer scope>/fusable_step_core/".
 `fuse_loop_attention` groups each `Loop` body's nodes by that prefix,
 checks each group (`step_core.analyse`: its inputs, its ops, and what it
 computes on random inputs, against the layer's attention) and replaces a
-group that passes by
-
-    Transpose(Reshape(query)), Transpose(keys), Transpose(values),
-    Transpose(mask) -> Attention(scale, softcap; the key/value heads
-    shared by their query heads' group)
-
-(the Reshape takes a query passed as (B, H, K) or (B, 1, H, K) to the
-latter) about 6 kernels per layer and token where tf2onnx's form runs
-about 30
-(the transposes of the cache copy it once per layer and step, as reading
-it does). A group that fails a check keeps its decomposed form; each
+group that passes by ONNX's Attention op (scale, softcap; the key/value
+heads shared by their query heads' group, `step_core.replacement`): for a
+batch-major cache, of reshapes of the query, the keys and the values to
+(B, time, heads * D) and the mask transposed; for a time-major one, of
+transposes to (B, heads, time, D). About 5 kernels per layer and token
+where tf2onnx's form runs about 30.
+A group that fails a check keeps its decomposed form; each
 layer's outcome is logged on this module's logger at INFO ("layer 'x':
 fused ..." or "layer 'x': not fused (reason)") and returned as
 `fused.LayerFusion`s.
