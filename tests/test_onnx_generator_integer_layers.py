@@ -191,8 +191,10 @@ def test_generator_runs_integer_kernels_in_its_loop(exported):
     body = _loop_body(proto)
     nested = [op for graph in _subgraphs(body) for op in _ops(graph)]
     if mode == "int4":
-        assert _ops(body).count("MatMulNBits") == len(dense) + 1
-        assert _ops(proto.graph).count("MatMulNBits") == len(dense) + 1
+        for graph in (body, proto.graph):
+            assert len(_nbits_layers(graph)) == len(dense) + 1
+            # query, key and value read one input: one node, packed.
+            assert _ops(graph).count("MatMulNBits") == len(dense) + 1 - 2
         assert not set(UNPACKING) & set(_ops(body) + nested)
     else:
         assert len(_int8_layers(body)) == len(dense) + 1
@@ -252,12 +254,24 @@ def test_generator_gives_the_quantized_models_tokens(exported):
         np.testing.assert_array_equal(lengths, np.full(3, steps))
 
 
-def _accuracy_levels(graph) -> list[int]:
-    """The `accuracy_level` of each `MatMulNBits` in `graph`."""
+def _nbits_layers(graph) -> list:
+    """Each layer `graph` computes on `MatMulNBits`: the node, once per
+    layer (layers reading one input share a node, `packed_matmuls`, whose
+    output a `Split` gives each of them)."""
+    splits = {n.input[0]: len(n.output) for n in graph.node if n.op_type == "Split"}
     return [
-        a.i
+        node
         for node in graph.node
         if node.op_type == "MatMulNBits"
+        for _ in range(splits.get(node.output[0], 1))
+    ]
+
+
+def _accuracy_levels(graph) -> list[int]:
+    """The `accuracy_level` of each layer computed on `MatMulNBits`."""
+    return [
+        a.i
+        for node in _nbits_layers(graph)
         for a in node.attribute
         if a.name == "accuracy_level"
     ]

@@ -414,12 +414,14 @@ def _rewritten(
         from keras_selfattn.export.formats.onnx import (
             common_nodes,
             matmul_rows,
+            packed_matmuls,
             squeeze_reshape,
         )
 
         matmul_rows.read_rows_in_place(proto)
         squeeze_reshape.skip_squeezes(proto)
         common_nodes.merge(proto)
+        packed_matmuls.pack(proto)  # of layers reading one (merged) input
     return proto
 
 
