@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnxruntime
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from keras_selfattn.export.formats.onnx import matmul_rows
@@ -87,21 +88,20 @@ def test_a_matmul_of_normalized_rows_reads_them_in_place():
     np.testing.assert_allclose(after, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_rows_of_heads_are_not_read_in_place():
-    # (B, T, 4, 2) reshaped to rows of K = 8: the last dim is 2, not K.
+@pytest.mark.parametrize(
+    "source_nodes, source",
+    [
+        # (B, T, 4, 2) reshaped to rows of K = 8: the last dim is 2, not K.
+        ([helper.make_node("Reshape", ["x", "heads_shape"], ["heads"])], "heads"),
+        # An Identity of the input: its last dim is not known here.
+        ([helper.make_node("Identity", ["x"], ["same"])], "same"),
+    ],
+    ids=["heads", "unknown"],
+)
+def test_rows_of_another_last_dim_are_not_read_in_place(source_nodes, source):
     proto = _model(
-        [helper.make_node("Reshape", ["x", "heads_shape"], ["heads"])],
-        "heads",
-        [helper.make_node("Reshape", ["product", "out_shape"], ["y"])],
-    )
-    assert matmul_rows.read_rows_in_place(proto) == 0
-    assert _matmul_input(proto) == "rows"
-
-
-def test_an_input_of_unknown_last_dim_is_not_read_in_place():
-    proto = _model(
-        [helper.make_node("Identity", ["x"], ["same"])],
-        "same",
+        source_nodes,
+        source,
         [helper.make_node("Reshape", ["product", "out_shape"], ["y"])],
     )
     assert matmul_rows.read_rows_in_place(proto) == 0

@@ -6,7 +6,7 @@ import collections
 import contextlib
 import contextvars
 import heapq
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import onnx
 from onnx import numpy_helper
@@ -205,3 +205,25 @@ def prune_dead(graph: onnx.GraphProto) -> int:
     del graph.value_info[:]
     graph.value_info.extend(kept_info)
     return removed
+
+
+def rewrite_with_bodies(
+    proto: onnx.ModelProto,
+    rewrite: Callable[[onnx.GraphProto, onnx.GraphProto], int],
+) -> int:
+    """Runs `rewrite(graph, main graph)` on `proto`'s main graph, then on
+    each of its `Loop` bodies, and prunes the dead nodes of each graph it
+    changed (a body first: the main graph's values it read count as read);
+    returns the sum of `rewrite`'s counts."""
+    graph = proto.graph
+    count = rewrite(graph, graph)
+    for node in graph.node:
+        if node.op_type == "Loop":
+            body = next(a.g for a in node.attribute if a.name == "body")
+            rewritten = rewrite(body, graph)
+            if rewritten:
+                prune_dead(body)
+            count += rewritten
+    if count:
+        prune_dead(graph)
+    return count

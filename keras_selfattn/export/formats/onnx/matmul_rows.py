@@ -46,19 +46,12 @@ _SMALL = 16  # constants read for their values (a reshape's shape)
 def read_rows_in_place(proto: onnx.ModelProto) -> int:
     """Rewrites the matmuls of `proto`'s main graph and `Loop` bodies that
     read a reshape to rows (module docstring); returns how many."""
-    graph = proto.graph
-    constants = _Constants(graph)
-    count = _rewrite(graph, constants)
-    for node in graph.node:
-        if node.op_type == "Loop":
-            body = next(a.g for a in node.attribute if a.name == "body")
-            rewritten = _rewrite(body, constants.with_graph(body))
-            if rewritten:  # the body's reshapes, before what they read
-                graph_lib.prune_dead(body)
-            count += rewritten
-    if count:
-        graph_lib.prune_dead(graph)
-    return count
+    return graph_lib.rewrite_with_bodies(proto, _rewrite_graph)
+
+
+def _rewrite_graph(graph: onnx.GraphProto, main: onnx.GraphProto) -> int:
+    constants = _Constants(main)
+    return _rewrite(graph, constants if graph is main else constants.with_graph(graph))
 
 
 class _Constants:

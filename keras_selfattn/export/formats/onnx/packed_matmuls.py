@@ -4,13 +4,14 @@ A Llama layer's query, key and value projections read one normalized
 input, and so do its feed-forward's gate and up projections. Written as
 one `MatMulNBits` each (`integer`), each quantizes that input again (at
 `accuracy_level` 4) and waits on the thread pool once more, every token.
-onnxruntime-genai's builder packs them; `pack` does likewise in a
-generator's graphs: the layers' codes, scales and zero points (each laid
-out by output row) are stacked into one layer's, and a `Split` along the
-last axis gives each layer's output back. Every output column is computed
-from its own rows as before, so the values are the same (`tests/` checks
-them bit for bit); the integers are stored once, in the main graph, for
-the prompt pass and the loop body alike (packed where both read them).
+onnxruntime-genai's builder packs query, key and value; `pack` packs
+every such set in a generator's graphs: the layers' codes, scales and zero
+points (each laid out by output row) are stacked into one layer's, and a
+`Split` along the last axis gives each layer's output back. Every output
+column is computed from its own rows as before, so the values are the
+same (`tests/test_onnx_packed_matmuls.py` checks them bit for bit); the
+integers are stored once, in the main graph, for the prompt pass and the
+loop body alike (packed where both read them).
 
 Layers are packed only where they agree on everything but their output
 size: the input, K, bits, block size, accuracy level and inputs (codes,
@@ -36,17 +37,11 @@ def pack(proto: onnx.ModelProto) -> int:
     """Packs the `MatMulNBits` nodes of `proto`'s main graph and `Loop`
     bodies that read one input (module docstring); returns how many nodes
     now do the work of more."""
-    graph = proto.graph
-    stored = {tensor.name: tensor for tensor in graph.initializer}
+    stored = {tensor.name: tensor for tensor in proto.graph.initializer}
     packed: dict[tuple[str, ...], list[str]] = {}
-    count = _pack_graph(graph, graph, stored, packed)
-    for node in graph.node:
-        if node.op_type == "Loop":
-            body = next(a.g for a in node.attribute if a.name == "body")
-            count += _pack_graph(body, graph, stored, packed)
-    if count:
-        graph_lib.prune_dead(graph)
-    return count
+    return graph_lib.rewrite_with_bodies(
+        proto, lambda graph, main: _pack_graph(graph, main, stored, packed)
+    )
 
 
 def _attributes(node: onnx.NodeProto) -> dict:

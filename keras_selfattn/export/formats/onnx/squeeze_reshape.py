@@ -24,18 +24,9 @@ from keras_selfattn.export.formats.onnx import graph as graph_lib
 def skip_squeezes(proto: onnx.ModelProto) -> int:
     """Rewrites the reshapes of squeezes in `proto`'s main graph and `Loop`
     bodies (module docstring); returns how many."""
-    graph = proto.graph
-    count = _rewrite(graph, [graph])
-    for node in graph.node:
-        if node.op_type == "Loop":
-            body = next(a.g for a in node.attribute if a.name == "body")
-            rewritten = _rewrite(body, [body, graph])
-            if rewritten:  # the body's squeezes, before what they read
-                graph_lib.prune_dead(body)
-            count += rewritten
-    if count:
-        graph_lib.prune_dead(graph)
-    return count
+    return graph_lib.rewrite_with_bodies(
+        proto, lambda graph, main: _rewrite(graph, [graph, main])
+    )
 
 
 def _constant(graphs: list[onnx.GraphProto], name: str) -> np.ndarray | None:
