@@ -13,7 +13,10 @@ same; TensorFlow and JAX compile their decoding loops and keep Keras's ops.
 
 from __future__ import annotations
 
+import functools
+
 import keras
+import numpy as np
 from keras import ops
 
 _TORCH = keras.backend.backend() == "torch"
@@ -42,12 +45,29 @@ def narrow(x, axis: int, start, length):
     return ops.slice(x, starts, sizes)
 
 
-def reorder_last(x, order):
-    """`x` with its last axis's features in `order` (a numpy int array):
+def constant_for(array: np.ndarray, x):
+    """`array` as a constant to combine with `x`: on PyTorch a tensor on
+    x's device, made once per device (a decoding step would otherwise copy
+    it from the host at every call); elsewhere the array itself."""
+    if _TORCH and isinstance(x, torch.Tensor):
+        return _torch_constant(array.tobytes(), array.dtype.str, array.shape, x.device)
+    return array
+
+
+if _TORCH:
+
+    @functools.cache
+    def _torch_constant(data: bytes, dtype: str, shape: tuple, device):
+        array = np.frombuffer(data, dtype).reshape(shape).copy()
+        return torch.as_tensor(array, device=device)
+
+
+def reorder_last(x, order: np.ndarray):
+    """`x` with its last axis's features in `order` (int indices):
     `keras.ops.take(x, order, axis=-1)`; on PyTorch `torch.index_select`,
     whose graph every PyTorch exporter converts (Keras's `take` traces an
     `aten::ravel`, which torch.onnx's TorchScript exporter does not)."""
     if _TORCH and isinstance(x, torch.Tensor):
-        indices = torch.as_tensor(order, dtype=torch.long, device=x.device)
+        indices = constant_for(order.astype(np.int64), x)
         return torch.index_select(x, x.dim() - 1, indices)
     return ops.take(x, order, axis=-1)

@@ -335,7 +335,8 @@ def rotate(x, layout: str, cos_sin, rotary_dim: int | None = None):
     # sines of the passing features x3 are 0.
     half = (rotary_dim or depth) // 2
     swapped = backend_ops.reorder_last(x, _swap_halves(half, depth))
-    signed_sin = ops.multiply(sin, _first_half_negated(half, depth))
+    signs = backend_ops.constant_for(_first_half_negated(half, depth), sin)
+    signed_sin = ops.multiply(sin, signs)
     out = ops.add(ops.multiply(x, cos), ops.multiply(swapped, signed_sin))
     return ops.cast(out, keras.backend.standardize_dtype(dtype))
 
