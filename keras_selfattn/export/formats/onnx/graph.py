@@ -104,6 +104,31 @@ def constant_value(graph: onnx.GraphProto, name: str):
     return None
 
 
+class ScopedConstants:
+    """The constant tensors a `Loop` body sees (its own, then the graphs
+    around it), read on demand: name -> numpy value."""
+
+    def __init__(self, graphs: list[onnx.GraphProto]):
+        self._graphs = graphs  # innermost first
+        self._values: dict = {}
+
+    def get(self, name: str):
+        """`name`'s value, or None where it is not a constant."""
+        if name not in self._values:
+            found = (constant_value(graph, name) for graph in self._graphs)
+            self._values[name] = next((v for v in found if v is not None), None)
+        return self._values[name]
+
+    def __contains__(self, name: str) -> bool:
+        return self.get(name) is not None
+
+    def __getitem__(self, name: str):
+        value = self.get(name)
+        if value is None:
+            raise KeyError(name)
+        return value
+
+
 def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     """Tensor name -> inferred type (shape inference on a copy of `model`)."""
     inferred = onnx.shape_inference.infer_shapes(model)

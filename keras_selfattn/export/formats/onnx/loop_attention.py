@@ -43,30 +43,6 @@ logger = logging.getLogger(__name__)
 _MARKER = f"/{FUSABLE_STEP_SCOPE}/"
 
 
-class _Constants:
-    """The constant tensors a `Loop` body sees (its own, then the graphs
-    around it), read on demand: name -> numpy value."""
-
-    def __init__(self, graphs: list[onnx.GraphProto]):
-        self._graphs = graphs  # innermost first
-        self._values: dict = {}
-
-    def _value(self, name: str):
-        if name not in self._values:
-            found = (og.constant_value(graph, name) for graph in self._graphs)
-            self._values[name] = next((v for v in found if v is not None), None)
-        return self._values[name]
-
-    def __contains__(self, name: str) -> bool:
-        return self._value(name) is not None
-
-    def __getitem__(self, name: str):
-        value = self._value(name)
-        if value is None:
-            raise KeyError(name)
-        return value
-
-
 def _elem_types(proto: onnx.ModelProto) -> dict[str, int]:
     """Tensor name -> element type, in the main graph and its `Loop` bodies
     (onnx's shape inference on a copy)."""
@@ -83,7 +59,7 @@ def _elem_types(proto: onnx.ModelProto) -> dict[str, int]:
 
 def _fuse_body(body, outer, proto, layers, types, counts, reasons) -> None:
     """Replaces `body`'s recognised step cores; counts them by layer."""
-    constants = _Constants([body, outer])
+    constants = og.ScopedConstants([body, outer])
     readers = og.consumers(body)
     cores = {}
     for prefix, nodes in fused.scope_groups(body, _MARKER).items():

@@ -25,17 +25,12 @@ def skip_squeezes(proto: onnx.ModelProto) -> int:
     """Rewrites the reshapes of squeezes in `proto`'s main graph and `Loop`
     bodies (module docstring); returns how many."""
     return graph_lib.rewrite_with_bodies(
-        proto, lambda graph, main: _rewrite(graph, [graph, main])
+        proto,
+        lambda graph, main: _rewrite(graph, graph_lib.ScopedConstants([graph, main])),
     )
 
 
-def _constant(graphs: list[onnx.GraphProto], name: str) -> np.ndarray | None:
-    """A constant's value from the innermost graph that holds it."""
-    found = (graph_lib.constant_value(graph, name) for graph in graphs)
-    return next((value for value in found if value is not None), None)
-
-
-def _rewrite(graph: onnx.GraphProto, graphs: list[onnx.GraphProto]) -> int:
+def _rewrite(graph: onnx.GraphProto, constants: graph_lib.ScopedConstants) -> int:
     producers = {out: node for node in graph.node for out in node.output}
     count = 0
     for node in graph.node:
@@ -46,8 +41,8 @@ def _rewrite(graph: onnx.GraphProto, graphs: list[onnx.GraphProto]) -> int:
         squeeze = producers.get(node.input[0])
         if squeeze is None or squeeze.op_type != "Squeeze" or len(squeeze.input) < 2:
             continue
-        axes = _constant(graphs, squeeze.input[1])
-        shape = _constant(graphs, node.input[1])
+        axes = constants.get(squeeze.input[1])
+        shape = constants.get(node.input[1])
         if axes is None or shape is None or axes.size == 0 or (axes < 0).any():
             continue
         copied = np.flatnonzero(np.asarray(shape) == 0)
