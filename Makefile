@@ -119,9 +119,11 @@ bench-peers: install
 
 # keras-hub Llamas past 2 GiB (benchmarks/real_size.py): converted,
 # generating and exported to every generator format, peak memory and time
-# per step. ONNX and SavedModel took 11.4 and 10.5 GiB at 0.6 B, LiteRT past
-# 22 GiB (stopped); tens of minutes. Not in `make bench`
-# or CI. REAL_SIZE_MODEL: llama-0.6b, llama-3.2-1b or tiny.
+# per step. With TF_ENABLE_ONEDNN_OPTS=0, each format took 6.1-6.4 GiB
+# and about 2 minutes a step at 0.6 B, 13.0-13.1 GiB at 1.24 B (2-core
+# Intel Xeon, 2026-12-03; docs/export.md); about 15 minutes for all the
+# steps of one model. Not in `make bench` or CI.
+# REAL_SIZE_MODEL: llama-0.6b, llama-3.2-1b or tiny.
 REAL_SIZE_MODEL ?= llama-0.6b
 bench-real-size: install
 	$(PY) -m benchmarks.real_size --model $(REAL_SIZE_MODEL)

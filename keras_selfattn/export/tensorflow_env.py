@@ -18,11 +18,16 @@ on with one arena and 3.38 off with one arena, in the same time (Intel
 Xeon, 2026-12-01). Before the markers, oneDNN's ops on had peaked lower
 (16.10 GiB against 18.25 off at 0.59 B; 7.41 and 7.45 GiB, one way and the
 other, at 0.81 GiB of weights).
+
+The caller's own process is the caller's: `export_generator` warns there
+(`onednn_memory_warning`) when it exports a large model on TensorFlow
+with oneDNN's ops on, and says how to turn them off.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 
 ONEDNN = "TF_ENABLE_ONEDNN_OPTS"
 # The converter folds constants by running TensorFlow's kernels on them
@@ -34,6 +39,12 @@ MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_"
 MMAP_BYTES = 2**20
 # glibc's malloc arenas: one, shared by the converter's threads.
 ARENA_MAX = "MALLOC_ARENA_MAX"
+# Weights from which a generator export in a process with oneDNN's ops on
+# warns of their allocator: at 0.59 B parameters (2.21 GiB) the SavedModel
+# generator's export took 3.3x the weights (the default conversion) to 4.2x
+# (a copy, the original dropped) with them on, 2.9x off (Intel Xeon,
+# 2026-12-03; docs/export.md).
+LARGE_WEIGHT_BYTES = 2**30
 
 
 def writer_env(**variables: str) -> dict[str, str]:
@@ -54,3 +65,28 @@ def converter_env(**variables: str) -> dict[str, str]:
         ARENA_MAX: "1",
         **variables,
     }
+
+
+def onednn_memory_warning(weight_bytes: int, backend: str) -> str | None:
+    """What exporting `weight_bytes` of weights from a `backend` process
+    costs with TensorFlow's oneDNN ops on (its default on x86 Linux, where
+    `TF_ENABLE_ONEDNN_OPTS` is not "0"), or None where they are off or the
+    model is under `LARGE_WEIGHT_BYTES`. On JAX and PyTorch the TensorFlow
+    process that writes the generator sets them off itself (`writer_env`)."""
+    setting = os.environ.get(ONEDNN)
+    if (
+        weight_bytes < LARGE_WEIGHT_BYTES
+        or backend != "tensorflow"
+        or setting == "0"
+        or platform.system() != "Linux"
+        or platform.machine().lower() not in ("x86_64", "amd64")
+    ):
+        return None
+    return (
+        f"TensorFlow's oneDNN ops are on in this process ({ONEDNN}="
+        f"{setting if setting is not None else 'unset'}): their allocator keeps "
+        "the memory the process frees, so exporting this model "
+        f"({weight_bytes / 2**30:.2f} GiB of weights) may take 3.3 to 4.2 times "
+        f"its weights resident; set {ONEDNN}=0 before TensorFlow is imported "
+        'for about 2.9 times (docs/export.md, "Large models")'
+    )

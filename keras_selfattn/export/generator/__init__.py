@@ -62,11 +62,12 @@ import contextlib
 import dataclasses
 import logging
 import os
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 
 import keras
 
-from keras_selfattn.export import formats, pipeline
+from keras_selfattn.export import formats, pipeline, tensorflow_env
 from keras_selfattn.export.decode_step.graph import refuse_quantized
 from keras_selfattn.export.generator import _writer
 from keras_selfattn.export.generator.check import (
@@ -106,6 +107,10 @@ def export_generator(
     check: bool = True,
 ) -> str:
     """Exports `model`'s whole generation as one call (module docstring).
+
+    A model of 1 GiB of weights or more, exported on TensorFlow with its
+    oneDNN ops on (TensorFlow's default on x86 Linux), warns that their
+    allocator makes the export need more memory, and how to turn them off.
 
     Args:
         model: A token model (integer input, logits out) or a value model
@@ -172,6 +177,11 @@ def export_generator(
         "int4_inputs": int4_inputs,
     }
     exported = GeneratorExport(model, max_length, jit_compile, options)
+    note = tensorflow_env.onednn_memory_warning(
+        formats.model_weight_bytes(model), keras.backend.backend()
+    )
+    if note is not None:
+        warnings.warn(note, stacklevel=2)
     with decode_check.waived(not check):
         return pipeline.export(exported, {export_format: path}, check)[export_format]
 
