@@ -46,12 +46,13 @@ _SMALL = 16  # constants read for their values (a reshape's shape)
 def read_rows_in_place(proto: onnx.ModelProto) -> int:
     """Rewrites the matmuls of `proto`'s main graph and `Loop` bodies that
     read a reshape to rows (module docstring); returns how many."""
-    return graph_lib.rewrite_with_bodies(proto, _rewrite_graph)
-
-
-def _rewrite_graph(graph: onnx.GraphProto, main: onnx.GraphProto) -> int:
-    constants = _Constants(main)
-    return _rewrite(graph, constants if graph is main else constants.with_graph(graph))
+    outer = _Constants(proto.graph)  # read once, for the bodies too
+    return graph_lib.rewrite_with_bodies(
+        proto,
+        lambda graph, main: _rewrite(
+            graph, outer if graph is main else outer.with_graph(graph)
+        ),
+    )
 
 
 class _Constants:
